@@ -1,0 +1,57 @@
+"""Engine settings, as the `LLM` constructor and the CLI take them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2; a checkpoint dir; a .gguf; "random:<config.json>"
+    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's half type (or bf16) on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes for the KV pool; default 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default 2048 on CPU, 8192 on CUDA
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_backend: str = "auto"  # auto | triton | reference
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size} must be a power of two in [1, 128]")
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(_DTYPES)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16) if checkpoint_dtype in (
+            "float16", "bfloat16") else torch.bfloat16
+
+    def batched_tokens(self, device: torch.device) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device.type == "cuda" else 2048

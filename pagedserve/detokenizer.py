@@ -1,0 +1,54 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Decoding restarts from a few tokens before the new ones so that tokenizers which drop a leading
+# space at the start of a decode (SentencePiece) still produce it.
+_CONTEXT_TOKENS = 5
+
+
+@dataclass
+class _State:
+    prefix_offset: int
+    read_offset: int
+    text: str = ""
+
+
+class Detokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[int, _State] = {}
+
+    def text(self, seq_id: int) -> str:
+        state = self._states.get(seq_id)
+        return state.text if state else ""
+
+    def update(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool,
+               stop: list[str]) -> bool:
+        """Decode what is new in `token_ids`; True if a stop string ended the text (it is cut off)."""
+        if self.tokenizer is None:
+            return False
+        state = self._states.get(seq_id)
+        if state is None:
+            state = self._states[seq_id] = _State(max(0, num_prompt_tokens - _CONTEXT_TOKENS), num_prompt_tokens)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        prefix_text = decode(token_ids[state.prefix_offset:state.read_offset])
+        new_text = decode(token_ids[state.prefix_offset:])
+        # A trailing U+FFFD is an unfinished multi-byte character: wait for the next token.
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return False
+        delta = new_text[len(prefix_text):]
+        state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+        old_len = len(state.text)
+        state.text += delta
+        if stop:
+            hits = [i for s in stop if (i := state.text.find(s, max(0, old_len - len(s) + 1))) != -1]
+            if hits:
+                state.text = state.text[: min(hits)]
+                return True
+        return False
+
+    def release(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)

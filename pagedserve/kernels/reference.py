@@ -1,0 +1,87 @@
+"""Plain-torch paged KV write and paged attention: the CPU path and the oracle for the Triton kernels.
+
+KV pool layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V);
+slot = block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value [T, Hkv, D] into kv_cache [2, N, B, Hkv, D] at slot_mapping [T] (-1: skip)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat[0].index_copy_(0, slots, key[keep].to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, value[keep].to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each row's new queries over its paged context.
+
+    query [T, Hq, D]; cu_seqlens_q [R + 1]; context_lens [R] (cached prefix + new tokens);
+    block_tables [R, max_blocks] (entries past a row's length are ignored). Row r's query i
+    sits at position context_len - num_q + i and sees keys 0..that position (causal among the
+    new tokens, full over the prefix). Returns [T, Hq, D] in query's dtype.
+    """
+    out = torch.empty_like(query)
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    q_lens = [cu[r + 1] - cu[r] for r in range(len(lens))]
+    decode_rows = [r for r, n in enumerate(q_lens) if n == 1]
+    if len(decode_rows) > 1:
+        _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out)
+        decode_set = set(decode_rows)
+    else:
+        decode_set = set()
+    for r, num_q in enumerate(q_lens):
+        if r in decode_set or num_q == 0:
+            continue
+        k, v = gather_kv(kv_cache, block_tables[r], lens[r])  # [L, Hkv, D] each
+        q = query[cu[r]:cu[r + 1]].transpose(0, 1)  # [Hq, nq, D]
+        start = lens[r] - num_q
+        mask = (torch.arange(lens[r], device=query.device)[None, :]
+                <= start + torch.arange(num_q, device=query.device)[:, None])  # [nq, L]
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
+    return out
+
+
+def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out) -> None:
+    """One batched SDPA for all single-token rows: gather padded K/V and mask by length."""
+    block_size = kv_cache.shape[2]
+    max_len = max(lens[r] for r in rows)
+    num_blocks = -(-max_len // block_size)
+    idx = torch.tensor(rows, device=query.device)
+    tables = block_tables[idx, :num_blocks].clamp(min=0)  # [R, nb]; padding points at block 0, masked
+    k = kv_cache[0][tables].flatten(1, 2)[:, :max_len]  # [R, max_len, Hkv, D]
+    v = kv_cache[1][tables].flatten(1, 2)[:, :max_len]
+    token_idx = torch.tensor([cu[r] for r in rows], device=query.device)
+    q = query[token_idx].unsqueeze(2)  # [R, Hq, 1, D]
+    row_lens = torch.tensor([lens[r] for r in rows], device=query.device)
+    mask = (torch.arange(max_len, device=query.device)[None, :] < row_lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    out[token_idx] = o.squeeze(2)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [length, Hkv, D] of one sequence, read through its block table."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table[: -(-length // block_size)]
+    k = kv_cache[0][blocks].flatten(0, 1)[:length]
+    v = kv_cache[1][blocks].flatten(0, 1)[:length]
+    return k, v

@@ -1,0 +1,57 @@
+"""Plain data passed from the scheduler to the workers and back. No tensors, no devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleSpec:
+    """Draw `num_samples` tokens from the logits of `row`'s last query token."""
+
+    seq_id: int
+    row: int
+    num_samples: int
+    # Seeded requests derive each draw's generator from (seed, sample_index + i,
+    # output_len): the draw does not depend on batch composition or preemption.
+    sample_index: int
+    output_len: int
+    params: SamplingParams
+    # Only sent when the request uses penalties (they need the whole history).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+
+@dataclass
+class StepBatch:
+    """One forward step. Row i computes query tokens input_ids[cu_seqlens_q[i]:cu_seqlens_q[i+1]],
+    the last of which sits at position context_lens[i] - 1 of its sequence."""
+
+    input_ids: list[int]
+    cu_seqlens_q: list[int]  # [num_rows + 1]
+    context_lens: list[int]  # [num_rows]: tokens in the KV cache once this step's are written
+    block_tables: list[list[int]]  # [num_rows][blocks covering context_lens[i]]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
+    samples: list[SampleSpec] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class SampledTokens:
+    token_ids: list[int]  # [num_samples]
+    logprobs: list[float] | None = None  # logprob of each sampled token
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per sample: the top-k (id, logprob)
+
+
+@dataclass
+class StepOutput:
+    samples: list[SampledTokens]  # aligned with StepBatch.samples

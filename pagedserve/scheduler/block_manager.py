@@ -1,0 +1,133 @@
+"""Which blocks each sequence owns: prefix-cache hits, slot allocation, copy-on-write, fork."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence as Seq
+
+import xxhash
+
+from pagedserve.scheduler.block_pool import BlockPool
+from pagedserve.scheduler.request import Sequence
+
+_ROOT = b"pagedserve-root\x00"  # stands in for the parent hash of a sequence's first block
+
+
+def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
+    """Chained xxh64: a block's hash covers every token before it, not just its own."""
+    prefix = _ROOT if parent_hash is None else parent_hash.to_bytes(8, "little")
+    return xxhash.xxh64_intdigest(prefix + array("q", token_ids).tobytes())
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Longest cached prefix of a sequence that holds no blocks, without taking it.
+
+        Stops before the block holding the last token: that token must be computed
+        for its logits, and a full cached block is never written again.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        block_ids: list[int] = []
+        hashes: list[int] = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(parent, tokens)
+            block_id = self.pool.lookup(h, parent, tokens)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(h)
+            parent = h
+        return block_ids, hashes
+
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        computed_hashes: list[int] | None = None,
+    ) -> list[tuple[int, int]] | None:
+        """Make the block table cover `num_new_tokens` more tokens.
+
+        `computed_blocks` (from `get_computed_blocks`) are attached first. Returns the
+        (src, dst) block copies the worker must do before writing, or None when the pool
+        is short, in which case nothing changed.
+        """
+        computed_blocks = computed_blocks or []
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        table_len = len(seq.block_table) + len(computed_blocks)
+        needed = self.blocks_for(num_computed + num_new_tokens) - table_len
+        # The block the first new token lands in is shared after a fork: copy it first.
+        write_idx = num_computed // bs
+        cow = write_idx < len(seq.block_table) and self.pool.ref_count(seq.block_table[write_idx]) > 1
+        revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        if max(needed, 0) + cow > self.pool.num_free_blocks - revived:
+            return None
+
+        if seq.block_table == [] and seq.num_computed_tokens == 0 and self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * bs
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            seq.block_table.extend(computed_blocks)
+            seq.block_hashes.extend(computed_hashes or [])
+            seq.num_computed_tokens = num_computed
+        copies = []
+        if cow:
+            src = seq.block_table[write_idx]
+            dst = self.pool.allocate().block_id
+            self.pool.free([src])
+            seq.block_table[write_idx] = dst
+            copies.append((src, dst))
+        for _ in range(needed):
+            seq.block_table.append(self.pool.allocate().block_id)
+        return copies
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full and computed in the last step."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(parent, tokens)
+            if self.enable_prefix_caching:
+                self.pool.cache(seq.block_table[i], h, parent, tokens)
+            seq.block_hashes.append(h)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; writes copy on demand."""
+        self.pool.touch(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks; tail blocks first so they are evicted first."""
+        self.pool.free(reversed(seq.block_table))
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,123 @@
+"""The pool of KV blocks: ref counts, the prefix-cache hash table and the LRU free queue.
+
+This is mechanism only; `BlockManager` decides which blocks a sequence gets.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Set once the block is full and its K/V are computed; kept after the block is
+    # freed so a later request with the same prefix can revive it.
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockPool:
+    """Fixed set of `num_blocks` blocks. All operations are O(1) per block."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Unreferenced blocks, least recently freed first. An OrderedDict gives O(1)
+        # removal from the middle when a cached free block is hit.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def allocate(self) -> Block:
+        """Take the least recently freed block; evict its cached hash only now."""
+        if not self._free:
+            raise RuntimeError("no free KV blocks")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        self._evict(block)
+        block.ref_count = 1
+        return block
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block (prefix-cache hit or fork); revives free ones."""
+        for block_id in block_ids:
+            block = self._get(block_id)
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; unreferenced ones join the free queue's tail."""
+        for block_id in block_ids:
+            block = self._get(block_id)
+            if block.ref_count <= 0:
+                raise ValueError(f"double free of KV block {block_id} (ref count is already 0)")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
+        """Cached block holding exactly these tokens after this parent, or None.
+
+        The hash only finds a candidate; comparing tokens and parent rules out collisions.
+        """
+        block_id = self._cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None
+        return block_id
+
+    def cache(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
+        """Register a full, computed block under its hash (first writer wins on duplicates)."""
+        block = self._get(block_id)
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block_id
+
+    def ref_count(self, block_id: int) -> int:
+        return self._get(block_id).ref_count
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._get(block_id).block_hash is not None
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            block.parent_hash = None
+            block.token_ids = ()
+
+    def _get(self, block_id: int) -> Block:
+        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"KV block id {block_id!r} is out of range [0, {self.num_blocks})")
+        return self.blocks[block_id]
+
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is consistent (used by tests)."""
+        free = set(self._free)
+        assert len(free) == len(self._free)
+        used = {b.block_id for b in self.blocks if b.ref_count > 0}
+        assert all(b.ref_count >= 0 for b in self.blocks), "negative ref count"
+        assert not (free & used), "block both free and referenced"
+        assert len(free) + len(used) == self.num_blocks, "free + used != total"
+        for h, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == h

@@ -1,0 +1,230 @@
+"""Continuous batching: each step, running sequences first, then waiting ones fill the token budget."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.request import Request, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)]:
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._seq_ids = itertools.count()
+        self._scheduled: list[tuple[Sequence, int]] = []
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError if it can never run."""
+        self.check_admissible(request)
+        seq = Sequence(next(self._seq_ids), request, list(request.prompt_token_ids), sample_index=0)
+        request.sequences.append(seq)
+        self.requests[request.request_id] = request
+        self.waiting.append(seq)
+
+    def check_admissible(self, request: Request) -> None:
+        """Raise ValueError naming the field if the request can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt > self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt} tokens, more than max_model_len={self.max_model_len}")
+        total = num_prompt + request.params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={request.params.max_tokens} with a {num_prompt}-token prompt needs {total} "
+                f"positions, more than max_model_len={self.max_model_len}")
+        # One sequence must fit the pool on its own; preemption makes room for it then.
+        needed = self.block_manager.blocks_for(total)
+        if needed > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"max_tokens={request.params.max_tokens} with a {num_prompt}-token prompt needs {needed} KV "
+                f"blocks, more than the pool's {self.block_manager.num_total_blocks}: the request can never fit")
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request now and free its blocks. Unknown ids are ignored (it may have just ended)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.finished:
+                self.finish(seq, "abort")
+        return request
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.request.finished:
+            del self.requests[seq.request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> StepBatch | None:
+        """Pick this step's rows and blocks. None when there is nothing to run."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while (seq_copies := bm.allocate_slots(seq, num_new)) is None:
+                # Out of blocks: recompute the newest request later (never deadlocks, since
+                # admission guarantees a lone sequence fits).
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq_copies is None:
+                break
+            copies.extend(seq_copies)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.max_num_seqs and len(scheduled) < self.max_num_seqs):
+            seq = self.waiting[0]
+            hit_blocks, hit_hashes = bm.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - len(hit_blocks) * bm.block_size, budget)
+            seq_copies = bm.allocate_slots(seq, num_new, hit_blocks, hit_hashes)
+            if seq_copies is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            copies.extend(seq_copies)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+
+        self._scheduled = scheduled
+        if not scheduled:
+            return None
+        return self._make_batch(scheduled, copies)
+
+    def _make_batch(self, scheduled: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> StepBatch:
+        batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], block_tables=[], block_copies=copies)
+        for row, (seq, num_new) in enumerate(scheduled):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            batch.input_ids.extend(seq.token_ids[start:end])
+            batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + num_new)
+            batch.context_lens.append(end)
+            batch.block_tables.append(list(seq.block_table))
+            if end == seq.num_tokens:  # caught up: this row's last logits give the next token
+                request = seq.request
+                params = request.params
+                with_penalties = params.needs_penalties
+                batch.samples.append(SampleSpec(
+                    seq_id=seq.seq_id,
+                    row=row,
+                    num_samples=1 if request.forked else params.n,
+                    sample_index=seq.sample_index,
+                    output_len=seq.num_output_tokens,
+                    params=params,
+                    prompt_token_ids=request.prompt_token_ids if with_penalties else None,
+                    output_token_ids=seq.output_token_ids if with_penalties else None,
+                ))
+        return batch
+
+    def update(self, batch: StepBatch, output: StepOutput) -> list[Sequence]:
+        """Apply a finished step: advance computed tokens, append samples, end finished ones.
+
+        Returns the sequences that received a token (children of a fork included).
+        """
+        bm = self.block_manager
+        by_id: dict[int, Sequence] = {}
+        for seq, num_new in self._scheduled:
+            if seq.status != SequenceStatus.RUNNING:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += num_new
+            bm.cache_full_blocks(seq)
+            by_id[seq.seq_id] = seq
+        self._scheduled = []
+
+        updated: list[Sequence] = []
+        for spec, sampled in zip(batch.samples, output.samples, strict=True):
+            seq = by_id.get(spec.seq_id)
+            if seq is None:
+                continue
+            targets = [seq]
+            request = seq.request
+            if not request.forked:
+                request.forked = True
+                for i in range(1, spec.num_samples):
+                    child = Sequence(next(self._seq_ids), request, list(seq.token_ids), sample_index=i)
+                    bm.fork(seq, child)
+                    child.status = SequenceStatus.RUNNING
+                    self.running.append(child)
+                    request.sequences.append(child)
+                    targets.append(child)
+            for j, target in enumerate(targets):
+                self._append_token(target, sampled, j)
+                updated.append(target)
+        return updated
+
+    def _append_token(self, seq: Sequence, sampled, j: int) -> None:
+        token = sampled.token_ids[j]
+        seq.token_ids.append(token)
+        if sampled.logprobs is not None:
+            seq.logprobs.append({
+                "token_id": token,
+                "logprob": sampled.logprobs[j],
+                "top_logprobs": sampled.top_logprobs[j] if sampled.top_logprobs else [],
+            })
+        params = seq.request.params
+        if not params.ignore_eos and token in seq.request.eos_token_ids:
+            self.finish(seq, "stop")
+        elif token in params.stop_token_ids:
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- numbers -------------------------------------------------------------------------
+
+    def num_running_requests(self) -> int:
+        return len({s.request.request_id for s in self.running})
+
+    def num_waiting_requests(self) -> int:
+        return len({s.request.request_id for s in self.waiting} - {s.request.request_id for s in self.running})

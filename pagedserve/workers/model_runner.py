@@ -1,0 +1,66 @@
+"""Turns a `StepBatch` into tensors, runs the model over the paged KV pool and samples."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pagedserve.scheduler.batch import StepBatch, StepOutput
+from pagedserve.workers.models.llama import AttentionContext, CausalLM
+from pagedserve.workers.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: ModuleType, block_size: int,
+                 sampler: Sampler) -> None:
+        self.model = model
+        self.kv_pool = kv_pool  # [L, 2, N, B, Hkv, D]
+        self.backend = backend
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = kv_pool.device
+        self.dynamic_rope = model.model.rope.dynamic
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepOutput:
+        if batch.block_copies:
+            src = torch.tensor([s for s, _ in batch.block_copies], dtype=torch.long, device=self.device)
+            dst = torch.tensor([d for _, d in batch.block_copies], dtype=torch.long, device=self.device)
+            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
+        input_ids, positions, ctx = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
+        if not batch.samples:
+            return StepOutput(samples=[])
+        last_token = ctx.cu_seqlens_q[1:] - 1  # [R]
+        rows = torch.tensor([s.row for s in batch.samples], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32
+        return StepOutput(samples=self.sampler(logits, batch.samples))
+
+    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """Positions and slot mapping are derived here, vectorised, not sent per token."""
+        num_rows = batch.num_rows
+        cu = torch.tensor(batch.cu_seqlens_q, dtype=torch.long)  # [R + 1]
+        q_lens = cu[1:] - cu[:-1]
+        context_lens = torch.tensor(batch.context_lens, dtype=torch.long)  # [R]
+        row_of_token = torch.repeat_interleave(torch.arange(num_rows), q_lens)  # [T]
+        offset_in_row = torch.arange(batch.num_tokens) - cu[:-1][row_of_token]
+        positions = (context_lens - q_lens)[row_of_token] + offset_in_row  # [T]
+        max_blocks = max(len(t) for t in batch.block_tables)
+        block_tables = torch.full((num_rows, max_blocks), -1, dtype=torch.long)  # [R, max_blocks]
+        for r, table in enumerate(batch.block_tables):
+            block_tables[r, : len(table)] = torch.tensor(table, dtype=torch.long)
+        bs = self.block_size
+        slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs  # [T]
+
+        dev = self.device
+        ctx = AttentionContext(
+            backend=self.backend,
+            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            cu_seqlens_q=cu.to(dev, non_blocking=True),
+            context_lens=context_lens.to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            token_seq_lens=context_lens[row_of_token].to(dev) if self.dynamic_rope else None,
+        )
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        return input_ids, positions.to(dev, non_blocking=True), ctx

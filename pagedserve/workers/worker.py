@@ -1,0 +1,97 @@
+"""One device: the model (shard), its KV pool, and `execute(StepBatch) -> StepOutput`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedserve.kernels import get_attention_backend
+from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
+from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_memory
+from pagedserve.workers.loader import ModelSource, build_model
+from pagedserve.workers.model_runner import ModelRunner
+from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device, model_config.torch_dtype)
+        self.max_model_len = max_model_len
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        self.num_blocks = self._count_blocks()
+        self.kv_pool = allocate_kv_pool(model_config, self.num_blocks, config.block_size, self.dtype,
+                                        self.device)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.backend, config.block_size, self.sampler)
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.num_blocks, config.block_size,
+                 self.kv_pool.numel() * self.kv_pool.element_size() / 2**20, self.device)
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        return self.runner.execute(batch)
+
+    def _count_blocks(self) -> int:
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.config.kv_cache_memory is not None:
+            budget = parse_memory(self.config.kv_cache_memory)
+        elif self.device.type == "cuda":
+            budget = self._cuda_budget()
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block: one block of "
+                             f"{self.config.block_size} tokens needs {per_block} bytes")
+        return num_blocks
+
+    def _cuda_budget(self) -> int:
+        """Device memory x utilization, minus what is allocated (weights) and a profiled step's peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_step()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free, _ = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes
+        budget = int(total * self.config.gpu_memory_utilization) - before - peak - used_elsewhere
+        log.info("CUDA memory: total %.1f GiB, weights %.1f GiB, activation peak %.2f GiB, KV budget %.1f GiB",
+                 total / 2**30, before / 2**30, peak / 2**30, budget / 2**30)
+        return budget
+
+    def _profile_step(self) -> None:
+        """Run the largest step the scheduler may send, on a throwaway pool, to measure activations."""
+        from pagedserve.sampling_params import SamplingParams
+
+        bs = self.config.block_size
+        tokens = self.config.batched_tokens(self.device)
+        rows = max(1, min(self.config.max_num_seqs, tokens))
+        row_len = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
+        row_len = [n for n in row_len if n > 0]
+        blocks = [-(-n // bs) for n in row_len]
+        pool = allocate_kv_pool(self.model_config, sum(blocks), bs, self.dtype, self.device)
+        tables, start = [], 0
+        for n in blocks:
+            tables.append(list(range(start, start + n)))
+            start += n
+        cu = [0]
+        for n in row_len:
+            cu.append(cu[-1] + n)
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        batch = StepBatch(input_ids=[0] * tokens, cu_seqlens_q=cu, context_lens=row_len, block_tables=tables,
+                          samples=[SampleSpec(seq_id=r, row=r, num_samples=1, sample_index=0, output_len=0,
+                                              params=greedy) for r in range(len(row_len))])
+        ModelRunner(self.model, pool, self.backend, bs, self.sampler).execute(batch)
+        torch.cuda.synchronize(self.device)
+        del pool
