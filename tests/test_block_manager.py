@@ -1,0 +1,203 @@
+"""Block pool and block manager: ref counts, prefix caching, LRU reuse, copy-on-write, invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import block_manager as bm_mod
+from pagedserve.scheduler.block_manager import BlockManager, hash_block
+from pagedserve.scheduler.block_pool import BlockPool
+from pagedserve.scheduler.request import Request, Sequence
+
+BS = 4
+
+
+def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
+    request = Request(f"r{seq_id}", list(tokens), SamplingParams(max_tokens=1))
+    return Sequence(seq_id, request, list(tokens), sample_index=0)
+
+
+def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
+    """Pretend a step computed `num_tokens` more tokens of `seq`."""
+    seq.num_computed_tokens += num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> list[tuple[int, int]] | None:
+    hit, hashes = bm.get_computed_blocks(seq)
+    return bm.allocate_slots(seq, seq.num_tokens - len(hit) * bm.block_size, hit, hashes)
+
+
+def test_pool_errors_name_the_problem():
+    pool = BlockPool(4)
+    block = pool.allocate()
+    pool.free([block.block_id])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([block.block_id])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.free([4])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.touch([-1])
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0)
+    for _ in range(4):
+        pool.allocate()
+    with pytest.raises(RuntimeError, match="no free"):
+        pool.allocate()
+
+
+def test_prefix_hit_shares_blocks_and_counts_tokens():
+    bm = BlockManager(16, BS)
+    a = make_seq(list(range(10)), 0)
+    assert admit(bm, a) == []
+    compute(bm, a, 10)
+    assert len(a.block_hashes) == 2  # two full blocks cached, the partial third is not
+    b = make_seq(list(range(8)) + [99, 98, 97], 1)
+    admit(bm, b)
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert bm.pool.ref_count(a.block_table[0]) == 2
+    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 10 + 11
+
+
+def test_full_hit_still_computes_last_token():
+    bm = BlockManager(16, BS)
+    a = make_seq(list(range(8)), 0)
+    admit(bm, a)
+    compute(bm, a, 8)
+    b = make_seq(list(range(8)), 1)
+    admit(bm, b)
+    # Both blocks are cached, but the last token's logits are needed: only the first block is reused.
+    assert b.num_computed_tokens == 4
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+
+
+def test_freed_blocks_keep_hash_until_reused_lru_order():
+    bm = BlockManager(4, BS)
+    a = make_seq(list(range(9)), 0)
+    admit(bm, a)
+    compute(bm, a, 9)
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.pool.num_cached_blocks == 2
+    # A revived hit comes back out of the free queue.
+    b = make_seq(list(range(9)), 1)
+    admit(bm, b)
+    assert b.num_computed_tokens == 8 and bm.num_free_blocks == 1
+    bm.free(b)
+    # Allocating everything evicts the cached blocks only when they are reused.
+    c = make_seq([50 + i for i in range(16)], 2)
+    admit(bm, c)
+    assert bm.pool.num_cached_blocks == 0 and bm.num_free_blocks == 0
+    bm.free(c)
+
+
+def test_hash_collision_is_not_a_hit(monkeypatch):
+    monkeypatch.setattr(bm_mod, "hash_block", lambda parent, tokens: 1234)
+    bm = BlockManager(8, BS)
+    a = make_seq([1, 2, 3, 4, 5], 0)
+    admit(bm, a)
+    compute(bm, a, 5)
+    b = make_seq([9, 9, 9, 9, 5], 1)
+    admit(bm, b)
+    assert b.num_computed_tokens == 0 and b.block_table[0] != a.block_table[0]
+
+
+def test_hash_is_chained():
+    assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [0]), [1, 2])
+
+
+def test_fork_then_copy_on_write_of_shared_partial_block():
+    bm = BlockManager(8, BS)
+    parent = make_seq([1, 2, 3, 4, 5, 6], 0)
+    admit(bm, parent)
+    compute(bm, parent, 6)
+    child = make_seq([1, 2, 3, 4, 5, 6], 1)
+    bm.fork(parent, child)
+    assert bm.pool.ref_count(parent.block_table[1]) == 2
+    parent.token_ids.append(7)
+    child.token_ids.append(8)
+    copies = bm.allocate_slots(parent, 1)
+    assert copies == [(child.block_table[1], parent.block_table[1])]
+    assert bm.allocate_slots(child, 1) == []  # now the child's block is its own
+    assert parent.block_table[0] == child.block_table[0]  # full block stays shared
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == 8
+
+
+def test_allocate_slots_changes_nothing_when_short():
+    bm = BlockManager(2, BS)
+    a = make_seq(list(range(12)), 0)
+    assert admit(bm, a) is None
+    assert a.block_table == [] and bm.num_free_blocks == 2 and bm.prefix_cache_queries == 0
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random admissions, steps, forks, writes and frees; the pool stays consistent throughout."""
+
+    @initialize(num_blocks=st.integers(4, 24), caching=st.booleans())
+    def setup(self, num_blocks, caching):
+        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+        self.seqs: list[Sequence] = []
+        self.next_id = 0
+
+    # A tiny alphabet makes shared prefixes (and so cache hits) common.
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=20))
+    def admit(self, tokens):
+        seq = make_seq(tokens, self.next_id)
+        self.next_id += 1
+        if admit(self.bm, seq) is not None:
+            compute(self.bm, seq, seq.num_tokens - seq.num_computed_tokens)
+            self.seqs.append(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), token=st.integers(0, 2))
+    def decode(self, i, token):
+        seq = self.seqs[i % len(self.seqs)]
+        seq.token_ids.append(token)
+        if self.bm.allocate_slots(seq, 1) is not None:
+            compute(self.bm, seq, 1)
+        else:
+            seq.token_ids.pop()
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100))
+    def fork(self, i):
+        parent = self.seqs[i % len(self.seqs)]
+        child = make_seq(list(parent.token_ids), self.next_id)
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        self.seqs.append(child)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        self.bm.free(self.seqs.pop(i % len(self.seqs)))
+
+    @invariant()
+    def pool_consistent(self):
+        if not hasattr(self, "bm"):
+            return
+        self.bm.pool.check_invariants()
+        # Every reference is held by some live sequence's block table.
+        held: dict[int, int] = {}
+        for seq in self.seqs:
+            assert len(seq.block_table) == self.bm.blocks_for(seq.num_computed_tokens)
+            for b in seq.block_table:
+                held[b] = held.get(b, 0) + 1
+        for block in self.bm.pool.blocks:
+            assert block.ref_count == held.get(block.block_id, 0)
+
+    def teardown(self):
+        if hasattr(self, "bm"):
+            for seq in self.seqs:
+                self.bm.free(seq)
+            assert self.bm.num_free_blocks == self.bm.num_total_blocks
+            self.bm.pool.check_invariants()
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,144 @@
+"""Greedy token ids from LLM.generate equal Hugging Face transformers' greedy generate (fp32, CPU),
+including under preemption, prefix-cache hits and chunked prefill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.workers.kv_pool import bytes_per_block
+from pagedserve.workers.models.config import ModelConfig
+
+NEW_TOKENS = 32
+BS = 16
+# 1, block_size - 1, block_size, block_size + 1 and >= 10 blocks, among others.
+PROMPT_LENS = [1, BS - 1, BS, BS + 1, 10 * BS + 7, 40, 5, 2 * BS]
+
+TINY = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),  # q/k/v bias
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k RMSNorm, head_dim != hidden / heads
+}
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """One prompt at a time: no padding, so HF's numbers are the plain ones."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            # An explicit mask: otherwise generate infers one that hides prompt tokens equal to pad.
+            ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def ours(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def pool_of(model_dir: Path, num_blocks: int) -> int:
+    """kv_cache_memory that gives exactly `num_blocks` fp32 blocks."""
+    return num_blocks * bytes_per_block(ModelConfig.from_file(model_dir / "config.json"), BS, torch.float32)
+
+
+def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[list[int]], small_pool: int,
+                    **llm_kwargs) -> None:
+    # Plain batch.
+    llm = LLM(str(model_dir), block_size=BS, **llm_kwargs)
+    assert ours(llm, prompts) == expected
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+    # (b) shared prefixes: the second call reuses blocks the first one left cached.
+    assert ours(llm, prompts) == expected
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    del llm
+
+    # (a) a pool too small for the whole batch: preemption by recompute.
+    llm = LLM(str(model_dir), block_size=BS, kv_cache_memory=pool_of(model_dir, small_pool), **llm_kwargs)
+    assert ours(llm, prompts) == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    del llm
+
+    # (c) a token budget smaller than the long prompt: chunked prefill, prefix caching off.
+    llm = LLM(str(model_dir), block_size=BS, max_num_batched_tokens=24, enable_prefix_caching=False,
+              **llm_kwargs)
+    assert ours(llm, prompts) == expected
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny_model(request, tmp_path_factory):
+    import transformers
+
+    cls_name, extra = TINY[request.param]
+    config = getattr(transformers, cls_name)(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, **extra)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if request.param == "qwen2":
+        for layer in model.model.layers:  # random biases: zero ones would not test the bias path
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return path, prompts, hf_greedy(model, prompts)
+
+
+def test_tiny_models_match_transformers(tiny_model):
+    path, prompts, expected = tiny_model
+    # 16 blocks: each request fits alone (the longest needs 13), the batch needs ~45.
+    check_scenarios(path, prompts, expected, small_pool=16)
+
+
+def test_n_greedy_samples_share_prompt_blocks_and_match(tiny_model):
+    path, prompts, expected = tiny_model
+    llm = LLM(str(path), block_size=BS)
+    outs = llm.generate(prompts[:4], SamplingParams(n=3, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for out, exp in zip(outs, expected[:4], strict=True):
+        assert [c.token_ids for c in out.outputs] == [exp] * 3
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedserve.workers.loader import resolve_model
+
+    source = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(source.weights_dir, dtype=torch.float32).eval()
+    text = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+            "combined a screw press with movable metal type. Within decades, printing shops spread across "
+            "Europe, books became cheaper, and literacy rose. Scholars could share ideas faster than ever, "
+            "and the Reformation, the Renaissance and the Scientific Revolution all drew on the new medium. "
+            "Newspapers appeared in the seventeenth century, and by the nineteenth century steam-powered "
+            "presses printed thousands of pages an hour. Today, digital printing and the internet continue "
+            "that story, carrying text to billions of readers around the world in an instant.")
+    ids = tok.encode(text + " " + text.replace("printing", "writing"))
+    assert len(ids) >= max(PROMPT_LENS)
+    prompts = [ids[:n] for n in PROMPT_LENS]
+    return source.weights_dir, prompts, hf_greedy(model, prompts)
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_matches_transformers(smollm2):
+    path, prompts, expected = smollm2
+    check_scenarios(path, prompts, expected, small_pool=16)

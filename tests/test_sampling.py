@@ -1,0 +1,162 @@
+"""Sampler maths on synthetic logits, and sampling features end to end through LLM.generate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.scheduler.batch import SampleSpec
+from pagedserve.workers.sampler import Sampler
+
+
+def spec(params: SamplingParams, row: int = 0, n: int = 1, output: list[int] | None = None,
+         prompt: list[int] | None = None) -> SampleSpec:
+    return SampleSpec(seq_id=row, row=row, num_samples=n, sample_index=0, output_len=len(output or []),
+                      params=params, prompt_token_ids=prompt or [], output_token_ids=output or [])
+
+
+def draw(logits: list[float], params: SamplingParams, draws: int = 4000) -> torch.Tensor:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    rows = torch.tensor([logits] * draws)
+    out = sampler(rows, [spec(params, row=i) for i in range(draws)])
+    return torch.bincount(torch.tensor([o.token_ids[0] for o in out]), minlength=len(logits)).float() / draws
+
+
+LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0]
+
+
+def test_temperature_sampling_follows_softmax():
+    for temp in (1.0, 0.5):
+        freq = draw(LOGITS, SamplingParams(temperature=temp))
+        probs = torch.softmax(torch.tensor(LOGITS) / temp, dim=0)
+        assert (freq - probs).abs().max() < 0.03
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert draw(LOGITS, SamplingParams(top_k=2))[2:].sum() == 0
+    probs = torch.softmax(torch.tensor(LOGITS), dim=0)  # [0.61, 0.22, 0.14, 0.08, 0.03]
+    freq = draw(LOGITS, SamplingParams(top_p=0.7))  # nucleus: the first two tokens
+    assert freq[2:].sum() == 0 and abs(freq[0] - probs[0] / probs[:2].sum()) < 0.03
+    freq = draw(LOGITS, SamplingParams(min_p=0.3))  # keep p >= 0.3 * 0.61
+    assert freq[2:].sum() == 0
+    assert draw(LOGITS, SamplingParams(top_k=1, temperature=5.0))[0] == 1.0
+
+
+def test_greedy_rows_and_sampled_rows_mix():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([LOGITS, LOGITS[::-1]])
+    out = sampler(logits, [spec(SamplingParams(temperature=0), 0), spec(SamplingParams(top_k=1), 1)])
+    assert [o.token_ids for o in out] == [[0], [4]]
+
+
+def test_penalties_change_logits_as_defined():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    rep = SamplingParams(repetition_penalty=2.0)
+    out = sampler._apply_penalties(logits.clone(), [(spec(rep, prompt=[0], output=[1]), 0)])
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    pf = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = sampler._apply_penalties(logits.clone(), [(spec(pf, prompt=[3], output=[2, 2, 0]), 0)])
+    assert out.tolist() == [[2.0 - 0.75, -2.0, 1.0 - 1.0, 0.5]]
+
+
+def test_logprobs_of_sampled_and_top_tokens():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    out = sampler(torch.tensor([LOGITS]), [spec(SamplingParams(temperature=0, logprobs=2))])[0]
+    lp = torch.log_softmax(torch.tensor(LOGITS), dim=0)
+    assert out.token_ids == [0] and math.isclose(out.logprobs[0], lp[0].item(), rel_tol=1e-6)
+    assert [t for t, _ in out.top_logprobs[0]] == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_random):
+    return LLM(tiny_random, seed=0)
+
+
+def texts(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_same_seed_same_output_whatever_the_batch(tiny):
+    prompt = [11, 12, 13, 14]
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=24, ignore_eos=True)
+    alone = tiny.generate([prompt], params)
+    again = tiny.generate([[1, 2], prompt, [3] * 30], [SamplingParams(temperature=0.7, max_tokens=5), params,
+                                                      SamplingParams(seed=1, max_tokens=9)])
+    assert texts(alone)[0] == texts(again)[1]
+    other = tiny.generate([prompt], SamplingParams(temperature=1.0, seed=43, max_tokens=24, ignore_eos=True))
+    assert texts(other)[0] != texts(alone)[0]
+
+
+def test_n_seeded_samples_differ_and_repeat(tiny):
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    first = texts(tiny.generate([[5, 6, 7]], params))[0]
+    assert len(first) == 4 and len({tuple(t) for t in first}) == 4
+    assert texts(tiny.generate([[5, 6, 7]], params))[0] == first
+    assert tiny.stats()["num_free_blocks"] == tiny.stats()["num_total_blocks"]
+
+
+def test_unseeded_sampling_uses_the_engine_seed(tiny_random):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    a = texts(LLM(tiny_random, seed=3).generate([[4, 5]], params))
+    b = texts(LLM(tiny_random, seed=3).generate([[4, 5]], params))
+    assert a == b
+
+
+def test_penalties_steer_generation(tiny):
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = texts(tiny.generate([[8, 9]], base))[0][0]
+    rep = texts(tiny.generate([[8, 9]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                       frequency_penalty=2.0, presence_penalty=2.0)))[0][0]
+    assert len(set(rep)) > len(set(plain))
+
+
+@pytest.fixture(scope="module")
+def smol(embedded_dir):
+    return LLM(str(embedded_dir))
+
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_answer_and_eos(smol):
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop" and out.token_ids[-1] in smol.engine.eos_token_ids
+
+
+def test_stop_strings_are_cut_from_text(smol):
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40, stop=["Paris", "xyz"]))[0].outputs[0]
+    assert out.text == "The capital of France is " and out.finish_reason == "stop"
+    full = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert full.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_ids_max_tokens_and_ignore_eos(smol):
+    full = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    stop_id = full.token_ids[3]
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[:4] and out.finish_reason == "stop"
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=len(full.token_ids) + 5,
+                                            ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == len(full.token_ids) + 5 and out.finish_reason == "length"
+
+
+def test_logprobs_match_the_model(smol, embedded_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompt = smol.tokenizer.encode("The capital of France is")
+    out = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=3))[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    top = ref.topk(3)
+    entry = out.logprobs[0]
+    assert entry["token_id"] == top.indices[0].item()
+    assert abs(entry["logprob"] - top.values[0].item()) < 1e-4
+    assert [t for t, _ in entry["top_logprobs"]] == top.indices.tolist()

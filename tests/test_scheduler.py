@@ -1,0 +1,261 @@
+"""Scheduler with a model-free worker that stores token ids in a slot-addressed KV pool.
+
+The fake worker writes each new token (and its position) into the slot its block table names,
+then reads the whole context back through the block table and derives the next token from it.
+A wrong block table, position, copy-on-write or prefix-cache hit changes what it reads, and
+so the output; the expected output is computed without any paging at all.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.batch import SampledTokens, StepBatch, StepOutput
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.scheduler import Scheduler
+
+VOCAB = 50
+
+
+def next_token(context: list[int], sample: int) -> int:
+    data = b"".join(t.to_bytes(4, "little") for t in context) + sample.to_bytes(4, "little")
+    return xxhash.xxh64_intdigest(data) % VOCAB
+
+
+def expected(prompt: list[int], max_tokens: int, sample: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens, sample))
+    return tokens[len(prompt):]
+
+
+class SlotWorker:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)  # (position, token)
+        self.batches: list[StepBatch] = []
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        self.batches.append(batch)
+        bs = self.block_size
+        for src, dst in batch.block_copies:
+            self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
+        row_context: list[list[int]] = []
+        for r in range(batch.num_rows):
+            q = batch.input_ids[batch.cu_seqlens_q[r]:batch.cu_seqlens_q[r + 1]]
+            length = batch.context_lens[r]
+            table = batch.block_tables[r]
+            assert len(table) == -(-length // bs), "block table must cover exactly the context"
+            for i, token in enumerate(q):
+                pos = length - len(q) + i
+                self.slots[table[pos // bs] * bs + pos % bs] = (pos, token)
+            context = []
+            for pos in range(length):
+                entry = self.slots[table[pos // bs] * bs + pos % bs]
+                assert entry is not None and entry[0] == pos, f"slot for position {pos} holds {entry}"
+                context.append(entry[1])
+            row_context.append(context)
+        samples = []
+        for spec in batch.samples:
+            ctx = row_context[spec.row]
+            samples.append(SampledTokens([next_token(ctx, spec.sample_index + i) for i in range(spec.num_samples)]))
+        return StepOutput(samples)
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+         caching=True):
+    bm = BlockManager(num_blocks, block_size, caching)
+    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len), SlotWorker(num_blocks, block_size)
+
+
+def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000) -> int:
+    steps = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch is not None, "unfinished requests but nothing scheduled: deadlock"
+        sched.update(batch, worker.execute(batch))
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def add(sched, rid, prompt, max_tokens, n=1):
+    req = Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=0))
+    sched.add_request(req)
+    return req
+
+
+def outputs(req: Request) -> dict[int, list[int]]:
+    return {s.sample_index: s.output_token_ids for s in req.sequences}
+
+
+def test_decode_feeds_last_sampled_token_at_its_position():
+    sched, worker = make()
+    req = add(sched, "a", [1, 2, 3, 4, 5], max_tokens=3)
+    run(sched, worker)
+    prefill, d1, d2 = worker.batches
+    assert prefill.input_ids == [1, 2, 3, 4, 5] and prefill.context_lens == [5]
+    out = req.sequences[0].output_token_ids
+    # Each decode step computes exactly the token sampled last, at position = its index.
+    assert d1.input_ids == [out[0]] and d1.context_lens == [6]
+    assert d2.input_ids == [out[1]] and d2.context_lens == [7]
+    assert out == expected([1, 2, 3, 4, 5], 3, 0)
+    assert req.sequences[0].finish_reason == "length"
+
+
+def test_chunked_prefill_respects_budget_and_mixes_with_decode():
+    sched, worker = make(max_num_batched_tokens=8)
+    a = add(sched, "a", list(range(3)), max_tokens=6)
+    sched.update(b := sched.schedule(), worker.execute(b))
+    b_req = add(sched, "b", list(range(10, 30)), max_tokens=2)
+    run(sched, worker)
+    assert all(b.num_tokens <= 8 for b in worker.batches)
+    mixed = [b for b in worker.batches if b.num_rows == 2]
+    assert mixed, "a decode row and a prefill chunk should share a step"
+    assert outputs(a)[0] == expected(list(range(3)), 6, 0)
+    assert outputs(b_req)[0] == expected(list(range(10, 30)), 2, 0)
+
+
+def test_preemption_by_recompute_gives_same_tokens():
+    sched, worker = make(num_blocks=10, block_size=4, max_num_batched_tokens=64)
+    prompts = {f"r{i}": [i] * (5 + i) for i in range(4)}
+    reqs = {rid: add(sched, rid, p, max_tokens=12) for rid, p in prompts.items()}
+    run(sched, worker)
+    assert sched.num_preemptions > 0
+    for rid, req in reqs.items():
+        assert outputs(req)[0] == expected(prompts[rid], 12, 0)
+    assert sched.block_manager.num_free_blocks == 10
+
+
+def test_prefix_cache_hits_reuse_blocks_with_same_result():
+    sched, worker = make()
+    shared = list(range(1, 21))
+    first = add(sched, "a", shared + [30], max_tokens=4)
+    run(sched, worker)
+    second = add(sched, "b", shared + [31, 32], max_tokens=4)
+    run(sched, worker)
+    assert sched.block_manager.prefix_cache_hits == 20
+    assert worker.batches[-4].input_ids == [31, 32]  # only the new tokens were computed
+    assert outputs(first)[0] == expected(shared + [30], 4, 0)
+    assert outputs(second)[0] == expected(shared + [31, 32], 4, 0)
+
+
+def test_n_samples_fork_and_copy_on_write():
+    sched, worker = make()
+    prompt = [7, 8, 9, 10, 11, 12]  # ends mid-block: the forks share a partial block
+    req = add(sched, "a", prompt, max_tokens=5, n=3)
+    run(sched, worker)
+    assert any(b.block_copies for b in worker.batches)
+    assert worker.batches[0].samples[0].num_samples == 3
+    for i in range(3):
+        assert outputs(req)[i] == expected(prompt, 5, i)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+
+
+def test_abort_frees_blocks_at_once():
+    sched, worker = make()
+    add(sched, "a", list(range(20)), max_tokens=50)
+    add(sched, "b", list(range(5)), max_tokens=50)
+    for _ in range(3):
+        sched.update(b := sched.schedule(), worker.execute(b))
+    sched.abort("a")
+    assert all(s.request.request_id != "a" for s in sched.running)
+    sched.abort("b")
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    assert sched.abort("unknown") is None
+
+
+def test_abort_while_step_runs_is_ignored_by_update():
+    sched, worker = make()
+    add(sched, "a", list(range(6)), max_tokens=5)
+    batch = sched.schedule()
+    out = worker.execute(batch)
+    sched.abort("a")
+    assert sched.update(batch, out) == []
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+
+
+def test_admission_rejects_what_can_never_fit():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_tokens"):
+        add(sched, "a", [1] * 10, max_tokens=10)  # 20 tokens need 5 blocks > 4
+    with pytest.raises(ValueError, match="max_model_len"):
+        add(sched, "b", [1] * 65, max_tokens=1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        add(sched, "c", [1] * 60, max_tokens=10)
+    add(sched, "d", [1] * 8, max_tokens=8)
+    with pytest.raises(ValueError, match="request_id"):
+        add(sched, "d", [1], max_tokens=1)
+    assert len(sched.waiting) == 1
+
+
+def test_max_num_seqs_caps_rows_per_step():
+    sched, worker = make(max_num_seqs=2)
+    for i in range(5):
+        add(sched, f"r{i}", [i + 1] * 3, max_tokens=3)
+    run(sched, worker)
+    assert max(b.num_rows for b in worker.batches) == 2
+
+
+def test_stop_token_and_eos():
+    sched, worker = make()
+    prompt = [3, 4, 5]
+    full = expected(prompt, 10, 0)
+    stop_at = full[4]
+    cut = full.index(stop_at) + 1
+    req = Request("a", prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))
+    sched.add_request(req)
+    eos = Request("b", prompt, SamplingParams(max_tokens=10, temperature=0), eos_token_ids=frozenset({stop_at}))
+    sched.add_request(eos)
+    ignore = Request("c", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                     eos_token_ids=frozenset({stop_at}))
+    sched.add_request(ignore)
+    run(sched, worker)
+    assert outputs(req)[0] == full[:cut] and req.sequences[0].finish_reason == "stop"
+    assert outputs(eos)[0] == full[:cut] and eos.sequences[0].finish_reason == "stop"
+    assert outputs(ignore)[0] == full and ignore.sequences[0].finish_reason == "length"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(1, 40),
+    max_num_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+)
+def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_blocks, block_size, budget,
+                                                                 max_num_seqs, caching):
+    sched, worker = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=num_blocks * block_size,
+                         caching=caching)
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    stem = [rng.randrange(VOCAB) for _ in range(3 * block_size)]
+    reqs = []
+    for i in range(data.draw(st.integers(1, 8))):
+        prompt = stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
+        max_tokens = rng.randrange(1, 12)
+        n = rng.choice([1, 1, 2, 3])
+        if block_size * num_blocks < len(prompt) + max_tokens:
+            continue
+        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n), prompt, max_tokens))
+        if rng.random() < 0.3:  # arrivals between steps
+            if (b := sched.schedule()) is not None:
+                sched.update(b, worker.execute(b))
+    run(sched, worker)
+    for req, prompt, max_tokens in reqs:
+        outs = outputs(req)
+        assert len(outs) == req.params.n
+        for i, toks in outs.items():
+            assert toks == expected(prompt, max_tokens, i)
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    bm.pool.check_invariants()
