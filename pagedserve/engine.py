@@ -144,8 +144,10 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
-        if self.model_config.rope_scaling:
-            limit = int(limit * self.model_config.rope_scaling.get("factor", 1.0))
+        scaling = self.model_config.rope_scaling
+        # Linear and dynamic scaling stretch the trained length; llama3 configs already state the long one.
+        if scaling and scaling["rope_type"] in ("linear", "dynamic"):
+            limit = int(limit * scaling.get("factor", 1.0))
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:

@@ -142,3 +142,42 @@ def smollm2():
 def test_embedded_smollm2_matches_transformers(smollm2):
     path, prompts, expected = smollm2
     check_scenarios(path, prompts, expected, small_pool=16)
+
+
+ROPE_SCALINGS = {  # kind: (rope_scaling, max_position_embeddings)
+    "linear": ({"rope_type": "linear", "factor": 2.0}, 64),
+    # The long prompts run past 64 positions, where dynamic NTK grows the base.
+    "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, 64),
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}, 128),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_rope_scaling_matches_transformers(kind, tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=ROPE_SCALINGS[kind][1],
+        rope_scaling=dict(ROPE_SCALINGS[kind][0]), rope_theta=10000.0)
+    torch.manual_seed(99)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    saved = ModelConfig.from_file(tmp_path / "config.json")
+    assert saved.rope_scaling and saved.rope_scaling["rope_type"] == kind
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (5, 40, 90)]
+    llm = LLM(str(tmp_path), block_size=BS)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        assert out.outputs[0].token_ids == ref.sequences[0, len(prompt):].tolist()
+        # Tokens of a tiny random model rarely flip on a rope error; the logprobs of every step do.
+        ref_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, out.outputs[0].token_ids,
+                                                                          strict=True)]
+        got_lp = [e["logprob"] for e in out.outputs[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

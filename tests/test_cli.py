@@ -1,0 +1,31 @@
+"""The CLI as a user runs it: a separate process on the embedded model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "pagedserve.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_generate_chat_answers(embedded_dir):
+    proc = run_cli("generate", "--chat", "What is the capital of France?", "--max-tokens", "32", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "The capital of France is Paris."
+    assert "num_free_blocks" in proc.stderr
+
+
+def test_generate_plain_prompt_with_model_path(embedded_dir):
+    proc = run_cli("generate", "The capital of France is", "--max-tokens", "5", "--model", str(embedded_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_bad_argument_is_a_clear_error(embedded_dir):
+    proc = run_cli("generate", "hi", "--temperature", "-1")
+    assert proc.returncode == 2 and "temperature" in proc.stderr
