@@ -100,8 +100,8 @@ def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtyp
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch_prompts], device=args.device)
         new = max(batch_outputs)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=pad, eos_token_id=None)
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad,
+                           eos_token_id=None)
 
     run(prompts[:2], [4, 4])  # warm-up
     sync(args.device)
@@ -110,7 +110,6 @@ def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtyp
         run(prompts[i:i + bs], outputs[i:i + bs])
     sync(args.device)
     elapsed = time.perf_counter() - t0
-    del model
     return {"name": f"HF generate (padded batches of {bs})", "seconds": elapsed, "tokens": sum(outputs), "note": ""}
 
 
