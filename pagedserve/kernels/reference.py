@@ -28,13 +28,17 @@ def paged_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context.
 
     query [T, Hq, D]; cu_seqlens_q [R + 1]; context_lens [R] (cached prefix + new tokens);
     block_tables [R, max_blocks] (entries past a row's length are ignored). Row r's query i
     sits at position context_len - num_q + i and sees keys 0..that position (causal among the
-    new tokens, full over the prefix). Returns [T, Hq, D] in query's dtype.
+    new tokens, full over the prefix). Returns [T, Hq, D] in query's dtype. The max_* hints are
+    for the Triton backend (launch shapes without a device sync); the reference reads the lists.
     """
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
@@ -54,9 +58,11 @@ def paged_attention(
         start = lens[r] - num_q
         mask = (torch.arange(lens[r], device=query.device)[None, :]
                 <= start + torch.arange(num_q, device=query.device)[:, None])  # [nq, L]
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
+        # 4-D inputs: on CPU, 3-D ones fall back to SDPA's math path (~100x slower here).
+        o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None].to(q.dtype),
+                                           v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask[None, None],
+                                           scale=scale, enable_gqa=True)
+        out[cu[r]:cu[r + 1]] = o[0].transpose(0, 1)
     return out
 
 

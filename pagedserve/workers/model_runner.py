@@ -60,6 +60,8 @@ class ModelRunner:
             cu_seqlens_q=cu.to(dev, non_blocking=True),
             context_lens=context_lens.to(dev, non_blocking=True),
             block_tables=block_tables.to(dev, non_blocking=True),
+            max_query_len=int(q_lens.max()),
+            max_context_len=max(batch.context_lens),
             token_seq_lens=context_lens[row_of_token].to(dev) if self.dynamic_rope else None,
         )
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)

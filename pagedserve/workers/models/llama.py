@@ -22,7 +22,8 @@ class AttentionBackend(Protocol):
                        slot_mapping: torch.Tensor) -> None: ...
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor: ...
+                        context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
+                        max_query_len: int | None = None, max_context_len: int | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -32,6 +33,8 @@ class AttentionContext:
     cu_seqlens_q: torch.Tensor  # [R + 1]
     context_lens: torch.Tensor  # [R]
     block_tables: torch.Tensor  # [R, max_blocks]
+    max_query_len: int  # host-side maxima: kernels size their launches without a device sync
+    max_context_len: int
     token_seq_lens: torch.Tensor | None = None  # [T], only for dynamic NTK rope
 
 
@@ -50,7 +53,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -65,7 +68,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rope = rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -76,11 +78,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.rope.apply(q, cos, sin)
-        k = self.rope.apply(k, cos, sin)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
         ctx.backend.write_kv_cache(k, v, kv_cache, ctx.slot_mapping)
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
-                                        self.scale)
+                                        self.scale, max_query_len=ctx.max_query_len,
+                                        max_context_len=ctx.max_context_len)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -97,9 +100,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rope)
+        self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -115,7 +118,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rope = RotaryEmbedding(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, self.rope) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -133,8 +136,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T]; kv_caches [L, 2, N, B, Hkv, D]. Returns hidden states [T, H]."""
-        cos, sin = self.model.rope.cos_sin(positions, ctx.token_seq_lens)
         h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rope.cos_sin(positions, ctx.token_seq_lens, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_caches[i], ctx)
         return self.model.norm(h)

@@ -51,8 +51,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cached", freqs.cos(), persistent=False)
         self.register_buffer("sin_cached", freqs.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """cos/sin [T, D/2] for each token. Dynamic NTK needs each token's sequence length."""
+    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, D] for each token, built once per step for all layers.
+        Dynamic NTK needs each token's sequence length."""
+        cos, sin = self._half_cos_sin(positions, seq_lens)
+        # Duplicated halves as in transformers' cat((freqs, freqs)); cast like its rotary forward.
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(dtype)
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(dtype)
+        return cos, sin
+
+    def _half_cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if not self.dynamic or seq_lens is None or bool((seq_lens <= self.max_position_embeddings).all()):
             return self.cos_cached[positions], self.sin_cached[positions]
         # Past the trained length the base grows with the sequence, as in transformers.
@@ -68,9 +77,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] rotated with rotate_half (HF's non-interleaved layout)."""
-        cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(x.dtype)
-        sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(x.dtype)
+        """x [T, H, D] rotated with rotate_half (HF's non-interleaved layout); cos/sin from `cos_sin`."""
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
         return x * cos + rotated * sin

@@ -1,0 +1,273 @@
+"""Triton KV-write and paged-attention kernels against the plain-torch reference.
+
+Off-GPU they run under the Triton interpreter (TRITON_INTERPRET=1, set in conftest.py), so shapes
+stay small; the interpreter uses small tiles (attention.INTERPRETER_TILES) so that these short
+sequences still cross query-tile, KV-tile and pool-block boundaries. One slow case runs the GPU
+tile sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from pagedserve.kernels import attention  # noqa: E402
+from pagedserve.kernels import reference as ref  # noqa: E402
+from pagedserve.kernels.triton_backend import paged_attention, write_kv_cache  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Output tolerance vs the fp32 reference: output rounding (the interpreter rounds bf16 by
+# truncation, so up to one ulp) plus 16-bit storage of the probabilities on the GPU.
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+ULP = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+# One mixed batch, rows deliberately not sorted by kind: (new tokens, context length).
+MIXED_ROWS = [
+    (1, 37),   # decode, context not a multiple of the block size
+    (9, 70),   # chunked prefill: 61 cached tokens + 9 new
+    (1, 100),  # decode
+    (16, 48),  # prefix hit: 32 cached tokens (whole blocks at block_size 16) + 16 new
+    (21, 21),  # fresh prefill
+    (1, 1),    # decode of a one-token context
+    (1, 64),   # decode, context a multiple of the block size
+]
+
+
+def make_batch(rows: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               dtype: torch.dtype, seed: int = 0, spare_blocks: int = 3, spare_columns: int = 2):
+    """A paged batch with shuffled block tables; returns (query, clean kv, poisoned kv, cu, ctx, tables).
+
+    The poisoned pool holds NaN in every block no row owns and in the slots past each row's length,
+    so reading a padding entry or an unwritten slot shows up as NaN in the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = [n for n, _ in rows]
+    ctx_lens = [c for _, c in rows]
+    blocks_per_row = [math.ceil(c / block_size) for c in ctx_lens]
+    num_blocks = sum(blocks_per_row) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)  # rows get scattered, out-of-order blocks
+    max_blocks = max(blocks_per_row) + spare_columns
+    tables = torch.full((len(rows), max_blocks), -1, dtype=torch.long)  # [R, max_blocks], -1 padding
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)  # [2, N, B, Hkv, D]
+    poisoned = torch.full_like(kv, float("nan"))
+    used = 0
+    for r, (nb, ctx) in enumerate(zip(blocks_per_row, ctx_lens, strict=True)):
+        ids = perm[used:used + nb]
+        used += nb
+        tables[r, :nb] = ids
+        for j, b in enumerate(ids.tolist()):
+            valid = min(block_size, ctx - j * block_size)
+            poisoned[:, b, :valid] = kv[:, b, :valid]
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen)  # [T, Hq, D]
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.long)  # [R + 1]
+    ctx = torch.tensor(ctx_lens, dtype=torch.long)  # [R]
+    on = dict(device=DEVICE)
+    return (query.to(dtype).to(**on), kv.to(dtype).to(**on), poisoned.to(dtype).to(**on), cu.to(**on),
+            ctx.to(**on), tables.to(**on))
+
+
+def reference_fp32(query, kv, cu, ctx, tables, scale):
+    return ref.paged_attention(query.float(), kv.float(), cu, ctx, tables, scale)
+
+
+def run_triton(query, kv, cu, ctx, tables, scale, **kwargs):
+    out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
+    result = paged_attention(query, kv, cu, ctx, tables, scale, out=out, **kwargs)
+    assert result is out
+    return out
+
+
+def assert_close(actual, expected, dtype):
+    assert actual.dtype == dtype
+    assert torch.isfinite(actual).all(), "NaN/inf in the output: a padding entry or unwritten slot was read"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+# --- write_kv_cache -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (80, 32)])
+def test_write_kv_cache_matches_reference(dtype, head_dim, block_size):
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, num_q_heads, num_blocks = 13, 3, 6, 5
+    # K and V as strided views into a fused QKV projection, as the model produces them.
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    _, key, value = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    key = key.view(num_tokens, num_kv_heads, head_dim).to(DEVICE)  # [T, Hkv, D], non-contiguous
+    value = value.view(num_tokens, num_kv_heads, head_dim).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7, 12]] = -1  # skipped tokens
+    slots = slots.to(DEVICE)
+    sentinel = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    expected = sentinel.clone()
+    ref.write_kv_cache(key, value, expected, slots)
+    cache = sentinel.clone()
+    write_kv_cache(key, value, cache, slots)
+    assert torch.equal(cache, expected)  # a copy in the same dtype is exact
+    written = set(slots[slots >= 0].tolist())
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    untouched = [s for s in range(num_blocks * block_size) if s not in written]
+    assert (flat[:, untouched] == 7.0).all()
+
+
+def test_write_kv_cache_converts_dtype():
+    gen = torch.Generator().manual_seed(2)
+    key = torch.randn(6, 2, 64, generator=gen).to(DEVICE)  # fp32 into a bf16 pool
+    value = torch.randn(6, 2, 64, generator=gen).to(DEVICE)
+    slots = torch.tensor([5, -1, 0, 31, 17, 2], device=DEVICE)
+    expected = torch.zeros(2, 2, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    cache = expected.clone()
+    ref.write_kv_cache(key, value, expected, slots)
+    write_kv_cache(key, value, cache, slots)
+    # The interpreter rounds fp32 -> bf16 by truncation, torch to nearest: one ulp apart at most.
+    torch.testing.assert_close(cache.float(), expected.float(), atol=0, rtol=2 ** -7)
+
+
+def test_write_kv_cache_empty_step():
+    cache = torch.zeros(2, 1, 16, 1, 64, device=DEVICE)
+    write_kv_cache(torch.empty(0, 1, 64, device=DEVICE), torch.empty(0, 1, 64, device=DEVICE), cache,
+                   torch.empty(0, dtype=torch.long, device=DEVICE))
+    assert (cache == 0).all()
+
+
+# --- paged_attention ----------------------------------------------------------------------------
+
+# (Hq, Hkv, head_dim, block_size, dtype): each GQA ratio 1/2/7, head_dim 64/80, block 16/32 and
+# dtype appear several times in different combinations (pairwise rather than the full product).
+MIXED_CASES = [
+    (4, 4, 64, 16, torch.float32),
+    (8, 4, 80, 32, torch.float32),
+    (7, 1, 64, 32, torch.float16),
+    (14, 2, 80, 16, torch.bfloat16),
+    (8, 4, 64, 16, torch.bfloat16),
+    (7, 1, 80, 16, torch.float32),
+    (4, 4, 80, 32, torch.float16),
+    (14, 2, 64, 32, torch.float32),
+    (4, 4, 64, 32, torch.bfloat16),
+    (8, 4, 80, 16, torch.float16),
+    (32, 1, 64, 16, torch.float16),  # a head group wider than the decode kernel's 16-row minimum
+]
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,dtype", MIXED_CASES,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_mixed_batch_matches_reference(num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    query, kv, poisoned, cu, ctx, tables = make_batch(MIXED_ROWS, num_q_heads, num_kv_heads, head_dim, block_size,
+                                                      dtype)
+    scale = head_dim ** -0.5
+    expected = reference_fp32(query, kv, cu, ctx, tables, scale)
+    no_split = run_triton(query, poisoned, cu, ctx, tables, scale, split_kv=False)
+    assert_close(no_split, expected, dtype)
+    split = run_triton(query, poisoned, cu, ctx, tables, scale, split_kv=True)
+    assert_close(split, expected, dtype)
+    # Split-KV only changes the order of fp32 sums: the same up to output rounding.
+    torch.testing.assert_close(split.float(), no_split.float(), atol=ULP[dtype], rtol=ULP[dtype])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches(seed):
+    """Random row mixes and lengths; configuration drawn from the same axes as above."""
+    gen = torch.Generator().manual_seed(100 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    num_q_heads, num_kv_heads = pick([(4, 4), (8, 4), (7, 1), (14, 2)])
+    head_dim, block_size = pick([64, 80, 96]), pick([16, 32])
+    dtype = pick([torch.float32, torch.float16, torch.bfloat16])
+    rows = []
+    for _ in range(int(torch.randint(2, 7, (1,), generator=gen))):
+        new = pick([1, 1, int(torch.randint(2, 40, (1,), generator=gen))])
+        prefix = pick([0, int(torch.randint(1, 120, (1,), generator=gen))])
+        rows.append((new, prefix + new))
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                                                      seed=seed)
+    expected = reference_fp32(query, kv, cu, ctx, tables, head_dim ** -0.5)
+    for split_kv in (False, True):
+        assert_close(run_triton(query, poisoned, cu, ctx, tables, head_dim ** -0.5, split_kv=split_kv), expected,
+                     dtype)
+
+
+def test_default_call_allocates_output_in_query_dtype():
+    query, kv, _, cu, ctx, tables = make_batch(MIXED_ROWS[:4], 8, 2, 64, 16, torch.float16, seed=3)
+    out = paged_attention(query, kv, cu, ctx, tables, 0.125)
+    assert out.shape == query.shape and out.dtype == torch.float16
+    assert_close(out, reference_fp32(query, kv, cu, ctx, tables, 0.125), torch.float16)
+
+
+def test_decode_only_batch_with_hints():
+    rows = [(1, 45), (1, 3), (1, 130), (1, 16)]
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 8, 2, 64, 16, torch.float32, seed=4)
+    expected = reference_fp32(query, kv, cu, ctx, tables, 0.125)
+    for split_kv in (None, False, True):
+        out = run_triton(query, poisoned, cu, ctx, tables, 0.125, split_kv=split_kv, max_query_len=1,
+                         max_context_len=130)
+        assert_close(out, expected, torch.float32)
+    # An underestimated context bound only costs parallelism: the last split runs to the row's end.
+    out = run_triton(query, poisoned, cu, ctx, tables, 0.125, split_kv=True, max_context_len=40)
+    assert_close(out, expected, torch.float32)
+
+
+def test_prefill_only_batch_and_rows_without_new_tokens():
+    rows = [(5, 40), (0, 17), (33, 33), (2, 2)]  # a row with no new tokens computes nothing
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 7, 1, 64, 32, torch.float32, seed=5)
+    expected = reference_fp32(query, kv, cu, ctx, tables, 0.125)
+    assert_close(run_triton(query, poisoned, cu, ctx, tables, 0.125), expected, torch.float32)
+
+
+def test_empty_batch():
+    query = torch.empty(0, 4, 64, device=DEVICE)
+    kv = torch.zeros(2, 1, 16, 2, 64, device=DEVICE)
+    empty = torch.empty(0, dtype=torch.long, device=DEVICE)
+    out = paged_attention(query, kv, torch.zeros(1, dtype=torch.long, device=DEVICE), empty,
+                          torch.empty(0, 1, dtype=torch.long, device=DEVICE), 0.125)
+    assert out.shape == (0, 4, 64)
+
+
+def test_split_heuristic():
+    cpu = torch.device("cpu")  # off-GPU the heuristic assumes an H100's 132 SMs
+    splits = attention.num_kv_splits
+    assert splits(8, 8, 32768, 64, cpu) > 1  # few long decodes: split
+    assert splits(64, 8, 4096, 64, cpu) == 1  # 512 programs already fill the GPU
+    assert splits(4, 2, 512, 64, cpu) == 1  # too short to be worth a merge
+    assert splits(8, 8, 32768, 64, cpu, split_kv=False) == 1
+    assert splits(64, 8, 4096, 64, cpu, split_kv=True) >= 2
+    assert splits(1, 1, 16, 16, cpu, split_kv=True) == 1  # one tile cannot be split
+    n = splits(1, 1, 1 << 20, 64, cpu)
+    assert 1 < n <= attention.SPLIT_MAX
+
+
+@pytest.mark.slow
+def test_gpu_tile_sizes_under_interpreter(monkeypatch):
+    """The H100 tile configuration (BLOCK_M 128, BLOCK_N 64) on sequences long enough to use it."""
+    if DEVICE.type != "cpu":
+        pytest.skip("on a GPU the GPU tiles are used by every test")
+    monkeypatch.setattr(attention, "INTERPRETER_TILES", attention.GPU_TILES)
+    rows = [(1, 300), (70, 200), (1, 65), (130, 130), (1, 129)]
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 14, 2, 64, 16, torch.bfloat16, seed=6)
+    expected = reference_fp32(query, kv, cu, ctx, tables, 0.125)
+    for split_kv in (False, True):
+        assert_close(run_triton(query, poisoned, cu, ctx, tables, 0.125, split_kv=split_kv), expected,
+                     torch.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_larger_mixed_batch(dtype):
+    """More rows, longer contexts, GQA 2 and head_dim 128; split-KV left to the heuristic and forced."""
+    gen = torch.Generator().manual_seed(7)
+    rows = [(1, int(torch.randint(1, 260, (1,), generator=gen))) for _ in range(6)]
+    rows += [(11, 150), (40, 40), (25, 90)]
+    order = torch.randperm(len(rows), generator=gen).tolist()
+    rows = [rows[i] for i in order]
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 4, 2, 128, 32, dtype, seed=8, spare_blocks=6)
+    expected = reference_fp32(query, kv, cu, ctx, tables, 128 ** -0.5)
+    for split_kv in (None, True):
+        assert_close(run_triton(query, poisoned, cu, ctx, tables, 128 ** -0.5, split_kv=split_kv), expected, dtype)
