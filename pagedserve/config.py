@@ -25,6 +25,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # auto | triton | reference
+    executor: str = "local"  # local: the worker in this process; ray: worker actors (one per GPU / CPU slot)
+    tensor_parallel_size: int = 1  # ranks of one model replica (needs executor="ray" when > 1)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -33,6 +35,12 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(_DTYPES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"executor={self.executor!r} must be 'local' or 'ray'")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
+        if self.tensor_parallel_size > 1 and self.executor != "ray":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs executor='ray'")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -11,10 +12,11 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
+from pagedserve.executor import WorkerFailure, make_executor
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.block_manager import BlockManager
-from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.workers.loader import ModelSource, resolve_model
 from pagedserve.workers.models.config import ModelConfig
@@ -28,22 +30,33 @@ class LLMEngine:
     """Owns the scheduler and the worker. `add_request` then `step()` until nothing is left."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedserve.workers.worker import Worker
+        from pagedserve.workers.models.parallel import check_tp_size
 
         self.config = config
         self.source: ModelSource = resolve_model(config.model)
         self.model_config = ModelConfig.from_file(self.source.config_path)
+        check_tp_size(self.model_config, config.tensor_parallel_size)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         self.tokenizer = _load_tokenizer(self.source)
-        self.worker = Worker(config, self.source, self.model_config, self.max_model_len)
-        device = self.worker.device
-        self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device),
-                                   self.max_model_len)
+        self.executor = make_executor(config, self.source, self.model_config, self.max_model_len)
+        self.num_failures = 0
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.batched_tokens(config.torch_device()), self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
+
+    def _reset_blocks(self) -> None:
+        """A fresh block manager: the new workers' pools hold nothing, so no cached prefix survives.
+        Only called when no sequence holds blocks (in-flight ones were failed; new ones still wait)."""
+        old = self.block_manager
+        self.block_manager = BlockManager(self.executor.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.block_manager.prefix_cache_queries = old.prefix_cache_queries
+        self.block_manager.prefix_cache_hits = old.prefix_cache_hits
+        self.scheduler.block_manager = self.block_manager
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -95,7 +108,52 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        output = self.worker.execute(batch)
+        try:
+            output = self.executor.execute(batch)
+        except WorkerFailure as e:
+            return self._recover(e)
+        return self._process(batch, output)
+
+    async def step_async(self) -> list[RequestOutput]:
+        """`step` for an event loop: requests can be added and aborted while the workers compute."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        try:
+            if hasattr(self.executor, "execute_async"):
+                output = await self.executor.execute_async(batch)
+            else:
+                output = await asyncio.to_thread(self.executor.execute, batch)
+        except WorkerFailure as e:
+            outputs = self._fail_in_flight(e)
+            # Off the event loop: requests that arrive meanwhile wait in the queue, holding no blocks.
+            await asyncio.to_thread(self.executor.restart)
+            self._reset_blocks()
+            return outputs
+        return self._process(batch, output)
+
+    def _recover(self, error: WorkerFailure) -> list[RequestOutput]:
+        outputs = self._fail_in_flight(error)
+        self.executor.restart()
+        self._reset_blocks()
+        return outputs
+
+    def _fail_in_flight(self, error: WorkerFailure) -> list[RequestOutput]:
+        """End every request that holds blocks with the error; queued ones stay queued."""
+        log.error("step failed, failing in-flight requests and restarting workers: %s", error)
+        self.num_failures += 1
+        outputs = []
+        for request in list(self.scheduler.requests.values()):
+            if not any(seq.status == SequenceStatus.RUNNING for seq in request.sequences):
+                continue  # holds no blocks, computed nothing: it simply waits for the new workers
+            for seq in request.sequences:
+                self.scheduler.finish(seq, "error")
+            out = self._output(request)
+            out.error = str(error)
+            outputs.append(out)
+        return outputs
+
+    def _process(self, batch, output) -> list[RequestOutput]:
         updated = self.scheduler.update(batch, output)
         requests: dict[str, Request] = {}
         for seq in updated:
@@ -140,7 +198,12 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting_requests(),
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "num_worker_failures": self.num_failures,
         }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -223,6 +286,9 @@ class LLM:
             for r in requests:
                 if results[order[r.request_id]] is None:
                     engine.abort_request(r.request_id)
+        errors = [o.error for o in results if o.error]
+        if errors:
+            raise WorkerFailure(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")
         return results  # type: ignore[return-value]
 
     def chat(
@@ -249,6 +315,16 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the worker actors (executor="ray"); a no-op in process."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def config(self) -> dict[str, Any]:
         return asdict(self.engine.config)

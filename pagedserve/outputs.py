@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     # Per token: {"token_id", "logprob", "top_logprobs": [(id, logprob), ...]} (model's raw distribution)
     logprobs: list[dict] | None = None
 
@@ -26,3 +26,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    error: str | None = None  # set when a worker failure ended the request

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.models.rope import RotaryEmbedding
 
 RANDOM_PREFIX = "random:"
@@ -72,72 +75,138 @@ _FUSED = [
 
 
 def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0) -> CausalLM:
-    """The model with its weights, on `device` in `dtype`, in eval mode."""
+                max_positions: int, seed: int = 0, tp: TPLayout | None = None) -> CausalLM:
+    """The model (this rank's shard of it) with its weights, on `device` in `dtype`, in eval mode."""
+    tp = tp or TPLayout.make(config)
     with torch.device("meta"):
-        model = CausalLM(config, max_positions)
+        model = CausalLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     # RoPE tables are computed, not loaded: build them for real (meta tensors hold no values).
     model.model.rope = RotaryEmbedding(config, max_positions).to(device)
     if source.is_random:
-        _init_random(model, config, seed)
+        _load(model, _random_tensors(config, seed), "random weights")
     else:
-        _load_safetensors(model, source.weights_dir)
+        _load(model, _safetensors(source.weights_dir), source.weights_dir.name)
     return model.eval().requires_grad_(False)
 
 
-def _init_random(model: CausalLM, config: ModelConfig, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:  # weights and biases alike, so bias code paths see non-zero values
-            p.data.copy_(torch.randn(p.shape, generator=gen) * config.initializer_range)
+# A tensor source yields (HF name, full shape, read(dim, start, stop) -> that slice of the tensor).
+Reader = Callable[[int, int, int], torch.Tensor]
 
 
-def _load_safetensors(model: CausalLM, weights_dir: Path) -> None:
+def _safetensors(weights_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
     from safetensors import safe_open
+
+    for f in sorted(weights_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            for key in st.keys():
+                sl = st.get_slice(key)
+                yield key, tuple(sl.get_shape()), functools.partial(_read_slice, sl)  # reads only this slice
+
+
+def _read_slice(sl, dim: int, start: int, stop: int) -> torch.Tensor:
+    return sl[start:stop] if dim == 0 else sl[:, start:stop]
+
+
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a transformers checkpoint of this config."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                   p + "mlp.down_proj.weight": (h, inter)}
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
+                       p + "mlp.down_proj.bias": (h,)}
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _random_tensors(config: ModelConfig, seed: int) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    import xxhash
+
+    for name, shape in hf_tensor_shapes(config).items():
+        # Seeded by name, not by order: every rank and every tp size draws the same full tensor.
+        gen = torch.Generator().manual_seed(xxhash.xxh64_intdigest(f"{seed}:{name}") & (2**63 - 1))
+        if name.endswith("norm.weight"):
+            full = torch.ones(shape)
+        else:
+            full = torch.randn(shape, generator=gen) * config.initializer_range
+        yield name, shape, functools.partial(_narrow, full)
+
+
+def _narrow(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    return full.narrow(dim, start, stop - start)
+
+
+def _shard(name: str, tp: TPLayout, config: ModelConfig) -> tuple[int, int, int] | None:
+    """(dim, start, length) of this rank's part of an HF tensor; None: every rank holds all of it."""
+    d = config.head_dim
+    if ".q_proj." in name:
+        return 0, tp.q_head_start * d, tp.num_heads * d
+    if ".k_proj." in name or ".v_proj." in name:
+        return 0, tp.kv_head_start * d, tp.num_kv_heads * d
+    if ".gate_proj." in name or ".up_proj." in name:
+        return 0, tp.rank * tp.intermediate_size, tp.intermediate_size
+    if name.endswith("o_proj.weight"):
+        return 1, tp.q_head_start * d, tp.num_heads * d
+    if name.endswith("down_proj.weight"):
+        return 1, tp.rank * tp.intermediate_size, tp.intermediate_size
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, tp.vocab_start, tp.vocab_shard  # the last shard may run past the vocabulary: padding
+    return None
+
+
+def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]], label: str) -> None:
     from tqdm import tqdm
 
-    config = model.config
+    config, tp = model.config, model.tp
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}  # elements written per parameter
-    files = sorted(weights_dir.glob("*.safetensors"))
-    names = []
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            names.extend((f, k) for k in st.keys())
-    sizes = {
-        "q": config.num_heads * config.head_dim,
-        "k": config.num_kv_heads * config.head_dim,
-        "v": config.num_kv_heads * config.head_dim,
-        "gate": config.intermediate_size,
-        "up": config.intermediate_size,
-    }
-    handles = {f: safe_open(f, framework="pt") for f in files}
-    for f, key in tqdm(names, desc=f"Loading {weights_dir.name}", unit="tensor", leave=False):
-        if key == "lm_head.weight" and config.tie_word_embeddings:
+    local = {"q": tp.num_heads * config.head_dim, "k": tp.num_kv_heads * config.head_dim,
+             "v": tp.num_kv_heads * config.head_dim, "gate": tp.intermediate_size, "up": tp.intermediate_size}
+    expected = hf_tensor_shapes(config)
+    for name, shape, read in tqdm(tensors, desc=f"Loading {label}", unit="tensor", leave=False,
+                                  total=len(expected)):
+        if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
-        if "rotary_emb" in key:
-            continue
-        tensor = handles[f].get_tensor(key)
-        target, offset = key, 0
+        if name in expected and tuple(shape) != expected[name]:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, "
+                             f"the config implies {expected[name]}")
+        target, offset = name, 0
         for pattern, fused, parts in _FUSED:
-            m = pattern.match(key)
-            if m:
+            if m := pattern.match(name):
                 target = f"{m.group(1)}.{fused}.{m.group(3)}"
-                offset = sum(sizes[p] for p in parts[: parts.index(m.group(2))])
+                offset = sum(local[p] for p in parts[: parts.index(m.group(2))])
                 break
         param = params.get(target)
         if param is None:
-            raise ValueError(f"checkpoint tensor {key!r} has no place in the {config.model_type} model")
-        part = param.data[offset: offset + tensor.shape[0]]
-        if part.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(part.shape)}")
-        part.copy_(tensor)
-        filled[target] += tensor.numel()
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.model_type} model")
+        dim, start, length = _shard(name, tp, config) or (0, 0, shape[0])
+        stop = min(start + length, shape[dim])
+        tensor = read(dim, start, stop)
+        region = param.data.narrow(0, offset, length) if dim == 0 else param.data  # what this tensor fills
+        dest = region.narrow(dim, 0, stop - start)
+        if stop - start < length:  # the last vocabulary shard's padding rows
+            region.narrow(dim, stop - start, length - (stop - start)).zero_()
+        if dest.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r}: slice {tuple(tensor.shape)} does not fit "
+                             f"{target} {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        filled[target] += region.numel()
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
-        raise ValueError(f"checkpoint in {weights_dir} lacks weights for: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(f"{label} lacks weights for: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))

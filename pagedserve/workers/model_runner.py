@@ -13,17 +13,17 @@ from pagedserve.workers.sampler import Sampler
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: ModuleType, block_size: int,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler | None) -> None:
         self.model = model
         self.kv_pool = kv_pool  # [L, 2, N, B, Hkv, D]
         self.backend = backend
         self.block_size = block_size
-        self.sampler = sampler
+        self.sampler = sampler  # None on tensor-parallel ranks other than 0: they return no tokens
         self.device = kv_pool.device
         self.dynamic_rope = model.model.rope.dynamic
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> StepOutput:
+    def execute(self, batch: StepBatch) -> StepOutput | None:
         if batch.block_copies:
             src = torch.tensor([s for s, _ in batch.block_copies], dtype=torch.long, device=self.device)
             dst = torch.tensor([d for _, d in batch.block_copies], dtype=torch.long, device=self.device)
@@ -31,10 +31,12 @@ class ModelRunner:
         input_ids, positions, ctx = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
         if not batch.samples:
-            return StepOutput(samples=[])
+            return StepOutput(samples=[]) if self.sampler else None
         last_token = ctx.cu_seqlens_q[1:] - 1  # [R]
         rows = torch.tensor([s.row for s in batch.samples], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32
+        logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32, a collective under TP
+        if self.sampler is None:
+            return None
         return StepOutput(samples=self.sampler(logits, batch.samples))
 
     def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:

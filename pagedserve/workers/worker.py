@@ -13,36 +13,54 @@ from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_
 from pagedserve.workers.loader import ModelSource, build_model
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
 
 class Worker:
+    """Rank `rank` of a tensor-parallel group of `world_size` (1: a plain single-device worker).
+
+    Two-phase start: the constructor loads the model shard and measures how many KV blocks fit
+    (`available_blocks`); the engine takes the minimum over ranks and calls `init_kv_pool`.
+    """
+
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, rank: int = 0, world_size: int = 1, dist_init_method: str | None = None) -> None:
         self.config = config
         self.model_config = model_config
+        self.rank = rank
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device, model_config.torch_dtype)
         self.max_model_len = max_model_len
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed)
+        if world_size > 1:
+            _init_distributed(self.device, rank, world_size, dist_init_method)
+        self.tp = TPLayout.make(model_config, rank, world_size)
+        self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed, self.tp)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
-        self.num_blocks = self._count_blocks()
-        self.kv_pool = allocate_kv_pool(model_config, self.num_blocks, config.block_size, self.dtype,
-                                        self.device)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.backend, config.block_size, self.sampler)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.num_blocks, config.block_size,
-                 self.kv_pool.numel() * self.kv_pool.element_size() / 2**20, self.device)
+        self.available_blocks = self._count_blocks()
+        self.num_blocks = 0
+        self.runner: ModelRunner | None = None
 
-    def execute(self, batch: StepBatch) -> StepOutput:
+    def init_kv_pool(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        kv_pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
+                                   self.tp.num_kv_heads)
+        self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
+                                  self.sampler if self.rank == 0 else None)
+        log.info("rank %d KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
+                 self.config.block_size, kv_pool.numel() * kv_pool.element_size() / 2**20, self.device)
+
+    def execute(self, batch: StepBatch) -> StepOutput | None:
+        """Every rank runs the step; rank 0 returns the sampled tokens, the others None."""
         return self.runner.execute(batch)
 
     def _count_blocks(self) -> int:
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp.num_kv_heads)
         if self.config.kv_cache_memory is not None:
             budget = parse_memory(self.config.kv_cache_memory)
         elif self.device.type == "cuda":
@@ -80,7 +98,7 @@ class Worker:
         row_len = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
         row_len = [n for n in row_len if n > 0]
         blocks = [-(-n // bs) for n in row_len]
-        pool = allocate_kv_pool(self.model_config, sum(blocks), bs, self.dtype, self.device)
+        pool = allocate_kv_pool(self.model_config, sum(blocks), bs, self.dtype, self.device, self.tp.num_kv_heads)
         tables, start = [], 0
         for n in blocks:
             tables.append(list(range(start, start + n)))
@@ -92,6 +110,19 @@ class Worker:
         batch = StepBatch(input_ids=[0] * tokens, cu_seqlens_q=cu, context_lens=row_len, block_tables=tables,
                           samples=[SampleSpec(seq_id=r, row=r, num_samples=1, sample_index=0, output_len=0,
                                               params=greedy) for r in range(len(row_len))])
-        ModelRunner(self.model, pool, self.backend, bs, self.sampler).execute(batch)
+        ModelRunner(self.model, pool, self.backend, bs, self.sampler if self.rank == 0 else None).execute(batch)
         torch.cuda.synchronize(self.device)
         del pool
+
+
+def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if init_method is None:
+        raise ValueError("tensor parallelism needs a dist_init_method (tcp://host:port)")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # A short timeout: a rank that died must not leave the others blocked in a collective for 30 minutes.
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))

@@ -1,7 +1,9 @@
 """Llama, Qwen2 and Qwen3 as one decoder driven by `ModelConfig` flags.
 
 Tokens of all rows are flattened into one [T, ...] batch; attention reads and writes the
-paged KV pool through `AttentionContext`. q/k/v and gate/up projections are fused.
+paged KV pool through `AttentionContext`. q/k/v and gate/up projections are fused. Under
+tensor parallelism (`TPLayout`) each rank holds its heads, MLP columns and vocabulary shard;
+o_proj and down_proj outputs are all-reduced, logits gathered.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
 from pagedserve.workers.models.rope import RotaryEmbedding
 
 
@@ -52,11 +55,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
+    """A projection whose input dim is split: partial products summed across ranks, bias added once."""
+    if tp.size == 1:
+        return linear(x)
+    out = all_reduce(F.linear(x, linear.weight), tp)
+    return out if linear.bias is None else out + linear.bias
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = tp.num_heads
+        self.num_kv_heads = tp.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -84,26 +96,44 @@ class Attention(nn.Module):
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,
                                         max_context_len=ctx.max_context_len)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return row_parallel(self.o_proj, o.reshape(-1, self.q_size), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.tp = tp
+        self.intermediate_size = tp.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds `vocab_shard` rows; ids outside the shard contribute zeros to the all-reduce."""
+
+    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(tp.vocab_shard, config.hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.tp.vocab_start
+        inside = (local >= 0) & (local < self.tp.vocab_shard)
+        out = F.embedding(local.clamp(0, self.tp.vocab_shard - 1), self.weight) * inside[:, None]
+        return all_reduce(out, self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,11 +144,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout) -> None:
         super().__init__()
         self.rope = RotaryEmbedding(config, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
+        self.embed_tokens = VocabParallelEmbedding(config, tp)
+        self.layers = nn.ModuleList([DecoderLayer(config, tp) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -126,12 +156,13 @@ class CausalLM(nn.Module):
     """Decoder + LM head. Parameter names follow Hugging Face, except the fused
     `qkv_proj` / `gate_up_proj` (the loader fills them from q/k/v and gate/up)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions)
+        self.tp = tp = tp or TPLayout.make(config)
+        self.model = DecoderModel(config, max_positions, tp)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, tp.vocab_shard, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -143,6 +174,7 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> fp32 logits [S, V]."""
+        """hidden [S, H] -> fp32 logits [S, V] (on every rank)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = all_gather_last_dim(F.linear(hidden, weight), self.tp)  # [S, tp * vocab_shard]
+        return logits[:, : self.config.vocab_size].float()

@@ -1,0 +1,185 @@
+"""Worker actors on Ray: one per GPU (or CPU slot), packed by a STRICT_PACK placement group so one
+tensor-parallel group shares a node. Each step's batch is `ray.put` once; every rank gets its ref."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pagedserve.config import EngineConfig
+from pagedserve.executor import WorkerFailure
+from pagedserve.scheduler.batch import StepBatch, StepOutput
+from pagedserve.workers.loader import ModelSource
+from pagedserve.workers.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+STEP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STEP_TIMEOUT_S", "600"))
+
+
+class WorkerActor:
+    """Holds one rank's `Worker`. Created light; `setup` loads the model so errors reach the caller."""
+
+    def __init__(self, rank: int, world_size: int, threads: int) -> None:
+        import torch
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        torch.set_num_threads(threads)
+        self.rank = rank
+        self.world_size = world_size
+        self.worker = None
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def setup(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, max_model_len: int,
+              dist_init_method: str | None) -> int:
+        from pagedserve.workers.worker import Worker
+
+        self.worker = Worker(config, source, model_config, max_model_len, self.rank, self.world_size,
+                             dist_init_method)
+        return self.worker.available_blocks
+
+    def init_kv_pool(self, num_blocks: int) -> None:
+        self.worker.init_kv_pool(num_blocks)
+
+    def execute(self, batch: StepBatch) -> StepOutput | None:
+        return self.worker.execute(batch)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def ensure_ray(min_cpus: int = 1) -> None:
+    """Join the cluster named by RAY_ADDRESS (or the one this process runs in), else start a local one."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=env)
+    else:
+        # Logical CPUs: one per worker slot even on a small machine (the workers share the cores).
+        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), runtime_env=env, include_dashboard=False)
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.source = source
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.world_size = config.tensor_parallel_size
+        self.use_gpu = config.device == "cuda" or (config.device == "auto" and _cluster_has_gpus(self.world_size))
+        self.workers: list = []
+        self.placement_group = None
+        self.num_blocks = 0
+        self._start()
+
+    def _start(self) -> None:
+        ensure_ray(self.world_size + 1)
+        bundle = {"GPU": 1, "CPU": 1} if self.use_gpu else {"CPU": 1}
+        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="STRICT_PACK")
+        self.placement_group = pg
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(f"the Ray cluster cannot place {self.world_size} workers of {bundle} on one node "
+                               f"within {PLACEMENT_TIMEOUT_S:.0f}s: not enough resources") from None
+        cpu_threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        actor_cls = ray.remote(WorkerActor)
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
+            options = {"num_gpus": 1, "num_cpus": 1} if self.use_gpu else {"num_cpus": 1}
+            self.workers.append(actor_cls.options(scheduling_strategy=strategy, max_concurrency=2, **options)
+                                .remote(rank, self.world_size, cpu_threads))
+        init_method = None
+        if self.world_size > 1:
+            # STRICT_PACK puts every rank on one node, so the rendezvous stays on loopback.
+            init_method = f"tcp://127.0.0.1:{ray.get(self.workers[0].free_port.remote())}"
+        try:
+            capacities = ray.get([w.setup.remote(self.config, self.source, self.model_config, self.max_model_len,
+                                                 init_method) for w in self.workers])
+            # Every rank must hold every block the scheduler hands out: the smallest pool wins.
+            self.num_blocks = min(capacities) if not self.num_blocks else self.num_blocks
+            ray.get([w.init_kv_pool.remote(self.num_blocks) for w in self.workers])
+        except RayError as e:
+            self.shutdown()
+            raise RuntimeError(f"starting the worker actors failed: {_cause(e)}") from e
+        log.info("%d worker actor(s) ready, %d KV blocks each", self.world_size, self.num_blocks)
+
+    def _dispatch(self, batch: StepBatch) -> list:
+        if not self.workers:
+            raise WorkerFailure("no worker actors (an earlier restart failed)")
+        ref = ray.put(batch)  # one copy in the object store; every rank reads the same ref
+        return [w.execute.remote(ref) for w in self.workers]
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        refs = self._dispatch(batch)
+        pending = list(refs)
+        try:
+            # Wait for every rank, but fail as soon as any one fails: the others may be stuck in a
+            # collective waiting for the dead one.
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=STEP_TIMEOUT_S)
+                if not done:
+                    raise WorkerFailure(f"a worker did not finish the step within {STEP_TIMEOUT_S:.0f}s")
+                ray.get(done)
+            return ray.get(refs[0])
+        except RayError as e:
+            raise WorkerFailure(f"worker failed during a step: {_cause(e)}") from e
+
+    async def execute_async(self, batch: StepBatch) -> StepOutput:
+        refs = self._dispatch(batch)
+        futures = [asyncio.wrap_future(r.future()) for r in refs]
+        done, pending = await asyncio.wait(futures, timeout=STEP_TIMEOUT_S, return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                for p in pending:
+                    p.cancel()
+                raise WorkerFailure(f"worker failed during a step: {_cause(f.exception())}") from f.exception()
+        if pending:
+            for p in pending:
+                p.cancel()
+            raise WorkerFailure(f"a worker did not finish the step within {STEP_TIMEOUT_S:.0f}s")
+        return futures[0].result()
+
+    def restart(self) -> None:
+        """Replace every worker (the survivors may be wedged in a collective) with the same pool size."""
+        self.shutdown()
+        self._start()
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.workers = []
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
+            self.placement_group = None
+
+
+def _cluster_has_gpus(count: int) -> bool:
+    ensure_ray(count + 1)
+    return ray.cluster_resources().get("GPU", 0) >= count
+
+
+def _cause(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,73 @@
+"""Tensor-parallel layout (Megatron-style) and the collectives the model shard needs.
+
+Query heads and MLP columns are split across ranks; KV heads too, or replicated when
+tp > num_kv_heads; the vocabulary is split in equal (padded) shards. With one rank every
+collective is a no-op, so the single-device path runs exactly the plain model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    rank: int
+    size: int
+    num_heads: int  # local query heads
+    num_kv_heads: int  # local KV heads
+    q_head_start: int
+    kv_head_start: int
+    intermediate_size: int  # local MLP columns
+    vocab_start: int
+    vocab_shard: int  # rows per rank (the last shard is padded)
+
+    @classmethod
+    def make(cls, config, rank: int = 0, size: int = 1) -> TPLayout:
+        """Raises ValueError when `size` cannot split this model evenly."""
+        check_tp_size(config, size)
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} outside [0, {size})")
+        heads = config.num_heads // size
+        if config.num_kv_heads >= size:
+            kv_heads = config.num_kv_heads // size
+            kv_start = rank * kv_heads
+        else:  # replicate: each rank's query heads all map onto one KV head
+            kv_heads = 1
+            kv_start = rank * config.num_kv_heads // size
+        inter = config.intermediate_size // size
+        shard = -(-config.vocab_size // size)
+        return cls(rank, size, heads, kv_heads, rank * heads, kv_start, inter, rank * shard, shard)
+
+
+def check_tp_size(config, size: int) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size={size!r} must be an integer >= 1")
+    if config.num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={config.num_heads}")
+    if config.num_kv_heads % size and size % config.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={config.num_kv_heads}: "
+                         "one must divide the other (KV heads are split or replicated)")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={config.intermediate_size}")
+
+
+def all_reduce(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
+    if layout.size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
+    """[..., n] on every rank -> [..., size * n] in rank order."""
+    if layout.size == 1:
+        return x
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(layout.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,186 @@
+"""The engine on a real local Ray cluster: worker actors, tensor parallelism, the EngineActor, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.cluster.engine_actor import EngineActor, RequestFailed  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
+
+from .test_parity import hf_greedy  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    # More logical CPUs than cores: up to four single-CPU worker actors share the two cores.
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    """Qwen2 (q/k/v bias), 4 heads / 2 KV heads, untied LM head, vocab not divisible by 4."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(21)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path_factory.mktemp("qwen2_tp")
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 1001, (n,), generator=gen).tolist() for n in (1, 15, 16, 17, 70)]
+    return str(path), prompts, hf_greedy(model, prompts, new_tokens=16)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])  # 4 > num_kv_heads: KV heads are replicated
+def test_tensor_parallel_matches_transformers(tiny_qwen2, tp):
+    path, prompts, expected = tiny_qwen2
+    with LLM(path, executor="ray", tensor_parallel_size=tp) as llm:
+        assert tokens(llm.generate(prompts, GREEDY)) == expected
+        stats = llm.stats()
+        assert stats["tensor_parallel_size"] == tp
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1_and_transformers(embedded_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded_dir)
+    prompts = [tok.encode(t) for t in ("The capital of France is", "Once upon a time, in a small village",
+                                       "def fibonacci(n):")]
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
+    expected = hf_greedy(model, prompts, new_tokens=16)
+    assert tokens(LLM(str(embedded_dir)).generate(prompts, GREEDY)) == expected
+    with LLM(str(embedded_dir), executor="ray", tensor_parallel_size=3) as llm:  # 9 heads, 3 KV heads
+        assert tokens(llm.generate(prompts, GREEDY)) == expected
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide num_attention_heads=9"):
+        LLM(str(embedded_dir), executor="ray", tensor_parallel_size=2)
+
+
+def test_tensor_parallel_needs_ray_executor(tiny_qwen2):
+    with pytest.raises(ValueError, match="executor='ray'"):
+        LLM(tiny_qwen2[0], tensor_parallel_size=2)
+
+
+async def collect(engine, prompt, params, request_id=None):
+    last = None
+    async for ref in engine.generate.options(num_returns="streaming").remote(prompt, params, request_id):
+        last = await ref
+    return last
+
+
+def test_engine_actor_serves_200_concurrent_requests(tiny_qwen2):
+    path, prompts, expected = tiny_qwen2
+    engine = EngineActor.remote(EngineConfig(model=path, max_num_seqs=64))
+    try:
+        async def run():
+            jobs = []
+            for i in range(200):
+                if i % 10 == 0:  # some with known greedy answers
+                    jobs.append(collect(engine, prompts[i // 10 % len(prompts)], GREEDY))
+                else:
+                    jobs.append(collect(engine, [i % 1001, 7, 8], SamplingParams(max_tokens=1 + i % 23, seed=i,
+                                                                                   ignore_eos=True)))
+            return await asyncio.gather(*jobs)
+
+        outs = asyncio.run(run())
+        for i, out in enumerate(outs):
+            assert out.finished
+            if i % 10 == 0:
+                assert out.outputs[0].token_ids == expected[i // 10 % len(prompts)]
+            else:
+                assert len(out.outputs[0].token_ids) == 1 + i % 23
+        stats = ray.get(engine.stats.remote())
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert stats["num_running"] == stats["num_waiting"] == stats["num_streams"] == 0
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+
+
+def test_bad_request_through_the_actor_names_the_field(tiny_qwen2):
+    engine = EngineActor.remote(EngineConfig(model=tiny_qwen2[0]))
+    try:
+        bad = SamplingParams(max_tokens=4)
+        bad.top_p = 0.0
+        with pytest.raises(ValueError, match="top_p"):
+            asyncio.run(collect(engine, [1, 2, 3], bad))
+        out = asyncio.run(collect(engine, [1, 2, 3], GREEDY))
+        assert len(out.outputs[0].token_ids) == 16
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+
+
+def test_cancelled_stream_frees_its_blocks(tiny_qwen2):
+    engine = EngineActor.remote(EngineConfig(model=tiny_qwen2[0]))
+    try:
+        async def run():
+            gen = engine.generate.options(num_returns="streaming").remote(
+                [5] * 40, SamplingParams(max_tokens=400, ignore_eos=True))
+            await (await gen.__anext__())
+            ray.cancel(gen)
+            for _ in range(100):
+                stats = await engine.stats.remote()
+                if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
+                    return stats
+                await asyncio.sleep(0.1)
+            return stats
+
+        stats = asyncio.run(run())
+        assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+
+
+def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2):
+    path, prompts, expected = tiny_qwen2
+    engine = EngineActor.remote(EngineConfig(model=path, executor="ray", tensor_parallel_size=2))
+    try:
+        async def run():
+            long_job = asyncio.ensure_future(collect(engine, [3] * 30, SamplingParams(max_tokens=400,
+                                                                                       ignore_eos=True)))
+            while (await engine.stats.remote())["num_running"] == 0:
+                await asyncio.sleep(0.05)
+            pids = await engine.worker_pids.remote()
+            os.kill(pids[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RequestFailed, match="worker"):
+                await asyncio.wait_for(long_job, timeout=30)
+            failed_after = time.monotonic() - t0
+            # The next request runs on rebuilt workers.
+            out = await collect(engine, prompts[4], GREEDY)
+            return failed_after, out, await engine.stats.remote(), pids, await engine.worker_pids.remote()
+
+        failed_after, out, stats, old_pids, new_pids = asyncio.run(run())
+        assert failed_after < 30
+        assert out.outputs[0].token_ids == expected[4]
+        assert stats["num_worker_failures"] == 1
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert set(new_pids).isdisjoint(old_pids)
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
