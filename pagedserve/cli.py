@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 1GiB (CPU default 1GiB)")
+    gen.add_argument("--executor", choices=["local", "ray"], default="local",
+                     help="ray: worker actors on the Ray cluster of RAY_ADDRESS (else a local one)")
+    gen.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
     return parser
 
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+                  executor=args.executor, tensor_parallel_size=args.tensor_parallel_size)
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": args.prompt})
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(completion.text)
     if args.stats:
         print(llm.stats(), file=sys.stderr)
+    llm.shutdown()
     return 0
 
 

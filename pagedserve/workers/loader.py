@@ -140,7 +140,7 @@ def _random_tensors(config: ModelConfig, seed: int) -> Iterator[tuple[str, tuple
 
     for name, shape in hf_tensor_shapes(config).items():
         # Seeded by name, not by order: every rank and every tp size draws the same full tensor.
-        gen = torch.Generator().manual_seed(xxhash.xxh64_intdigest(f"{seed}:{name}") & (2**63 - 1))
+        gen = torch.Generator().manual_seed(xxhash.xxh64_intdigest(f"{seed}:{name}".encode()) & (2**63 - 1))
         if name.endswith("norm.weight"):
             full = torch.ones(shape)
         else:
