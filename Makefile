@@ -23,11 +23,12 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/pagedserve generate --chat "What is the capital of France?"
 
+# In a loopback-only network namespace where possible: Ray binds every interface (scripts/loopback-netns.sh).
 test: install
-	$(PY) -m pytest -q
+	scripts/loopback-netns.sh $(PY) -m pytest -q
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	scripts/loopback-netns.sh $(PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check pagedserve tests benchmarks
