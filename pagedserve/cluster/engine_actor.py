@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,13 +30,24 @@ class RequestFailed(RuntimeError):
     """A worker failure ended the request; the engine has recovered and serves new requests."""
 
 
-class EngineCore:
-    """The actor's logic, usable in any asyncio loop (the actor wraps it, tests may too)."""
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the client should retry later (RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+
+class EngineCore:
+    """The actor's logic, usable in any asyncio loop (the actor and the Serve deployment wrap it).
+
+    `max_waiting_requests` bounds the admission queue; `metrics` (an EngineMetrics) is optional.
+    """
+
+    def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None, metrics=None) -> None:
         from pagedserve.engine import LLMEngine
 
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
         self.engine = LLMEngine(config)
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -43,6 +55,10 @@ class EngineCore:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError naming the field), queue, and yield outputs until the request ends."""
+        waiting = len(self.engine.scheduler.waiting)
+        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+            raise QueueFull(f"{waiting} requests are waiting (max_waiting_requests={self.max_waiting_requests}); "
+                            "retry later")
         request = self.engine.make_request(prompt, params, request_id)
         rid = request.request_id
         if rid in self._streams:
@@ -53,12 +69,22 @@ class EngineCore:
         self._start_loop()
         self._work.set()
         finished = False
+        arrival = last = time.monotonic()
+        num_tokens = 0
         try:
             while not finished:
                 out = await queue.get()
                 if out.error:
                     raise RequestFailed(out.error)
                 finished = out.finished
+                if self.metrics is not None:
+                    now = time.monotonic()
+                    total = sum(len(c.token_ids) for c in out.outputs)
+                    self.metrics.on_tokens(total - num_tokens, num_tokens == 0, now - last)
+                    num_tokens, last = total, now
+                    if finished:
+                        self.metrics.on_finish([c.finish_reason or "abort" for c in out.outputs],
+                                               len(out.prompt_token_ids), now - arrival)
                 yield out
         finally:
             self._streams.pop(rid, None)
@@ -84,8 +110,11 @@ class EngineCore:
                 self._work.clear()
                 await self._work.wait()
                 continue
+            start = time.monotonic()
             try:
                 outputs = await self.engine.step_async()
+                if self.metrics is not None:
+                    self.metrics.on_step(time.monotonic() - start, self.engine.stats())
             except Exception:  # a bug must not silently stall every stream: fail them and go on
                 log.exception("engine step failed")
                 outputs = []

@@ -4,7 +4,7 @@
     python -m pagedserve.protos.generate --out DIR  # write them elsewhere (the freshness test does)
 
 grpc_tools names the generated modules after the proto's path (pagedserve/v1/...), which would clash
-with this package; the stubs are written flat into pagedserve/protos/ with their imports rewritten.
+with this package; the stubs are written flat into pagedserve/protos/ with their module names rewritten.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
         for f in sorted((Path(tmp) / "pagedserve" / "v1").iterdir()):
             text = re.sub(r"^from pagedserve\.v1 import (\w+)", r"from pagedserve.protos import \1", f.read_text(),
                           flags=re.M)
+            # The message classes' __module__ too, or they cannot be pickled (Ray Serve pickles requests).
+            text = re.sub(r"\bpagedserve\.v1\.(\w+_pb2)\b", r"pagedserve.protos.\1", text)
             target = out_dir / f.name
             target.write_text(text)
             written.append(target)

@@ -1,0 +1,64 @@
+"""Engine metrics as `ray.util.metrics`: they appear on every Ray node's metrics export endpoint
+(Prometheus text) and on the Ray dashboard's Metrics view. Names are prefixed `pagedserve_`
+(Ray adds `ray_` in front when exporting)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+_E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+
+
+class EngineMetrics:
+    def __init__(self, model: str) -> None:
+        tags = ("model",)
+        self._tags = {"model": model}
+        self.running = Gauge("pagedserve_requests_running", "Requests with sequences in the running batch.", tags)
+        self.waiting = Gauge("pagedserve_requests_waiting", "Requests queued for admission.", tags)
+        self.kv_usage = Gauge("pagedserve_kv_cache_usage", "Fraction of KV blocks in use (0..1).", tags)
+        self.prefix_queries = Counter("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache.", tags)
+        self.prefix_hits = Counter("pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tags)
+        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted (recomputed later).", tags)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests.", tags)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "Generated tokens.", tags)
+        self.finished = Counter("pagedserve_requests_finished", "Finished requests by finish reason.",
+                                ("model", "reason"))
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS,
+                              tags)
+        self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Time between a request's tokens.",
+                             _LATENCY_BUCKETS, tags)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             _E2E_BUCKETS, tags)
+        self.step_time = Histogram("pagedserve_step_time_seconds", "Engine step time (schedule, workers, update).",
+                                   _LATENCY_BUCKETS, tags)
+        self._last: dict[str, int] = {}
+
+    def on_step(self, seconds: float, stats: dict[str, Any]) -> None:
+        t = self._tags
+        self.step_time.observe(seconds, t)
+        self.running.set(stats["num_running"], t)
+        self.waiting.set(stats["num_waiting"], t)
+        total = stats["num_total_blocks"]
+        self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0, t)
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                             ("num_preemptions", self.preemptions)):
+            delta = stats[key] - self._last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta, t)
+            self._last[key] = stats[key]
+
+    def on_tokens(self, count: int, first: bool, since_last: float) -> None:
+        if count <= 0:
+            return
+        self.generation_tokens.inc(count, self._tags)
+        (self.ttft if first else self.itl).observe(since_last, self._tags)
+
+    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None:
+        for reason in reasons:
+            self.finished.inc(1, {"model": self._tags["model"], "reason": reason})
+        self.prompt_tokens.inc(prompt_tokens, self._tags)
+        self.e2e.observe(seconds, self._tags)
