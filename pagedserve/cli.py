@@ -1,4 +1,5 @@
-"""`pagedserve generate "prompt" [--chat] ...`: one generation from the command line."""
+"""`pagedserve generate "prompt" [--chat] ...`: one generation from the command line; `pagedserve client
+...` talks to a running server instead (pagedserve/client/cli.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import argparse
 import logging
 import os
 import sys
+
+from pagedserve.client.cli import register as register_client
+from pagedserve.client.cli import run as run_client
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,11 +34,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="ray: worker actors on the Ray cluster of RAY_ADDRESS (else a local one)")
     gen.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
+    register_client(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "client":  # run_client imports grpc; the offline path below never does
+        return run_client(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from pagedserve import LLM, SamplingParams

@@ -108,7 +108,11 @@ class EngineCore:
         while True:
             if not self.engine.has_unfinished_requests():
                 self._work.clear()
-                await self._work.wait()
+                try:
+                    await asyncio.wait_for(self._work.wait(), timeout=1.0)
+                except TimeoutError:
+                    if self.metrics is not None:
+                        self.metrics.on_state(self.engine.stats())
                 continue
             start = time.monotonic()
             try:

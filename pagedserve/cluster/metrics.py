@@ -38,8 +38,13 @@ class EngineMetrics:
         self._last: dict[str, int] = {}
 
     def on_step(self, seconds: float, stats: dict[str, Any]) -> None:
+        self.step_time.observe(seconds, self._tags)
+        self.on_state(stats)
+
+    def on_state(self, stats: dict[str, Any]) -> None:
+        """Gauges and cumulative counters from engine stats; also called while idle, so the gauges read
+        the current state (0 running once traffic stops), not the last busy step's."""
         t = self._tags
-        self.step_time.observe(seconds, t)
         self.running.set(stats["num_running"], t)
         self.waiting.set(stats["num_waiting"], t)
         total = stats["num_total_blocks"]

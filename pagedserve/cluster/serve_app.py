@@ -324,6 +324,26 @@ def _error_response(e: Exception) -> JSONResponse:
                         status_code=err.http_status)
 
 
+# Defined before Ingress: @serve.ingress pickles the routes (and what they reference) right away.
+def _content_text(content: Any) -> Any:
+    """OpenAI content may be a list of parts; the text parts are joined."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content
+
+
+def _completion_logprobs(entries: list[dict]) -> dict[str, Any]:
+    return {"token_logprobs": [e["logprob"] for e in entries], "tokens": [str(e["token_id"]) for e in entries],
+            "top_logprobs": [{str(t): v for t, v in e["top_logprobs"]} for e in entries], "text_offset": []}
+
+
+def _chat_logprobs(entries: list[dict]) -> list[dict[str, Any]]:
+    return [{"token": str(e["token_id"]), "logprob": e["logprob"], "bytes": None,
+             "top_logprobs": [{"token": str(t), "logprob": v, "bytes": None} for t, v in e["top_logprobs"]]}
+            for e in entries]
+
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(api)
 class Ingress(GrpcService):
@@ -440,24 +460,6 @@ class Ingress(GrpcService):
             err = classify(e)
             yield f"data: {json.dumps({'error': {'message': err.message, 'code': err.http_status}})}\n\n"
         yield "data: [DONE]\n\n"
-
-
-def _content_text(content: Any) -> Any:
-    """OpenAI content may be a list of parts; the text parts are joined."""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return content
-
-
-def _completion_logprobs(entries: list[dict]) -> dict[str, Any]:
-    return {"token_logprobs": [e["logprob"] for e in entries], "tokens": [str(e["token_id"]) for e in entries],
-            "top_logprobs": [{str(t): v for t, v in e["top_logprobs"]} for e in entries], "text_offset": []}
-
-
-def _chat_logprobs(entries: list[dict]) -> list[dict[str, Any]]:
-    return [{"token": str(e["token_id"]), "logprob": e["logprob"], "bytes": None,
-             "top_logprobs": [{"token": str(t), "logprob": v, "bytes": None} for t, v in e["top_logprobs"]]}
-            for e in entries]
 
 
 # ---- the application ----------------------------------------------------------------------------------

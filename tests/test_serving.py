@@ -1,0 +1,266 @@
+"""The Serve application from deploy/config.yaml (tiny random model by override) through real Ray Serve,
+real gRPC (the SDK) and real HTTP (the official openai client). Run inside `make test`'s loopback-only
+network namespace: Serve's gRPC proxy binds every interface."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("grpc")
+yaml = pytest.importorskip("yaml")
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "config.yaml"
+GRPC = "127.0.0.1:9000"
+HTTP = "http://127.0.0.1:8000"
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny_random: layers x (K, V) x block x kv heads x head dim x fp32
+MAX_MODEL_LEN = 512
+POOL_BLOCKS = 24  # 384 tokens: a request of 410 never fits; 50 concurrent streams must preempt
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS_PORT = free_port()
+
+
+@pytest.fixture(scope="module")
+def app(tiny_random):
+    from pagedserve.cluster.serve_app import build_app
+
+    config = yaml.safe_load(CONFIG.read_text())
+    ray.init(num_cpus=6, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
+    spec = config["applications"][0]
+    args = dict(spec["args"], model=tiny_random, max_model_len=MAX_MODEL_LEN, kv_cache_memory=POOL_BLOCKS * BLOCK_BYTES)
+    serve.run(build_app(args), name=spec["name"], route_prefix=spec["route_prefix"])
+    # A second application with a tiny queue, for RESOURCE_EXHAUSTED.
+    serve.run(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
+              route_prefix="/bounded")
+    yield spec["name"]
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_random):
+    return LLM(tiny_random, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture
+def client(app):
+    from pagedserve.client import Client
+
+    with Client(GRPC, application=app, timeout=120) as c:
+        yield c
+
+
+def engine_stats(app_name: str = "pagedserve") -> dict:
+    return serve.get_deployment_handle("EngineServer", app_name).stats.remote().result()
+
+
+def wait_idle(app_name: str = "pagedserve", timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine_stats(app_name)
+        if (stats["num_running"] == stats["num_waiting"] == 0
+                and stats["num_free_blocks"] == stats["num_total_blocks"]) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_stream_equals_unary_and_offline_greedy(client, offline):
+    prompt = "The quick brown fox jumps over"
+    chunks = list(client.stream(prompt, **GREEDY))
+    unary = client.generate(prompt, **GREEDY)
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == unary.token_ids
+    expected = offline.generate([prompt], SamplingParams(**GREEDY))[0].outputs[0]
+    assert unary.token_ids == expected.token_ids and unary.text == expected.text
+    assert unary.finish_reason == "length"
+    assert unary.usage["completion_tokens"] == 24 and chunks[-1].usage is not None
+
+
+def test_chat_tokenize_model_info_health(client, offline):
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = client.chat(messages, **GREEDY)
+    assert out.token_ids == offline.chat(messages, SamplingParams(**GREEDY))[0].outputs[0].token_ids
+    assert client.tokenize(text="Hello world") == offline.tokenizer.encode("Hello world", add_special_tokens=False)
+    info = client.model_info()
+    assert info["max_model_len"] == MAX_MODEL_LEN and info["block_size"] == 16
+    assert info["num_kv_blocks"] == POOL_BLOCKS and info["kv_capacity_tokens"] == POOL_BLOCKS * 16
+    assert client.health() == "SERVING"
+
+
+def test_50_concurrent_streams_complete(app, offline):
+    from pagedserve.client import AsyncClient
+
+    prompts = [f"Request number {i} says" for i in range(50)]
+
+    async def run():
+        async with AsyncClient(GRPC, application=app, timeout=300) as c:
+            async def one(i):
+                chunks = [ch async for ch in c.stream(prompts[i], temperature=0, max_tokens=8 + i % 9,
+                                                      ignore_eos=True)]
+                return [t for ch in chunks for t in ch.token_ids], chunks[-1].finish_reason
+            return await asyncio.gather(*(one(i) for i in range(50)))
+
+    results = asyncio.run(run())
+    for i, (tokens, reason) in enumerate(results):
+        assert len(tokens) == 8 + i % 9 and reason == "length"
+    expected = offline.generate(prompts[:5], [SamplingParams(temperature=0, max_tokens=8 + i % 9, ignore_eos=True)
+                                              for i in range(5)])
+    assert [r[0] for r in results[:5]] == [o.outputs[0].token_ids for o in expected]
+    stats = wait_idle()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_preemptions"] > 0  # 50 streams on a 24-block pool
+
+
+def test_cancelled_stream_frees_its_blocks(client):
+    stream = client.stream("Tell me a long story", max_tokens=300, ignore_eos=True)
+    first = next(iter(stream))
+    assert first.token_ids
+    stream.close() if hasattr(stream, "close") else None
+    del stream
+    stats = wait_idle()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[1, 2, 10**6]), "prompt_token_ids"),
+    (dict(prompt=[5] * (MAX_MODEL_LEN + 1)), "max_model_len"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", top_p=0.0), "top_p"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", top_k=0), "top_k"),
+    (dict(prompt="hi", top_k=-2), "top_k"),
+    (dict(prompt="hi", n=0), "n"),
+    (dict(prompt=[5] * 10, max_tokens=400), "can never fit"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD)
+def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
+    from pagedserve.client import InvalidArgument
+
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(InvalidArgument, match=re.escape(field)):
+        client.generate(prompt, **kwargs)
+    assert len(client.generate("still serving", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_full_queue_is_resource_exhausted(app):
+    from pagedserve.client import AsyncClient, ResourceExhausted
+
+    async def run():
+        async with AsyncClient(GRPC, application="bounded", timeout=120, max_retries=0) as c:
+            async def one():
+                try:
+                    return await c.generate("x", max_tokens=60, ignore_eos=True)
+                except ResourceExhausted as e:
+                    return e
+            return await asyncio.gather(*(one() for _ in range(6)))
+
+    results = asyncio.run(run())
+    rejected = [r for r in results if isinstance(r, ResourceExhausted)]
+    assert rejected and "max_waiting_requests" in str(rejected[0])
+    assert any(not isinstance(r, Exception) for r in results)
+    wait_idle("bounded")
+
+
+def test_openai_client_completions_and_chat(app, client):
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{HTTP}/v1", api_key="unused", max_retries=0)
+    model = oai.models.list().data[0].id
+    prompt = "Once upon a time"
+    ref = client.generate(prompt, **GREEDY)
+    done = oai.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert done.choices[0].text == ref.text and done.choices[0].model_extra["token_ids"] == ref.token_ids
+    streamed = oai.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == ref.text
+
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat_ref = client.chat(messages, **GREEDY)
+    chat = oai.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == chat_ref.text
+    assert chat.choices[0].model_extra["token_ids"] == chat_ref.token_ids
+    chunks = oai.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_ref.text
+
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        oai.completions.create(model=model, prompt=prompt, top_p=5.0)
+    with pytest.raises(openai.NotFoundError, match="model"):
+        oai.completions.create(model="no-such-model", prompt=prompt)
+    health = urllib.request.urlopen(f"{HTTP}/health", timeout=10).read()
+    assert b"ok" in health
+
+
+METRICS = ["pagedserve_requests_running", "pagedserve_requests_waiting", "pagedserve_kv_cache_usage",
+           "pagedserve_prefix_cache_queries", "pagedserve_prefix_cache_hits", "pagedserve_preemptions",
+           "pagedserve_prompt_tokens", "pagedserve_generation_tokens", "pagedserve_requests_finished",
+           "pagedserve_time_to_first_token_seconds", "pagedserve_inter_token_latency_seconds",
+           "pagedserve_e2e_request_latency_seconds", "pagedserve_step_time_seconds"]
+# Gauges can read 0 once traffic stops; the rest must have counted something.
+MUST_BE_NONZERO = [m for m in METRICS if m not in ("pagedserve_requests_running", "pagedserve_requests_waiting",
+                                                     "pagedserve_kv_cache_usage")]
+
+
+def scrape() -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^ray_(pagedserve_\w+?)(_total|_count|_sum|_bucket)?(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
+        if m and m.group(2) in (None, "_total", "_count"):
+            values[m.group(1)] = max(values.get(m.group(1), 0.0), float(m.group(4)))
+    return values
+
+
+def test_metrics_endpoint_shows_every_metric(app, client):
+    from pagedserve.client import AsyncClient
+
+    long_prompt = ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+                   "seventeen eighteen nineteen twenty")  # > one 16-token block
+    client.generate(long_prompt, **GREEDY)
+    client.generate(long_prompt, **GREEDY)  # its first full block is a prefix-cache hit now
+
+    async def crowd():  # more than the 24-block pool holds at once: preemptions
+        async with AsyncClient(GRPC, application=app, timeout=300) as c:
+            await asyncio.gather(*(c.generate(f"{i} {long_prompt}", max_tokens=40, ignore_eos=True)
+                                   for i in range(12)))
+
+    asyncio.run(crowd())
+    deadline = time.monotonic() + 60  # metrics are exported on an interval
+    while True:
+        values = scrape()
+        missing = [m for m in METRICS if m not in values]
+        zero = [m for m in MUST_BE_NONZERO if values.get(m, 0) <= 0]
+        if (not missing and not zero) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, f"not exported: {missing}"
+    assert not zero, f"zero despite traffic: {zero}"
