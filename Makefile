@@ -7,7 +7,7 @@ PYTHON ?= python3
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-fast lint bench clean
+.PHONY: install run generate test test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The server: gRPC on :9000, OpenAI-compatible HTTP on 127.0.0.1:8000 (deploy/config.yaml). Ctrl-C stops it.
 run: install
+	$(VENV)/bin/serve run deploy/config.yaml
+
+# The offline engine, no server: one chat answer from the embedded model.
+generate: install
 	$(VENV)/bin/pagedserve generate --chat "What is the capital of France?"
 
 # In a loopback-only network namespace where possible: Ray binds every interface (scripts/loopback-netns.sh).

@@ -264,3 +264,40 @@ def test_metrics_endpoint_shows_every_metric(app, client):
         time.sleep(2)
     assert not missing, f"not exported: {missing}"
     assert not zero, f"zero despite traffic: {zero}"
+
+
+def test_deadline_aborts_the_request_and_frees_blocks(client):
+    from pagedserve.client import DeadlineExceeded
+
+    with pytest.raises(DeadlineExceeded):
+        client.generate("Tell me everything", max_tokens=300, ignore_eos=True, timeout=0.5)
+    stats = wait_idle()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_reflection_lists_the_service(app):
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(GRPC) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                            timeout=10)
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert "pagedserve.v1.PagedServe" in names
+
+
+def test_engine_gone_is_unavailable(app):
+    """Runs last: it kills the bounded app's engine replica under a live stream."""
+    from pagedserve.client import Client, Unavailable
+
+    with Client(GRPC, application="bounded", timeout=120, max_retries=0) as c:
+        stream = c.stream("x", max_tokens=300, ignore_eos=True)
+        assert next(iter(stream)).token_ids
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if "bounded" in a["name"] and "EngineServer" in a["name"]]
+        assert replicas, "no EngineServer replica of the bounded app"
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+        with pytest.raises(Unavailable, match="engine unavailable"):
+            for _ in stream:
+                pass
