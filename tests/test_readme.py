@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(sys.executable).resolve().parent.parent
+VENV = Path(sys.prefix)  # the virtualenv running the tests
 
 
 @pytest.mark.slow
