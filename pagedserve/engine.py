@@ -27,7 +27,7 @@ Prompt = str | list[int]
 
 
 class LLMEngine:
-    """Owns the scheduler and the worker. `add_request` then `step()` until nothing is left."""
+    """Owns the scheduler and the executor. `add_request` then `step()` until nothing is left."""
 
     def __init__(self, config: EngineConfig) -> None:
         from pagedserve.workers.models.parallel import check_tp_size
@@ -45,7 +45,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.batched_tokens(config.torch_device()), self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
 
     def _reset_blocks(self) -> None:
@@ -84,9 +83,9 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids))
+        request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
+                          prompt=prompt if isinstance(prompt, str) else None)
         self.scheduler.check_admissible(request)
-        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         return request
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
@@ -176,12 +175,10 @@ class LLMEngine:
             for seq in sorted(request.sequences, key=lambda s: s.sample_index)
         ]
         finished = request.finished
-        prompt = self._prompts.get(request.request_id)
         if finished:
             for seq in request.sequences:
                 self.detokenizer.release(seq.seq_id)
-            self._prompts.pop(request.request_id, None)
-        return RequestOutput(request.request_id, prompt, list(request.prompt_token_ids), outputs, finished)
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs, finished)
 
     # ---- numbers -------------------------------------------------------------------------
 
@@ -263,16 +260,11 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         engine = self.engine
         requests = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                try:
-                    requests.append(engine.make_request(prompt, params))
-                except ValueError as e:
-                    raise ValueError(f"prompts[{i}]: {e}") from None
-        except ValueError:
-            for r in requests:
-                engine._prompts.pop(r.request_id, None)
-            raise
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            try:
+                requests.append(engine.make_request(prompt, params))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
         for r in requests:
             engine.scheduler.add_request(r)
         order = {r.request_id: i for i, r in enumerate(requests)}

@@ -100,6 +100,12 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats() | {"num_streams": len(self._streams)}
 
+    def model_info(self) -> dict[str, Any]:
+        engine = self.engine
+        return {"model": engine.source.name, "max_model_len": engine.max_model_len,
+                "block_size": engine.config.block_size, "tensor_parallel_size": engine.config.tensor_parallel_size,
+                "num_kv_blocks": engine.block_manager.num_total_blocks, "vocab_size": engine.model_config.vocab_size}
+
     def _start_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
@@ -163,10 +169,7 @@ class EngineActor:
         return self.core.stats()
 
     async def model_info(self) -> dict[str, Any]:
-        engine = self.core.engine
-        return {"model": engine.source.name, "max_model_len": engine.max_model_len,
-                "block_size": engine.config.block_size, "tensor_parallel_size": engine.config.tensor_parallel_size,
-                "num_total_blocks": engine.block_manager.num_total_blocks, "vocab_size": engine.model_config.vocab_size}
+        return self.core.model_info()
 
     async def worker_pids(self) -> list[int]:
         return list(await asyncio.gather(*[w.pid.remote() for w in self.core.engine.executor.workers]))

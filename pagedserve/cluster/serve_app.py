@@ -80,10 +80,7 @@ class EngineServer:
         return ids, tokenizer.convert_ids_to_tokens(ids)
 
     async def model_info(self) -> dict[str, Any]:
-        engine = self.core.engine
-        return {"model": engine.source.name, "max_model_len": engine.max_model_len,
-                "block_size": engine.config.block_size, "tensor_parallel_size": engine.config.tensor_parallel_size,
-                "num_kv_blocks": engine.block_manager.num_total_blocks, "vocab_size": engine.model_config.vocab_size}
+        return self.core.model_info()
 
     async def stats(self) -> dict[str, Any]:
         return self.core.stats()

@@ -20,6 +20,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None  # the text, when the prompt came as text
     sequences: list[Sequence] = field(default_factory=list)
     # False until the first sample is drawn: then the one sequence forks into `n`.
     forked: bool = False
