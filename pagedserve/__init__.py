@@ -1,8 +1,27 @@
-"""pagedserve: an LLM serving engine built on PagedAttention."""
+"""pagedserve: an LLM serving engine built on PagedAttention.
 
-from pagedserve.engine import LLM, LLMEngine
-from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+The exports load on first use, so `import pagedserve.client` (the gRPC SDK) does not pull in torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+_EXPORTS = {"LLM": "pagedserve.engine", "LLMEngine": "pagedserve.engine",
+            "SamplingParams": "pagedserve.sampling_params", "RequestOutput": "pagedserve.outputs",
+            "CompletionOutput": "pagedserve.outputs"}
+
+if TYPE_CHECKING:
+    from pagedserve.engine import LLM, LLMEngine
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
