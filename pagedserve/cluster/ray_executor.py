@@ -1,10 +1,12 @@
 """Worker actors on Ray: one per GPU (or CPU slot), packed by a STRICT_PACK placement group so one
 tensor-parallel group shares a node.
 
-A step goes to every rank through a Ray compiled graph (ray.dag: the batch is written once into a
-shared-memory channel all ranks read; ~3x less dispatch overhead than actor calls, see
-benchmarks/RESULTS.md). Without it (PAGEDSERVE_COMPILED_GRAPH=0, or if compiling fails) the batch is
-`ray.put` once and its ref passed to every rank's `execute`. Rank 0 returns the sampled tokens."""
+Each step's batch is `ray.put` once and its ref passed to every rank's `execute`; rank 0 returns the
+sampled tokens. PAGEDSERVE_COMPILED_GRAPH=1 sends steps through a Ray compiled graph instead (ray.dag:
+the batch is written once into a shared-memory channel all ranks read), which cuts the dispatch
+overhead 2.5x (benchmarks/RESULTS.md). It is off by default: in Ray 2.60, a worker dying under a
+compiled graph sometimes aborts the driving process (a fatal check in
+experimental_mutable_object_provider.cc), and the engine must survive a worker's death."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STEP_TIMEOUT_S", "600"))
-USE_COMPILED_GRAPH = os.environ.get("PAGEDSERVE_COMPILED_GRAPH", "1") != "0"
+USE_COMPILED_GRAPH = os.environ.get("PAGEDSERVE_COMPILED_GRAPH", "0") == "1"
 
 
 class WorkerActor:
