@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -84,6 +85,17 @@ def test_tensor_parallel_needs_ray_executor(tiny_qwen2):
         LLM(tiny_qwen2[0], tensor_parallel_size=2)
 
 
+@contextlib.contextmanager
+def engine_actor(**config):
+    """An EngineActor for one test; its workers and the actor go away afterwards."""
+    engine = EngineActor.remote(EngineConfig(**config))
+    try:
+        yield engine
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+
+
 async def collect(engine, prompt, params, request_id=None):
     last = None
     async for ref in engine.generate.options(num_returns="streaming").remote(prompt, params, request_id):
@@ -93,8 +105,7 @@ async def collect(engine, prompt, params, request_id=None):
 
 def test_engine_actor_serves_200_concurrent_requests(tiny_qwen2):
     path, prompts, expected = tiny_qwen2
-    engine = EngineActor.remote(EngineConfig(model=path, max_num_seqs=64))
-    try:
+    with engine_actor(model=path, max_num_seqs=64) as engine:
         async def run():
             jobs = []
             for i in range(200):
@@ -115,28 +126,20 @@ def test_engine_actor_serves_200_concurrent_requests(tiny_qwen2):
         stats = ray.get(engine.stats.remote())
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert stats["num_running"] == stats["num_waiting"] == stats["num_streams"] == 0
-    finally:
-        ray.get(engine.shutdown.remote())
-        ray.kill(engine)
 
 
 def test_bad_request_through_the_actor_names_the_field(tiny_qwen2):
-    engine = EngineActor.remote(EngineConfig(model=tiny_qwen2[0]))
-    try:
+    with engine_actor(model=tiny_qwen2[0]) as engine:
         bad = SamplingParams(max_tokens=4)
         bad.top_p = 0.0
         with pytest.raises(ValueError, match="top_p"):
             asyncio.run(collect(engine, [1, 2, 3], bad))
         out = asyncio.run(collect(engine, [1, 2, 3], GREEDY))
         assert len(out.outputs[0].token_ids) == 16
-    finally:
-        ray.get(engine.shutdown.remote())
-        ray.kill(engine)
 
 
 def test_cancelled_stream_frees_its_blocks(tiny_qwen2):
-    engine = EngineActor.remote(EngineConfig(model=tiny_qwen2[0]))
-    try:
+    with engine_actor(model=tiny_qwen2[0]) as engine:
         async def run():
             gen = engine.generate.options(num_returns="streaming").remote(
                 [5] * 40, SamplingParams(max_tokens=400, ignore_eos=True))
@@ -151,15 +154,11 @@ def test_cancelled_stream_frees_its_blocks(tiny_qwen2):
 
         stats = asyncio.run(run())
         assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
-    finally:
-        ray.get(engine.shutdown.remote())
-        ray.kill(engine)
 
 
 def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2):
     path, prompts, expected = tiny_qwen2
-    engine = EngineActor.remote(EngineConfig(model=path, executor="ray", tensor_parallel_size=2))
-    try:
+    with engine_actor(model=path, executor="ray", tensor_parallel_size=2) as engine:
         async def run():
             long_job = asyncio.ensure_future(collect(engine, [3] * 30, SamplingParams(max_tokens=400,
                                                                                        ignore_eos=True)))
@@ -181,6 +180,3 @@ def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2):
         assert stats["num_worker_failures"] == 1
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert set(new_pids).isdisjoint(old_pids)
-    finally:
-        ray.get(engine.shutdown.remote())
-        ray.kill(engine)
