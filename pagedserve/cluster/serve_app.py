@@ -24,12 +24,58 @@ from ray.serve.handle import DeploymentHandle
 
 from pagedserve.cluster.engine_actor import EngineCore, QueueFull, RequestFailed
 from pagedserve.config import EngineConfig
+from pagedserve.outputs import RequestOutput
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+# ---- what a stream carries: per-sample deltas ------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingParams) -> AsyncIterator[Delta]:
+    """Per-sample text and token deltas of a request's cumulative outputs. Text that could still turn out
+    to be the start of a stop string is held back until it cannot, so streamed text is never taken back."""
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    done: set[int] = set()
+    async for out in outputs:
+        batch = []
+        for c in out.outputs:
+            if c.index in done:
+                continue
+            finished = c.finish_reason is not None
+            t0, k0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+            t1 = len(c.text) if finished else max(t0, len(c.text) - hold)
+            if t1 == t0 and len(c.token_ids) == k0 and not finished:
+                continue
+            batch.append(Delta(out.request_id, c.index, c.text[t0:t1], c.token_ids[k0:],
+                               (c.logprobs or [])[k0:], c.finish_reason if finished else None))
+            sent_text[c.index], sent_tokens[c.index] = t1, len(c.token_ids)
+            if finished:
+                done.add(c.index)
+        if out.finished and batch:
+            completion = sum(len(c.token_ids) for c in out.outputs)
+            prompt_tokens = len(out.prompt_token_ids)
+            batch[-1].usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                               "total_tokens": prompt_tokens + completion}
+        for d in batch:
+            yield d
 
 
 # ---- the engine: one per model replica ------------------------------------------------------------
@@ -44,10 +90,10 @@ class EngineServer:
         self.core = EngineCore(config, max_waiting_requests)
         self.core.metrics = EngineMetrics(self.core.engine.source.name)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator:
-        async for out in self.core.generate(prompt, params, request_id):
-            yield out
+    async def generate_deltas(self, prompt: str | list[int], params: SamplingParams,
+                              request_id: str | None = None) -> AsyncIterator[Delta]:
+        async for d in stream_deltas(self.core.generate(prompt, params, request_id), params):
+            yield d
 
     async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat template's prompt as token ids; ValueError for malformed messages."""
@@ -91,7 +137,7 @@ class EngineServer:
             core.shutdown()  # the worker actors and their placement group go with the replica
 
 
-# ---- requests in, deltas out --------------------------------------------------------------------------
+# ---- errors and parameters ----------------------------------------------------------------------------
 
 
 class ClientError(Exception):
@@ -139,17 +185,6 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kwargs)  # ValueError names the field
 
 
-@dataclass
-class Delta:
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, int] | None = None
-
-
 class GrpcService:
     """The PagedServe gRPC methods over one `EngineServer` handle (Serve routes across its replicas).
     Serve's gRPC proxy calls them by name on the application's ingress deployment, `Ingress`."""
@@ -166,37 +201,13 @@ class GrpcService:
 
     async def deltas(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None) -> AsyncIterator[Delta]:
-        """Per-sample text and token deltas. Text that could still turn out to be the start of a stop
-        string is held back until it cannot, so streamed text never has to be taken back."""
-        request_id = request_id or uuid.uuid4().hex
-        stream = self.engine.options(stream=True).generate.remote(prompt, params, request_id)
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
+        """The request's deltas (see `stream_deltas`) from whichever engine replica Serve picks."""
+        # Deltas are cut on the engine side: only what is new crosses between processes each step.
+        stream = self.engine.options(stream=True).generate_deltas.remote(prompt, params,
+                                                                         request_id or uuid.uuid4().hex)
         try:
-            async for out in stream:
-                batch = []
-                for c in out.outputs:
-                    if c.index in done:
-                        continue
-                    finished = c.finish_reason is not None
-                    t0, k0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                    t1 = len(c.text) if finished else max(t0, len(c.text) - hold)
-                    if t1 == t0 and len(c.token_ids) == k0 and not finished:
-                        continue
-                    batch.append(Delta(out.request_id, c.index, c.text[t0:t1], c.token_ids[k0:],
-                                       (c.logprobs or [])[k0:], c.finish_reason if finished else None))
-                    sent_text[c.index], sent_tokens[c.index] = t1, len(c.token_ids)
-                    if finished:
-                        done.add(c.index)
-                if out.finished and batch:
-                    completion = sum(len(c.token_ids) for c in out.outputs)
-                    prompt_tokens = len(out.prompt_token_ids)
-                    batch[-1].usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                       "total_tokens": prompt_tokens + completion}
-                for d in batch:
-                    yield d
+            async for d in stream:
+                yield d
         finally:
             stream.cancel()  # no-op once finished; otherwise the client left: abort and free the blocks
 
