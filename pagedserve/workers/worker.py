@@ -48,6 +48,7 @@ class Worker:
 
     def init_kv_pool(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        self.runner = None  # release a previous pool before allocating its replacement (no 2x peak)
         kv_pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                    self.tp.num_kv_heads)
         self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
