@@ -68,10 +68,13 @@ class Worker:
             budget = self._cuda_budget()
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-        num_blocks = budget // per_block
+        num_blocks = max(0, budget) // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block: one block of "
-                             f"{self.config.block_size} tokens needs {per_block} bytes")
+            source = (f"kv_cache_memory={self.config.kv_cache_memory!r}" if self.config.kv_cache_memory is not None
+                      else f"gpu_memory_utilization={self.config.gpu_memory_utilization} (after the weights and "
+                      "a profiled step; lower max_num_batched_tokens or max_num_seqs to shrink the step)")
+            raise ValueError(f"{source} leaves {budget} bytes for the KV cache, less than one block of "
+                             f"{self.config.block_size} tokens ({per_block} bytes)")
         return num_blocks
 
     def _cuda_budget(self) -> int:
@@ -79,41 +82,54 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._profile_step()
+        self.profile_step()
+        torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         total = torch.cuda.get_device_properties(self.device).total_memory
         free, _ = torch.cuda.mem_get_info(self.device)
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes
-        budget = int(total * self.config.gpu_memory_utilization) - before - peak - used_elsewhere
-        log.info("CUDA memory: total %.1f GiB, weights %.1f GiB, activation peak %.2f GiB, KV budget %.1f GiB",
-                 total / 2**30, before / 2**30, peak / 2**30, budget / 2**30)
+        budget = kv_budget(total, self.config.gpu_memory_utilization, before, peak, used_elsewhere)
+        log.info("CUDA memory: total %.1f GiB, weights %.1f GiB, activation peak %.2f GiB, other processes "
+                 "%.1f GiB, KV budget %.1f GiB", total / 2**30, before / 2**30, peak / 2**30,
+                 used_elsewhere / 2**30, budget / 2**30)
         return budget
 
-    def _profile_step(self) -> None:
+    def profile_step(self) -> StepOutput | None:
         """Run the largest step the scheduler may send, on a throwaway pool, to measure activations."""
-        from pagedserve.sampling_params import SamplingParams
+        batch = profile_batch(self.config.batched_tokens(self.device), self.config.max_num_seqs,
+                              self.config.block_size)
+        num_blocks = sum(len(t) for t in batch.block_tables)
+        pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
+                                self.tp.num_kv_heads)
+        runner = ModelRunner(self.model, pool, self.backend, self.config.block_size,
+                             self.sampler if self.rank == 0 else None)
+        return runner.execute(batch)
 
-        bs = self.config.block_size
-        tokens = self.config.batched_tokens(self.device)
-        rows = max(1, min(self.config.max_num_seqs, tokens))
-        row_len = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
-        row_len = [n for n in row_len if n > 0]
-        blocks = [-(-n // bs) for n in row_len]
-        pool = allocate_kv_pool(self.model_config, sum(blocks), bs, self.dtype, self.device, self.tp.num_kv_heads)
-        tables, start = [], 0
-        for n in blocks:
-            tables.append(list(range(start, start + n)))
-            start += n
-        cu = [0]
-        for n in row_len:
-            cu.append(cu[-1] + n)
-        greedy = SamplingParams(temperature=0.0, max_tokens=1)
-        batch = StepBatch(input_ids=[0] * tokens, cu_seqlens_q=cu, context_lens=row_len, block_tables=tables,
-                          samples=[SampleSpec(seq_id=r, row=r, num_samples=1, sample_index=0, output_len=0,
-                                              params=greedy) for r in range(len(row_len))])
-        ModelRunner(self.model, pool, self.backend, bs, self.sampler if self.rank == 0 else None).execute(batch)
-        torch.cuda.synchronize(self.device)
-        del pool
+
+def kv_budget(total: int, utilization: float, allocated: int, activation_peak: int, used_elsewhere: int) -> int:
+    """Bytes left for the KV pool: this process may use `utilization` of the device, less what it already
+    holds (weights), the peak a step adds on top, and what other processes hold."""
+    return int(total * utilization) - allocated - activation_peak - used_elsewhere
+
+
+def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBatch:
+    """The worst step the scheduler can send: `num_tokens` fresh tokens spread over as many rows as it
+    allows, every row sampled with the costliest sampling path (top-k/top-p sort, min-p, 20 logprobs)."""
+    from pagedserve.sampling_params import SamplingParams
+
+    rows = max(1, min(max_num_seqs, num_tokens))
+    row_len = [num_tokens // rows + (1 if r < num_tokens % rows else 0) for r in range(rows)]
+    tables, cu, next_block = [], [0], 0
+    for n in row_len:
+        blocks = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+        cu.append(cu[-1] + n)
+    costly = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, max_tokens=1)
+    samples = [SampleSpec(seq_id=r, row=r, num_samples=1, sample_index=0, output_len=0, params=costly)
+               for r in range(rows)]
+    return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, block_tables=tables,
+                     samples=samples)
 
 
 def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:

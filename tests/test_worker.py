@@ -1,0 +1,49 @@
+"""The worker's KV sizing: the profiling step that measures activations on CUDA runs on any device, so
+its batch (the worst step the scheduler can send) is checked here on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine import LLMEngine
+from pagedserve.workers.worker import kv_budget, profile_batch
+
+
+@pytest.mark.parametrize("num_tokens,max_num_seqs,block_size", [(100, 8, 16), (5, 256, 16), (2048, 256, 32)])
+def test_profile_batch_is_the_largest_step(num_tokens, max_num_seqs, block_size):
+    batch = profile_batch(num_tokens, max_num_seqs, block_size)
+    assert batch.num_tokens == num_tokens
+    assert batch.num_rows == min(num_tokens, max_num_seqs)
+    assert batch.cu_seqlens_q[-1] == num_tokens and sorted(batch.cu_seqlens_q) == batch.cu_seqlens_q
+    lens = [b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:], strict=False)]
+    assert lens == batch.context_lens and max(lens) - min(lens) <= 1  # fresh rows, evenly spread
+    blocks = [b for table in batch.block_tables for b in table]
+    assert sorted(blocks) == list(range(len(blocks)))  # every row its own blocks
+    assert all(len(t) * block_size >= n > (len(t) - 1) * block_size
+               for t, n in zip(batch.block_tables, lens, strict=True))
+    assert [s.row for s in batch.samples] == list(range(batch.num_rows))
+    assert all(s.params.top_k > 0 and s.params.top_p < 1 and s.params.logprobs == 20 for s in batch.samples)
+
+
+def test_profile_step_runs_on_the_worker(tiny_random):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=100,
+                                    kv_cache_memory="1MiB"))
+    worker = engine.executor.worker
+    pool_before = worker.runner.kv_pool
+    out = worker.profile_step()
+    assert len(out.samples) == 8
+    assert all(len(s.token_ids) == 1 and len(s.top_logprobs[0]) == 20 for s in out.samples)
+    assert worker.runner.kv_pool is pool_before  # the throwaway pool is not the serving one
+
+
+def test_kv_budget():
+    gib = 2**30
+    # 80 GiB at 0.9 = 72 GiB, less 1 GiB weights, 2 GiB activations, 3 GiB of another process.
+    assert kv_budget(80 * gib, 0.9, 1 * gib, 2 * gib, 3 * gib) == 66 * gib
+    assert kv_budget(80 * gib, 0.5, 39 * gib, 2 * gib, 0) < 0  # the worker turns this into a clear error
+
+
+def test_too_little_kv_memory_names_the_setting(tiny_random):
+    with pytest.raises(ValueError, match=r"kv_cache_memory='100B' leaves 100 bytes .* less than one block"):
+        LLMEngine(EngineConfig(model=tiny_random, kv_cache_memory="100B"))
