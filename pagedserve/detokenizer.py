@@ -20,6 +20,7 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[int, _State] = {}
+        self._decode = _fast_decode(tokenizer) if tokenizer is not None else None
 
     def text(self, seq_id: int) -> str:
         state = self._states.get(seq_id)
@@ -33,9 +34,8 @@ class Detokenizer:
         state = self._states.get(seq_id)
         if state is None:
             state = self._states[seq_id] = _State(max(0, num_prompt_tokens - _CONTEXT_TOKENS), num_prompt_tokens)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        prefix_text = decode(token_ids[state.prefix_offset:state.read_offset])
-        new_text = decode(token_ids[state.prefix_offset:])
+        prefix_text = self._decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
+        new_text = self._decode(token_ids[state.prefix_offset:], skip_special_tokens)
         # A trailing U+FFFD is an unfinished multi-byte character: wait for the next token.
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return False
@@ -52,3 +52,16 @@ class Detokenizer:
 
     def release(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
+
+
+def _fast_decode(tokenizer):
+    """`tokenizer.decode`, or the Rust tokenizer's own decode where transformers would add nothing to it.
+
+    transformers' Python wrapper costs several times the decode itself, twice per sequence per step.
+    It only adds clean-up of tokenization spaces, so it is bypassed when that is off.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                                         True):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)

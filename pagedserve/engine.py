@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import itertools
 import json
 import logging
@@ -46,6 +48,7 @@ class LLMEngine:
                                    config.batched_tokens(config.torch_device()), self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
+        _freeze_startup_heap()
 
     def _reset_blocks(self) -> None:
         """A fresh block manager: the new workers' pools hold nothing, so no cached prefix survives.
@@ -168,7 +171,7 @@ class LLMEngine:
             CompletionOutput(
                 index=seq.sample_index,
                 text=self.detokenizer.text(seq.seq_id),
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,  # a fresh slice
                 finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
             )
@@ -178,7 +181,8 @@ class LLMEngine:
         if finished:
             for seq in request.sequences:
                 self.detokenizer.release(seq.seq_id)
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs, finished)
+        # The request's prompt ids are never mutated (sequences copy them), so they are shared, not copied.
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
 
     # ---- numbers -------------------------------------------------------------------------
 
@@ -222,6 +226,23 @@ class LLMEngine:
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (eos,)
         return self.model_config.eos_token_ids
+
+
+_heap_frozen = False
+
+
+def _freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, transformers, triton, the model) out of the
+    garbage collector's sight. Otherwise each full collection walks those ~350k-600k objects, a stall
+    of the whole step loop (190 ms on the 2-core CI machine); see benchmarks/RESULTS.md."""
+    global _heap_frozen
+    gc.collect()
+    gc.freeze()
+    if not _heap_frozen:
+        _heap_frozen = True
+        # Unfrozen at exit so interpreter shutdown still finalises them (extension modules such as
+        # triton's report frozen objects as leaks otherwise).
+        atexit.register(gc.unfreeze)
 
 
 def _load_tokenizer(source: ModelSource):

@@ -29,9 +29,10 @@ class Sampler:
         """logits [len(specs), V] fp32, one row per spec; a spec with num_samples=k draws k tokens."""
         if not specs:
             return []
-        counts = torch.tensor([s.num_samples for s in specs], device=logits.device)
         rows = [(s, i) for s in specs for i in range(s.num_samples)]
-        logits = logits.repeat_interleave(counts, dim=0)  # [S, V], one row per draw
+        if len(rows) > len(specs):  # a request's first step draws its n samples from one row
+            counts = torch.tensor([s.num_samples for s in specs], device=logits.device)
+            logits = logits.repeat_interleave(counts, dim=0)  # [S, V], one row per draw
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None
                                                                  for s in specs) else None
         logits = self._apply_penalties(logits, rows)

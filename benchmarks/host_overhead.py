@@ -1,0 +1,94 @@
+"""Host-side cost of one decode step with many running sequences: the Python work around the model.
+
+On a GPU a small model's decode step is short, so the scheduler, the batch's tensors and the output
+bookkeeping can bound throughput. This times each phase of `LLMEngine.step` separately on a model so
+small that its compute barely counts (2 layers, hidden 64, SmolLM2's 49k vocabulary):
+
+  schedule  Scheduler.schedule (block allocation, the StepBatch)
+  prepare   ModelRunner.prepare (positions, slot mapping, block-table tensor), timed on its own
+  execute   the worker's whole step (prepare again, forward, logits, sampling)
+  process   Scheduler.update, detokenization, RequestOutputs
+
+  python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.engine import LLMEngine  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.loader import resolve_model  # noqa: E402
+
+
+def tiny_model_config() -> str:
+    embedded = resolve_model(None).weights_dir
+    config = json.loads((embedded / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+    config.pop("head_dim", None)
+    d = Path(tempfile.mkdtemp(prefix="host-overhead-"))
+    for f in embedded.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (d / f.name).write_bytes(f.read_bytes())
+    (d / "config.json").write_text(json.dumps(config))
+    return f"random:{d / 'config.json'}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(100, 1024))
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_config(), max_num_seqs=args.num_seqs,
+                                    max_num_batched_tokens=8192, kv_cache_memory="2GiB"))
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
+    for _ in range(args.num_seqs):
+        engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))], params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
+        engine.step()  # prefill until every sequence decodes
+
+    runner = engine.executor.worker.runner
+    times: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "process": []}
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        runner.prepare(batch)
+        t2 = time.perf_counter()
+        output = engine.executor.execute(batch)
+        t3 = time.perf_counter()
+        engine._process(batch, output)
+        t4 = time.perf_counter()
+        assert batch.num_rows == args.num_seqs and batch.num_tokens == args.num_seqs, (batch.num_rows, batch.num_tokens)
+        for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[name].append(dt * 1e3)
+
+    print(f"{args.num_seqs} decoding sequences, median of {args.steps} steps (ms):")
+    for name, values in times.items():
+        print(f"  {name:9s} {statistics.median(values):7.2f}")
+    host = sum(statistics.median(times[k]) for k in ("schedule", "prepare", "process"))
+    print(f"  host work outside the model (schedule + prepare + process): {host:.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
