@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--executor", choices=["local", "ray"], default="local",
                      help="ray: worker actors on the Ray cluster of RAY_ADDRESS (else a local one)")
     gen.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    gen.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA only)")
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
     register_client(sub)
     return parser
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                  executor=args.executor, tensor_parallel_size=args.tensor_parallel_size)
+                  executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
+                  cuda_graphs=args.cuda_graphs)
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": args.prompt})

@@ -27,6 +27,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | triton | reference
     executor: str = "local"  # local: the worker in this process; ray: worker actors (one per GPU / CPU slot)
     tensor_parallel_size: int = 1  # ranks of one model replica (needs executor="ray" when > 1)
+    # Replay decode steps from CUDA graphs (CUDA only). Off until checked against HF on a GPU.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -41,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
         if self.tensor_parallel_size > 1 and self.executor != "ray":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs executor='ray'")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be true or false")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from types import ModuleType
 
 import torch
 
 from pagedserve.scheduler.batch import StepBatch, StepOutput
+from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import AttentionContext, CausalLM
 from pagedserve.workers.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -22,6 +26,15 @@ class ModelRunner:
         self.sampler = sampler  # None on tensor-parallel ranks other than 0: they return no tokens
         self.device = kv_pool.device
         self.dynamic_rope = model.model.rope.dynamic
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
+        if self.dynamic_rope:
+            log.warning("decode CUDA graphs are off: dynamic NTK rope depends on each step's lengths")
+            return
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.backend, self.block_size, max_num_seqs,
+                                          max_model_len, capture)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput | None:
@@ -30,7 +43,10 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in batch.block_copies], dtype=torch.long, device=self.device)
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
         input_ids, positions, ctx = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
+        if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
+            hidden = self.decode_graphs.run(input_ids, positions, ctx)  # [T, H]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
         if not batch.samples:
             return StepOutput(samples=[]) if self.sampler else None
         last_token = ctx.cu_seqlens_q[1:] - 1  # [R]

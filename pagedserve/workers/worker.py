@@ -53,6 +53,11 @@ class Worker:
                                    self.tp.num_kv_heads)
         self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
                                   self.sampler if self.rank == 0 else None)
+        if self.config.cuda_graphs:
+            if self.device.type == "cuda":
+                self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+            else:
+                log.warning("cuda_graphs=True has no effect on %s", self.device)
         log.info("rank %d KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                  self.config.block_size, kv_pool.numel() * kv_pool.element_size() / 2**20, self.device)
 
