@@ -5,7 +5,7 @@ the requested output tokens only (padding and tokens HF generates past a request
 
   python benchmarks/throughput.py                                   # embedded SmolLM2, CPU
   python benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
-      --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch   # GPU
+      --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs  # GPU
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ PRESETS = {
                          hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                          rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu"),
+    "qwen2-tiny": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=2048,  # CPU smoke runs
+                       hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu"),
     "llama-3-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
                        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
@@ -65,12 +69,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_pagedserve(model_dir: Path, prompts, outputs, args) -> dict:
+def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool = False) -> dict:
     from pagedserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              cuda_graphs=cuda_graphs)
     load = time.perf_counter() - t0
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -83,7 +88,8 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args) -> dict:
     assert produced == sum(outputs), "every request must produce exactly max_tokens tokens"
     stats = llm.stats()
     del llm
-    return {"name": "pagedserve", "seconds": elapsed, "tokens": produced, "load_s": load,
+    name = "pagedserve" + (" (decode CUDA graphs)" if cuda_graphs else "")
+    return {"name": name, "seconds": elapsed, "tokens": produced, "load_s": load,
             "note": f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"}
 
 
@@ -147,6 +153,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--hf-generate-batch", action="store_true", help="also time HF generate_batch")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="also time pagedserve with cuda_graphs=True")
     p.add_argument("--json", type=Path, default=None, help="write results here too")
     args = p.parse_args()
 
@@ -167,6 +174,8 @@ def main() -> None:
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, threads {torch.get_num_threads()}")
 
     results = [bench_pagedserve(model_dir, prompts, outputs, args)]
+    if args.cuda_graphs:
+        results.append(bench_pagedserve(model_dir, prompts, outputs, args, cuda_graphs=True))
     if not args.skip_hf:
         results.append(bench_hf_generate(model_dir, prompts, outputs, args, dtype))
         if args.hf_generate_batch:

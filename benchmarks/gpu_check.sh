@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything issue 3 asks of a GPU, in two device calls of under 10 minutes each (no ray, no gguf needed):
+#
+#   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
+#   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch
+#
+# Logs and JSON land in $OUT (the device tool's folder) or /tmp/gpu_check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/gpu_check}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+status=0
+step() {  # step NAME CMD...: run, log to $out/NAME.log, remember a failure, go on
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    "$@" 2>&1 | tee "$out/$name.log" | grep -v -E "Loading|Writing model shards|it/s\]$"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+case "${1:-}" in
+correctness | throughput) ;;
+*)
+    echo "usage: $0 correctness|throughput" >&2
+    exit 2
+    ;;
+esac
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+
+case "${1:-}" in
+correctness)
+    step tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graph.py
+    step kernels python3 benchmarks/kernels.py
+    step parity python3 benchmarks/gpu_parity.py
+    step parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs
+    ;;
+throughput)
+    step throughput python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
+        --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs \
+        --json "$out/throughput.json"
+    ;;
+esac
+exit $status
