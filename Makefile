@@ -7,7 +7,7 @@ PYTHON ?= python3
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run generate test test-fast lint bench clean
+.PHONY: install run generate test test-fast test-triton36 lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: install
 test-fast: install
 	scripts/loopback-netns.sh $(PY) -m pytest -q -m "not slow"
 
+# The kernels under the GPU machine's Triton (3.6) in its interpreter. numpy 2.2: 3.6's interpreter fails on
+# numpy >= 2.4 ("only 0-dimensional arrays can be converted to Python scalars") before any kernel logic runs.
+test-triton36: install
+	$(PIP) install -q --no-deps --target .triton36 triton==3.6.0 numpy==2.2.6
+	PYTHONPATH=.triton36 TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py tests/test_engine_triton.py \
+		tests/test_cuda_graph.py
+
 lint: install
 	$(VENV)/bin/ruff check pagedserve tests benchmarks
 
@@ -42,4 +49,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .triton36

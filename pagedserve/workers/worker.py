@@ -90,6 +90,7 @@ class Worker:
         self.profile_step()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()  # hand the throwaway pool back before the real one is allocated
         total = torch.cuda.get_device_properties(self.device).total_memory
         free, _ = torch.cuda.mem_get_info(self.device)
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes
