@@ -205,6 +205,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        gc.unfreeze()  # this engine was frozen with the start-up heap: let a cycle through it be collected
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -47,3 +47,18 @@ def test_kv_budget():
 def test_too_little_kv_memory_names_the_setting(tiny_random):
     with pytest.raises(ValueError, match=r"kv_cache_memory='100B' leaves 100 bytes .* less than one block"):
         LLMEngine(EngineConfig(model=tiny_random, kv_cache_memory="100B"))
+
+
+def test_a_shut_down_engine_is_collected_even_in_a_cycle(tiny_random):
+    # The engine freezes the start-up heap (itself included) out of the GC; shutdown must undo that,
+    # or a reference cycle through a dropped engine would keep its model and KV pool forever.
+    import gc
+    import weakref
+
+    engine = LLMEngine(EngineConfig(model=tiny_random, kv_cache_memory="1MiB"))
+    worker = weakref.ref(engine.executor.worker)
+    engine.cycle = engine
+    engine.shutdown()
+    del engine
+    gc.collect()
+    assert worker() is None
