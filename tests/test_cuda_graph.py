@@ -1,6 +1,6 @@
 """Decode CUDA graphs: their static-buffer path (padding to a captured size, inputs copied in, hidden
 states sliced out) runs eagerly here (capture=False) and must give the very tokens of the plain path.
-Capture itself needs a GPU: benchmarks/gpu_check.sh runs the parity check with it on."""
+Capture itself needs a GPU: the last test runs there (benchmarks/gpu_check.sh), as does HF parity with it."""
 
 from __future__ import annotations
 
@@ -37,10 +37,11 @@ def test_graph_batch_sizes(max_num_seqs, expected):
 
 def generate(model: str, backend: str, static: bool, capture: bool = False, **config) -> tuple[list, int]:
     # fp32 everywhere: on a GPU, bf16 rounding of padded vs unpadded products could flip near-ties.
-    with LLM(model, attention_backend=backend, max_model_len=256, dtype="float32", **config) as llm:
+    with LLM(model, attention_backend=backend, max_model_len=256, dtype="float32", cuda_graphs=capture,
+             **config) as llm:
         runner = llm.engine.executor.worker.runner
-        if static:
-            runner.use_decode_graphs(llm.engine.config.max_num_seqs, llm.engine.max_model_len, capture=capture)
+        if static and not capture:  # captured graphs come from the engine setting, as users get them
+            runner.use_decode_graphs(llm.engine.config.max_num_seqs, llm.engine.max_model_len, capture=False)
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
         outs = llm.generate(PROMPTS, params)
         runs = runner.decode_graphs.num_runs if static else 0
