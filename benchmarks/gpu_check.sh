@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything issue 3 asks of a GPU, in two device calls of under 10 minutes each (no ray, no gguf needed):
+# Everything issue 3 asks of a GPU, split to fit two 10-minute device calls (not yet timed; no ray, no gguf needed):
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch
