@@ -3,6 +3,9 @@ its batch (the worst step the scheduler can send) is checked here on CPU."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from pagedserve.config import EngineConfig
@@ -52,9 +55,6 @@ def test_too_little_kv_memory_names_the_setting(tiny_random):
 def test_a_shut_down_engine_is_collected_even_in_a_cycle(tiny_random):
     # The engine freezes the start-up heap (itself included) out of the GC; shutdown must undo that,
     # or a reference cycle through a dropped engine would keep its model and KV pool forever.
-    import gc
-    import weakref
-
     engine = LLMEngine(EngineConfig(model=tiny_random, kv_cache_memory="1MiB"))
     worker = weakref.ref(engine.executor.worker)
     engine.cycle = engine

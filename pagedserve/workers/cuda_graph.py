@@ -36,7 +36,6 @@ class DecodeGraphs:
         self.model = model
         self.kv_pool = kv_pool
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.max_model_len = max_model_len
         self.capture = capture
         dev = kv_pool.device
         max_bs = self.sizes[-1]
