@@ -24,7 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
-    attention_backend: str = "auto"  # auto | triton | reference
+    attention_backend: str = "auto"  # auto | triton | cpu | reference
     executor: str = "local"  # local: the worker in this process; ray: worker actors (one per GPU / CPU slot)
     tensor_parallel_size: int = 1  # ranks of one model replica (needs executor="ray" when > 1)
     # Replay decode steps from CUDA graphs (CUDA only). Off until checked against HF on a GPU.

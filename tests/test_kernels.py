@@ -8,9 +8,6 @@ tile sizes.
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import pytest
 import torch
 
@@ -19,6 +16,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 from pagedserve.kernels import attention  # noqa: E402
 from pagedserve.kernels import reference as ref  # noqa: E402
 from pagedserve.kernels.triton_backend import paged_attention, write_kv_cache  # noqa: E402
+from tests.paged_batch import MIXED_ROWS  # noqa: E402
+from tests.paged_batch import make_batch as make_cpu_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Output tolerance vs the fp32 reference: output rounding (the interpreter rounds bf16 by
@@ -26,50 +25,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 ULP = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
-# One mixed batch, rows deliberately not sorted by kind: (new tokens, context length).
-MIXED_ROWS = [
-    (1, 37),   # decode, context not a multiple of the block size
-    (9, 70),   # chunked prefill: 61 cached tokens + 9 new
-    (1, 100),  # decode
-    (16, 48),  # prefix hit: 32 cached tokens (whole blocks at block_size 16) + 16 new
-    (21, 21),  # fresh prefill
-    (1, 1),    # decode of a one-token context
-    (1, 64),   # decode, context a multiple of the block size
-]
 
 
-def make_batch(rows: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-               dtype: torch.dtype, seed: int = 0, spare_blocks: int = 3, spare_columns: int = 2):
-    """A paged batch with shuffled block tables; returns (query, clean kv, poisoned kv, cu, ctx, tables).
-
-    The poisoned pool holds NaN in every block no row owns and in the slots past each row's length,
-    so reading a padding entry or an unwritten slot shows up as NaN in the output.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    q_lens = [n for n, _ in rows]
-    ctx_lens = [c for _, c in rows]
-    blocks_per_row = [math.ceil(c / block_size) for c in ctx_lens]
-    num_blocks = sum(blocks_per_row) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=gen)  # rows get scattered, out-of-order blocks
-    max_blocks = max(blocks_per_row) + spare_columns
-    tables = torch.full((len(rows), max_blocks), -1, dtype=torch.long)  # [R, max_blocks], -1 padding
-    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)  # [2, N, B, Hkv, D]
-    poisoned = torch.full_like(kv, float("nan"))
-    used = 0
-    for r, (nb, ctx) in enumerate(zip(blocks_per_row, ctx_lens, strict=True)):
-        ids = perm[used:used + nb]
-        used += nb
-        tables[r, :nb] = ids
-        for j, b in enumerate(ids.tolist()):
-            valid = min(block_size, ctx - j * block_size)
-            poisoned[:, b, :valid] = kv[:, b, :valid]
-    num_tokens = sum(q_lens)
-    query = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen)  # [T, Hq, D]
-    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.long)  # [R + 1]
-    ctx = torch.tensor(ctx_lens, dtype=torch.long)  # [R]
-    on = dict(device=DEVICE)
-    return (query.to(dtype).to(**on), kv.to(dtype).to(**on), poisoned.to(dtype).to(**on), cu.to(**on),
-            ctx.to(**on), tables.to(**on))
+def make_batch(*args, **kwargs):
+    return tuple(t.to(DEVICE) for t in make_cpu_batch(*args, **kwargs))
 
 
 def reference_fp32(query, kv, cu, ctx, tables, scale):

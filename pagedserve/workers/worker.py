@@ -13,10 +13,14 @@ from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_
 from pagedserve.workers.loader import ModelSource, build_model
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.packed_linear import can_pack, pack_linears
 from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.sampler import Sampler
 
 log = logging.getLogger(__name__)
+
+# The row count oneDNN tunes packed weights for: decode batches, where packing gains the most.
+PACK_BATCH_HINT = 16
 
 
 class Worker:
@@ -40,6 +44,8 @@ class Worker:
             _init_distributed(self.device, rank, world_size, dist_init_method)
         self.tp = TPLayout.make(model_config, rank, world_size)
         self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed, self.tp)
+        if can_pack(self.device, self.dtype):
+            pack_linears(self.model, PACK_BATCH_HINT)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.available_blocks = self._count_blocks()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
 from pagedserve.workers.models.rope import RotaryEmbedding
 
@@ -55,11 +56,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
+def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
     """A projection whose input dim is split: partial products summed across ranks, bias added once."""
     if tp.size == 1:
         return linear(x)
-    out = all_reduce(F.linear(x, linear.weight), tp)
+    out = all_reduce(linear_product(linear, x), tp)
     return out if linear.bias is None else out + linear.bias
 
 
@@ -175,6 +176,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V] (on every rank)."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = all_gather_last_dim(F.linear(hidden, weight), self.tp)  # [S, tp * vocab_shard]
+        # A tied head has no module of its own unless the CPU packing gave it a packed copy.
+        head = getattr(self, "lm_head", None)
+        local = head(hidden) if head is not None else F.linear(hidden, self.model.embed_tokens.weight)
+        logits = all_gather_last_dim(local, self.tp)  # [S, tp * vocab_shard]
         return logits[:, : self.config.vocab_size].float()

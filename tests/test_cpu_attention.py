@@ -1,0 +1,78 @@
+"""The CPU backend's native decode kernel against the plain-torch reference, on pools poisoned with NaN
+outside each row's blocks and past each row's length (a read there shows up as NaN)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu, get_attention_backend
+from pagedserve.kernels import reference as ref
+from tests.paged_batch import MIXED_ROWS, make_batch
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the native CPU kernel cannot be built")
+
+ATOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def check(rows, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, **hints):
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                                                      seed=seed)
+    scale = head_dim ** -0.5
+    expected = ref.paged_attention(query.float(), kv.float(), cu, ctx, tables, scale)
+    out = cpu.paged_attention(query, poisoned, cu, ctx, tables, scale, **hints)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert torch.isfinite(out).all(), "NaN in the output: a padding entry or an unwritten slot was read"
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+# (Hq, Hkv, head_dim, block_size): GQA ratios 1/3/7/32, head dims 64/80/128, blocks 1/16/32.
+SHAPES = [(9, 3, 64, 16), (8, 4, 80, 32), (7, 1, 128, 16), (32, 1, 64, 16), (4, 4, 64, 1), (14, 2, 64, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_mixed_batch_matches_reference(shape, dtype):
+    check(MIXED_ROWS, *shape, dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_only_batches(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = [(1, int(torch.randint(1, 300, (1,), generator=gen))) for _ in range(int(torch.randint(1, 20, (1,))))]
+    check(rows, 9, 3, 64, 16, torch.float32, seed=seed, max_query_len=1)
+    check(rows, 9, 3, 64, 16, torch.float32, seed=seed)  # without the hint: found from cu_seqlens_q
+
+
+def test_rows_without_new_tokens_and_a_single_decode_row():
+    check([(0, 17), (1, 33), (5, 40)], 8, 2, 64, 16, torch.float32)
+
+
+def test_block_outside_the_pool_is_an_error_not_a_read():
+    query, kv, _, cu, ctx, tables = make_batch([(1, 20), (1, 5)], 4, 2, 64, 16, torch.float32)
+    tables[0, 1] = kv.shape[1] + 1000
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, max_query_len=1)
+
+
+def test_auto_backend_on_cpu_is_the_native_one():
+    assert get_attention_backend("auto", torch.device("cpu")) is cpu
+    assert get_attention_backend("reference", torch.device("cpu")) is ref
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        get_attention_backend("cpu", torch.device("meta"))
+
+
+def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch):
+    from pagedserve.kernels import native
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    native.paged_decode_library.cache_clear()
+    try:
+        assert not cpu.available()
+        assert get_attention_backend("auto", torch.device("cpu")) is ref
+        with pytest.raises(ValueError, match="needs a C compiler"):
+            get_attention_backend("cpu", torch.device("cpu"))
+    finally:
+        monkeypatch.undo()
+        native.paged_decode_library.cache_clear()
+    assert cpu.available()
