@@ -1,9 +1,13 @@
-"""Offline throughput: pagedserve vs Hugging Face transformers on the same model, same machine, one run.
+"""Offline throughput: pagedserve vs Hugging Face transformers (and llama.cpp's llama-server on a GGUF) on the
+same model, same machine, one run.
 
 N requests with seeded random prompt and output lengths, ignore_eos, greedy. Output tokens/s counts
 the requested output tokens only (padding and tokens HF generates past a request's length do not count).
+llama-server gets all N requests at once over HTTP with N slots (`-np N`, continuous batching).
 
   python benchmarks/throughput.py                                   # embedded SmolLM2, CPU
+  python benchmarks/throughput.py --num-requests 16 --prompt-len 64 512 --output-len 128 128 \
+      --hf-batch-size 16 --llama-server                             # CPU, beside llama.cpp (setup_peers.sh)
   python benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
       --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs  # GPU
 """
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -93,6 +98,27 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
             "note": f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"}
 
 
+def bench_llama_server(gguf: Path, prompts, outputs, args) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from peers import llama_server, post_json
+
+    slot = max(map(len, prompts)) + max(outputs) + 16
+    with llama_server(gguf, parallel=len(prompts), context_per_slot=slot) as url:
+        def run(prompt: list[int], n: int) -> int:
+            body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+            return post_json(url + "/completion", body)["tokens_predicted"]
+
+        run(prompts[0][:8], 4)  # warm-up
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            t0 = time.perf_counter()
+            produced = sum(pool.map(run, prompts, outputs))
+            elapsed = time.perf_counter() - t0
+    assert produced == sum(outputs), f"llama-server produced {produced} tokens, not {sum(outputs)}"
+    return {"name": f"llama.cpp llama-server (-np {len(prompts)}, {gguf.name})", "seconds": elapsed,
+            "tokens": produced, "note": "its own quantized kernels on the GGUF's weights"}
+
+
 def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -153,6 +179,9 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--hf-generate-batch", action="store_true", help="also time HF generate_batch")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-pagedserve", action="store_true")
+    p.add_argument("--llama-server", action="store_true",
+                   help="also time llama.cpp's llama-server on the same GGUF (the embedded model or --model x.gguf)")
     p.add_argument("--cuda-graphs", action="store_true", help="also time pagedserve with cuda_graphs=True")
     p.add_argument("--json", type=Path, default=None, help="write results here too")
     args = p.parse_args()
@@ -173,7 +202,7 @@ def main() -> None:
     print(f"model {model_dir.name}, {dtype}, {args.device}, {len(prompts)} requests, "
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, threads {torch.get_num_threads()}")
 
-    results = [bench_pagedserve(model_dir, prompts, outputs, args)]
+    results = [] if args.skip_pagedserve else [bench_pagedserve(model_dir, prompts, outputs, args)]
     if args.cuda_graphs:
         results.append(bench_pagedserve(model_dir, prompts, outputs, args, cuda_graphs=True))
     if not args.skip_hf:
@@ -183,6 +212,13 @@ def main() -> None:
                 results.append(bench_hf_generate_batch(model_dir, prompts, outputs, args, dtype))
             except Exception as e:  # an optional peer: report and go on
                 print(f"HF generate_batch failed: {type(e).__name__}: {e}")
+    if args.llama_server:
+        from pagedserve.workers.gguf import embedded_model_gguf
+
+        gguf = Path(args.model) if args.model else embedded_model_gguf()
+        if gguf.suffix != ".gguf":
+            raise SystemExit("--llama-server needs a GGUF model (the embedded one, or --model file.gguf)")
+        results.append(bench_llama_server(gguf, prompts, outputs, args))
     base = results[0]["tokens"] / results[0]["seconds"]
     print("\n| engine | output tokens/s | seconds | pagedserve speed-up | note |\n| --- | ---: | ---: | ---: | --- |")
     for r in results:

@@ -66,7 +66,7 @@ def paged_attention(
             q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(),
             decode_rows.data_ptr(), len(decode_rows), cu_seqlens_q.data_ptr(), context_lens.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), num_q_heads, num_kv_heads, head_dim, block_size,
-            kv_cache.shape[1], ctypes.c_float(scale))
+            kv_cache.shape[1], ctypes.c_float(scale), torch.get_num_threads())
         if status == -2:
             raise ValueError("block_tables name a block outside the KV pool "
                              f"(num_blocks={kv_cache.shape[1]})")

@@ -52,7 +52,7 @@ def paged_decode_library() -> ctypes.CDLL | None:
     lib.paged_decode_supports.argtypes = [_i64, _i64, _i64, _i64]
     lib.paged_decode_supports.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [_ptr, _ptr, ctypes.c_int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
-                                           _i64, _i64, _i64, _i64, _i64, ctypes.c_float]
+                                           _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 

@@ -2,10 +2,15 @@
  * read in place through the block table (no gather into a contiguous copy).
  *
  * One work item per (row, KV head): the item's K/V vectors are read once and serve every query head
- * of the GQA group. Online softmax block by block; math in fp32 whatever the pool's dtype.
- * Built with -O3 -ffast-math -fopenmp: the dot products and expf vectorize (expf through glibc's
- * libmvec), and the loop over work items runs on the OpenMP runtime torch already loaded
- * (the same libgomp.so.1), so it follows torch.set_num_threads.
+ * of the GQA group. Online softmax block by block; math in fp32 whatever the pool's dtype. The next
+ * block's K/V lines are prefetched while the current one is computed: blocks sit anywhere in the pool,
+ * so the hardware prefetcher cannot guess them.
+ *
+ * SIMD through GCC/Clang vector extensions (any target: -march=native picks the width's instructions).
+ * q.k for eight tokens at a time keeps eight independent FMA chains in flight; the p.v sum keeps a 64-wide
+ * slice of the output in registers. Built with -O3 -ffast-math -fopenmp: expf vectorizes through glibc's
+ * libmvec, and the loop over work items runs on the OpenMP runtime torch already loaded (the same
+ * libgomp.so.1), on as many threads as torch uses.
  */
 #include <float.h>
 #include <stdint.h>
@@ -14,10 +19,21 @@
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
-/* Per-thread scratch bounds (on the stack): query heads per KV head x head_dim, and x block_size. */
+/* Bounds on the per-thread scratch (on the stack): query heads per KV head x head_dim, and x block_size. */
 #define MAX_GROUP_DIM 8192
 #define MAX_GROUP 256
-#define MAX_HEAD_DIM 1024
+#define MAX_BLOCK_DIM 16384 /* block_size x head_dim: one block of converted (bf16/fp16) K or V */
+
+#define LANES 8
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -44,25 +60,89 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Pointer to `n` fp32 values at element `index` of `base`: the pool itself when it is fp32, else
- * `scratch` filled by conversion. */
-static inline const float *as_f32(const void *base, int dtype, int64_t index, int64_t n, float *scratch) {
-    if (dtype == KV_F32) return (const float *)base + index;
-    const uint16_t *src = (const uint16_t *)base + index;
-    if (dtype == KV_BF16) {
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) scratch[i] = bf16_to_f32(src[i]);
-    } else {
-        for (int64_t i = 0; i < n; i++) scratch[i] = f16_to_f32(src[i]);
+/* n token vectors of D values, `stride` elements apart from element `index` of the pool: the pool itself
+ * when it is fp32 (*out_stride = stride), else converted into `scratch` (*out_stride = D). */
+static inline const float *tokens_f32(const void *pool, int dtype, int64_t index, int64_t stride, int64_t n,
+                                      int64_t D, float *scratch, int64_t *out_stride) {
+    if (dtype == KV_F32) {
+        *out_stride = stride;
+        return (const float *)pool + index;
     }
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *src = (const uint16_t *)pool + index + t * stride;
+        float *dst = scratch + t * D;
+        if (dtype == KV_BF16) {
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+        } else {
+            for (int64_t d = 0; d < D; d++) dst[d] = f16_to_f32(src[d]);
+        }
+    }
+    *out_stride = D;
     return scratch;
+}
+
+static inline void prefetch_tokens(const void *pool, int64_t elem_size, int64_t index, int64_t stride, int64_t n,
+                                   int64_t D) {
+    const char *p = (const char *)pool + index * elem_size;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t off = 0; off < D * elem_size; off += 64) __builtin_prefetch(p + t * stride * elem_size + off);
+}
+
+/* s[t] = q . k_t for t < n. */
+static inline void dot_tokens(const float *q, const float *k, int64_t kstride, int64_t n, int64_t D, float *s) {
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const float *k0 = k + t * kstride;
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+        for (int64_t d = 0; d < D; d += LANES) {
+            const vf qv = loadv(q + d);
+            a0 += qv * loadv(k0 + d);
+            a1 += qv * loadv(k0 + kstride + d);
+            a2 += qv * loadv(k0 + 2 * kstride + d);
+            a3 += qv * loadv(k0 + 3 * kstride + d);
+            a4 += qv * loadv(k0 + 4 * kstride + d);
+            a5 += qv * loadv(k0 + 5 * kstride + d);
+            a6 += qv * loadv(k0 + 6 * kstride + d);
+            a7 += qv * loadv(k0 + 7 * kstride + d);
+        }
+        s[t] = hsum(a0); s[t + 1] = hsum(a1); s[t + 2] = hsum(a2); s[t + 3] = hsum(a3);
+        s[t + 4] = hsum(a4); s[t + 5] = hsum(a5); s[t + 6] = hsum(a6); s[t + 7] = hsum(a7);
+    }
+    for (; t < n; t++) {
+        vf a = {0};
+        for (int64_t d = 0; d < D; d += LANES) a += loadv(q + d) * loadv(k + t * kstride + d);
+        s[t] = hsum(a);
+    }
+}
+
+/* acc[0:D] += sum_t p[t] * v_t, 64 columns at a time held in registers. */
+static inline void accumulate_tokens(float *acc, const float *p, const float *v, int64_t vstride, int64_t n,
+                                     int64_t D) {
+    int64_t c = 0;
+    for (; c + 8 * LANES <= D; c += 8 * LANES) {
+        vf a[8];
+        for (int i = 0; i < 8; i++) a[i] = loadv(acc + c + i * LANES);
+        for (int64_t t = 0; t < n; t++) {
+            const float *vt = v + t * vstride + c;
+            const float pt = p[t];
+            for (int i = 0; i < 8; i++) a[i] += pt * loadv(vt + i * LANES);
+        }
+        for (int i = 0; i < 8; i++) storev(acc + c + i * LANES, a[i]);
+    }
+    for (; c < D; c += LANES) {
+        vf a = loadv(acc + c);
+        for (int64_t t = 0; t < n; t++) a += p[t] * loadv(v + t * vstride + c);
+        storev(acc + c, a);
+    }
 }
 
 /* 1 when the kernel's fixed per-thread scratch holds this shape. */
 int paged_decode_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
     const int64_t group = num_q_heads / num_kv_heads;
-    return num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && group <= MAX_GROUP && head_dim <= MAX_HEAD_DIM
-        && group * head_dim <= MAX_GROUP_DIM && group * block_size <= MAX_GROUP_DIM;
+    return num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim % LANES == 0 && group <= MAX_GROUP
+        && group * head_dim <= MAX_GROUP_DIM && group * block_size <= MAX_GROUP_DIM
+        && block_size * head_dim <= MAX_BLOCK_DIM;
 }
 
 /* Returns 0; -1 for a shape paged_decode_supports refuses; -2 when a block table names a block
@@ -79,22 +159,26 @@ int paged_decode_attention(
     const int64_t *block_tables, /* [R, table_stride] */
     int64_t table_stride,
     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-    float scale)
+    float scale,
+    int num_threads)              /* torch.get_num_threads(): the kernel follows torch's setting */
 {
     const int64_t group = num_q_heads / num_kv_heads, D = head_dim, B = block_size, Hkv = num_kv_heads;
     if (!paged_decode_supports(num_q_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t token_stride = Hkv * D;                 /* elements between tokens of one block */
     const int64_t v_offset = num_blocks * B * token_stride; /* V follows K */
-    const int64_t items = num_rows * Hkv;
+    const int64_t items = num_rows * Hkv, elem_size = kv_dtype == KV_F32 ? 4 : 2;
     int bad_block = 0;
 
-    #pragma omp parallel for schedule(dynamic, 1)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         const int64_t r = rows[item / Hkv], h = item % Hkv;
         const int64_t ctx = context_lens[r], token = cu_seqlens_q[r];
         const int64_t *table = block_tables + r * table_stride;
-        const float *q = query + (token * num_q_heads + h * group) * D;
-        float acc[MAX_GROUP_DIM], scores[MAX_GROUP_DIM], m[MAX_GROUP], l[MAX_GROUP], scratch[MAX_HEAD_DIM];
+        /* Sized by the shapes (bounded by paged_decode_supports): small stacks suffice. */
+        float q[group * D], acc[group * D], scores[group * B], m[group], l[group];
+        float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
+        const float *q_in = query + (token * num_q_heads + h * group) * D;
+        for (int64_t i = 0; i < group * D; i++) q[i] = q_in[i] * scale;
         memset(acc, 0, sizeof(float) * group * D);
         for (int64_t j = 0; j < group; j++) { m[j] = -FLT_MAX; l[j] = 0.0f; }
 
@@ -105,17 +189,18 @@ int paged_decode_attention(
                 bad_block = 1;
                 break;
             }
-            const int64_t base = (blk * B) * token_stride + h * D;
-            for (int64_t t = 0; t < n; t++) {
-                const float *k = as_f32(kv, kv_dtype, base + t * token_stride, D, scratch);
-                for (int64_t j = 0; j < group; j++) {
-                    const float *qj = q + j * D;
-                    float dot = 0.0f;
-                    #pragma omp simd reduction(+:dot)
-                    for (int64_t d = 0; d < D; d++) dot += qj[d] * k[d];
-                    scores[j * B + t] = dot * scale;
+            if (start + B < ctx) {
+                const int64_t next = table[start / B + 1];
+                if (next >= 0 && next < num_blocks) {
+                    const int64_t nn = ctx - start - B < B ? ctx - start - B : B;
+                    prefetch_tokens(kv, elem_size, next * B * token_stride + h * D, token_stride, nn, D);
+                    prefetch_tokens(kv, elem_size, v_offset + next * B * token_stride + h * D, token_stride, nn, D);
                 }
             }
+            const int64_t base = blk * B * token_stride + h * D;
+            int64_t kstride, vstride;
+            const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n, D, k_scratch, &kstride);
+            for (int64_t j = 0; j < group; j++) dot_tokens(q + j * D, k, kstride, n, D, scores + j * B);
             for (int64_t j = 0; j < group; j++) {
                 float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
                 for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
@@ -129,15 +214,8 @@ int paged_decode_attention(
                 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) a[d] *= correction;
             }
-            for (int64_t t = 0; t < n; t++) {
-                const float *v = as_f32(kv, kv_dtype, v_offset + base + t * token_stride, D, scratch);
-                for (int64_t j = 0; j < group; j++) {
-                    const float p = scores[j * B + t];
-                    float *a = acc + j * D;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
-                }
-            }
+            const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n, D, v_scratch, &vstride);
+            for (int64_t j = 0; j < group; j++) accumulate_tokens(acc + j * D, scores + j * B, v, vstride, n, D);
         }
         float *o = out + (token * num_q_heads + h * group) * D;
         for (int64_t j = 0; j < group; j++) {

@@ -110,7 +110,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp)
+        return row_parallel(self.down_proj, F.silu(gate).mul_(up), self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):

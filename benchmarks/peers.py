@@ -1,0 +1,85 @@
+"""Benchmark peers run beside pagedserve in the same script: llama.cpp's llama-server, and the guidellm load
+generator. Both are built or installed by benchmarks/setup_peers.sh into their own directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PEERS_DIR = Path(os.environ.get("PAGEDSERVE_PEERS_DIR", Path(__file__).resolve().parent / ".peers"))
+
+
+def peer_binary(name: str) -> Path:
+    """llama-server or guidellm, from setup_peers.sh's directories (or $LLAMA_SERVER / $GUIDELLM)."""
+    env = {"llama-server": "LLAMA_SERVER", "guidellm": "GUIDELLM"}[name]
+    default = {"llama-server": PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server",
+               "guidellm": PEERS_DIR / "guidellm" / "bin" / "guidellm"}[name]
+    path = Path(os.environ.get(env, default))
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} not found at {path}: run `bash benchmarks/setup_peers.sh {name}` "
+                                f"(or set ${env})")
+    return path
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers 200; fail early if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT, then SIGKILL: the whole process group (servers start helpers of their own)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def llama_server(gguf: Path, *, parallel: int, context_per_slot: int, port: int = 8090,
+                 threads: int | None = None, log_path: Path | None = None) -> Iterator[str]:
+    """llama-server on 127.0.0.1:`port` with `parallel` slots (continuous batching); yields its base URL."""
+    threads = threads or os.cpu_count() or 1
+    cmd = [str(peer_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(parallel), "-c", str(parallel * context_per_slot), "-t", str(threads), "-tb", str(threads),
+           "--no-webui"]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 120, proc)
+        yield url
+    finally:
+        stop(proc)
+        if log_path:
+            log.close()
+
+
+def post_json(url: str, body: dict, timeout_s: float = 3600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())

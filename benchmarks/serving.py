@@ -1,0 +1,119 @@
+"""Served throughput and latency: pagedserve's OpenAI route (`serve run`) and llama.cpp's llama-server on the
+same GGUF, under the same load from guidellm (a third-party load generator, in its own virtualenv), one run.
+
+  bash benchmarks/setup_peers.sh                    # once: builds llama-server, installs guidellm
+  .venv/bin/python benchmarks/serving.py            # 16 concurrent streams, 256-token prompts, 64 out
+  .venv/bin/python benchmarks/serving.py --streams 16 --requests 32 --prompt-tokens 256 --output-tokens 64 \\
+      --engines pagedserve llama-server --out-dir /tmp/serving
+
+pagedserve runs deploy/config.yaml with its gRPC proxy left out (guidellm speaks HTTP; HTTP listens on
+127.0.0.1 only). llama-server gets one slot per stream (`-np`). guidellm sends chat completions with
+max_tokens and ignore_eos, so every request produces exactly --output-tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import llama_server, peer_binary, stop, wait_http  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGEDSERVE_PORT = 8000  # deploy/config.yaml's http_options.port
+
+
+@contextmanager
+def pagedserve_server(log_path: Path, overrides: dict):
+    """`serve run` on deploy/config.yaml without the gRPC proxy; yields the HTTP base URL."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
+    config.pop("grpc_options", None)
+    config["applications"][0]["args"].update(overrides)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(config, f)
+    serve = Path(sys.executable).with_name("serve")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(serve), "run", f.name], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{PAGEDSERVE_PORT}"
+            wait_http(url + "/v1/models", 300, proc)
+            yield url
+        finally:
+            stop(proc)
+            os.unlink(f.name)
+
+
+def run_guidellm(url: str, model: str, tokenizer_dir: Path, args, out: Path) -> dict:
+    cmd = [str(peer_binary("guidellm")), "run",
+           "--backend", f"kind=openai_http,target={url},model={model}",
+           "--profile", f"kind=concurrent,streams={args.streams}",
+           "--constraint", f"kind=max_requests,count={args.requests}",
+           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+           "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
+           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    subprocess.run(cmd, check=True, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                   cwd=out.parent)
+    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    ok = m["request_totals"]["successful"]
+    return {"requests": ok, "errored": m["request_totals"]["errored"],
+            "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
+            "ttft_p50_ms": m["time_to_first_token_ms"]["successful"]["median"],
+            "itl_p50_ms": m["inter_token_latency_ms"]["successful"]["median"],
+            "itl_p95_ms": m["inter_token_latency_ms"]["successful"]["percentiles"]["p95"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--engines", nargs="+", default=["pagedserve", "llama-server"],
+                   choices=["pagedserve", "llama-server"])
+    p.add_argument("--out-dir", type=Path, default=None, help="guidellm JSON and server logs (default: a temp dir)")
+    args = p.parse_args()
+
+    from pagedserve.workers.gguf import embedded_model_gguf
+    from pagedserve.workers.loader import resolve_model
+
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="pagedserve-serving-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(None)
+    results = {}
+    for engine in args.engines:
+        t0 = time.monotonic()
+        if engine == "pagedserve":
+            server = pagedserve_server(out_dir / "pagedserve.log", {"max_num_seqs": max(args.streams, 16)})
+        else:
+            # Chat-template overhead: guidellm's prompt plus the template's tokens must fit a slot.
+            slot = 2 * (args.prompt_tokens + args.output_tokens) + 256
+            server = llama_server(embedded_model_gguf(), parallel=args.streams, context_per_slot=slot,
+                                  log_path=out_dir / "llama-server.log")
+        with server as url:
+            results[engine] = run_guidellm(url, source.name, source.tokenizer_dir, args, out_dir / f"{engine}.json")
+        print(f"{engine}: {results[engine]} ({time.monotonic() - t0:.0f} s)", flush=True)
+
+    print(f"\n{args.streams} concurrent streams, {args.requests} requests, {args.prompt_tokens} prompt tokens, "
+          f"{args.output_tokens} output tokens (guidellm; results in {out_dir})\n")
+    print("| server | output tokens/s | TTFT p50 ms | ITL p50 ms | ITL p95 ms | requests ok / errored |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for engine, r in results.items():
+        print(f"| {engine} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
+              f"{r['itl_p95_ms']:.0f} | {r['requests']} / {r['errored']} |")
+    (out_dir / "summary.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                      "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
