@@ -6,9 +6,10 @@ same GGUF, under the same load from guidellm (a third-party load generator, in i
   .venv/bin/python benchmarks/serving.py --streams 16 --requests 32 --prompt-tokens 256 --output-tokens 64 \\
       --engines pagedserve llama-server --out-dir /tmp/serving
 
-pagedserve runs deploy/config.yaml with its gRPC proxy left out (guidellm speaks HTTP; HTTP listens on
-127.0.0.1 only). llama-server gets one slot per stream (`-np`). guidellm sends chat completions with
-max_tokens and ignore_eos, so every request produces exactly --output-tokens tokens.
+pagedserve runs deploy/config.yaml as `make run` does (Ray's workers at normal priority), with its gRPC proxy
+left out (guidellm speaks HTTP; HTTP listens on 127.0.0.1 only). llama-server gets one slot per stream (`-np`).
+guidellm sends chat completions with max_tokens and ignore_eos, so every request produces exactly
+--output-tokens tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def pagedserve_server(log_path: Path, overrides: dict):
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     serve = Path(sys.executable).with_name("serve")
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    # As `make run` starts it: Ray's workers at normal priority, like llama-server (Ray's default is nice 15).
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "RAY_worker_niceness": "0"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(serve), "run", f.name], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT, start_new_session=True)
@@ -82,6 +84,8 @@ def main() -> None:
     p.add_argument("--engines", nargs="+", default=["pagedserve", "llama-server"],
                    choices=["pagedserve", "llama-server"])
     p.add_argument("--out-dir", type=Path, default=None, help="guidellm JSON and server logs (default: a temp dir)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="pagedserve engine settings over deploy/config.yaml's args (values parsed as YAML)")
     args = p.parse_args()
 
     from pagedserve.workers.gguf import embedded_model_gguf
@@ -94,7 +98,11 @@ def main() -> None:
     for engine in args.engines:
         t0 = time.monotonic()
         if engine == "pagedserve":
-            server = pagedserve_server(out_dir / "pagedserve.log", {"max_num_seqs": max(args.streams, 16)})
+            import yaml
+
+            overrides = {"max_num_seqs": max(args.streams, 16)}
+            overrides |= {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+            server = pagedserve_server(out_dir / "pagedserve.log", overrides)
         else:
             # Chat-template overhead: guidellm's prompt plus the template's tokens must fit a slot.
             slot = 2 * (args.prompt_tokens + args.output_tokens) + 256

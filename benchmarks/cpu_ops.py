@@ -1,0 +1,95 @@
+"""The CPU path's two hot spots at the embedded model's shapes, each beside what it replaced, one run:
+
+- decode attention, 16 sequences: the native kernel reading the paged pool in place vs the torch reference
+  (gather each row's K/V through the block table, then one masked SDPA);
+- one decode step's linear layers (30 layers: qkv, o, gate_up, down; then the LM head) at 16 rows: weights
+  packed into oneDNN's layout vs F.linear on the plain weight.
+
+  .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def median_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--context", type=int, default=400)
+    p.add_argument("--repeat", type=int, default=30)
+    args = p.parse_args()
+
+    from pagedserve.kernels import cpu, reference
+    from pagedserve.workers.models.packed_linear import PackedLinear, can_pack
+
+    # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, hidden 576, MLP 1536, vocab 49152; blocks of 16.
+    hq, hkv, d, bs, hidden, inter, vocab, layers = 9, 3, 64, 16, 576, 1536, 49152, 30
+    r, ctx = args.rows, args.context
+    blocks_per_row = -(-ctx // bs)
+    pool_blocks = 4096  # rows' blocks scattered through a pool larger than the caches
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, pool_blocks, bs, hkv, d, generator=gen)  # [2, N, B, Hkv, D]
+    tables = torch.randperm(pool_blocks, generator=gen)[: r * blocks_per_row].view(r, blocks_per_row)
+    query = torch.randn(r, hq, d, generator=gen)  # [R, Hq, D]: one new token per row
+    cu = torch.arange(r + 1)
+    lens = torch.full((r,), ctx)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+    print(f"\ndecode attention, {r} rows x {ctx} tokens (per layer):")
+    kv_bytes = 2 * r * ctx * hkv * d * 4
+    for name, fn in [("reference (gather + SDPA)", lambda: reference.paged_attention(query, kv, cu, lens, tables,
+                                                                                         d ** -0.5)),
+                     ("native, in place", lambda: cpu.paged_attention(query, kv, cu, lens, tables, d ** -0.5,
+                                                                      max_query_len=1))]:
+        ms = median_ms(fn, args.repeat)
+        print(f"  {name:28s} {ms:7.3f} ms  ({kv_bytes / ms / 1e6:5.1f} GB/s of K/V)")
+
+    print(f"\nlinear layers of one decode step, {r} rows ({layers} layers + LM head):")
+    shapes = [(hidden, hq * d + 2 * hkv * d), (hq * d, hidden), (hidden, 2 * inter), (inter, hidden)]
+    weights = [torch.randn(n, k, generator=gen) for k, n in shapes] + [torch.randn(vocab, hidden, generator=gen)]
+    inputs = [torch.randn(r, w.shape[1], generator=gen) for w in weights]
+    flops = 2 * r * (layers * sum(k * n for k, n in shapes) + vocab * hidden)
+
+    def plain():
+        for _ in range(layers):
+            for x, w in zip(inputs[:4], weights[:4], strict=True):
+                F.linear(x, w)
+        F.linear(inputs[4], weights[4])
+
+    runs = [("F.linear, plain weights", plain)]
+    if can_pack(torch.device("cpu"), torch.float32):
+        packed = [PackedLinear(w, None, r) for w in weights]
+
+        def packed_step():
+            for _ in range(layers):
+                for x, lin in zip(inputs[:4], packed[:4], strict=True):
+                    lin(x)
+            packed[4](inputs[4])
+
+        runs.append(("oneDNN packed weights", packed_step))
+    for name, fn in runs:
+        ms = median_ms(fn, max(5, args.repeat // 3))
+        print(f"  {name:28s} {ms:7.1f} ms  ({flops / ms / 1e6:5.1f} GFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()
