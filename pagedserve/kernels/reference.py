@@ -64,12 +64,15 @@ def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens
         k, v = gather_kv(kv_cache, block_tables[r], lens[r])  # [L, Hkv, D] each
         q = query[cu[r]:cu[r + 1]].transpose(0, 1)  # [Hq, nq, D]
         start = lens[r] - num_q
-        mask = (torch.arange(lens[r], device=query.device)[None, :]
-                <= start + torch.arange(num_q, device=query.device)[:, None])  # [nq, L]
+        if start == 0:  # no cached prefix: plain causal, which lets SDPA skip the masked-out tiles
+            mask = None
+        else:
+            mask = (torch.arange(lens[r], device=query.device)[None, :]
+                    <= start + torch.arange(num_q, device=query.device)[:, None])[None, None]  # [1, 1, nq, L]
         # 4-D inputs: on CPU, 3-D ones fall back to SDPA's math path (~100x slower here).
         o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None].to(q.dtype),
-                                           v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask[None, None],
-                                           scale=scale, enable_gqa=True)
+                                           v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
         out[cu[r]:cu[r + 1]] = o[0].transpose(0, 1)
 
 
