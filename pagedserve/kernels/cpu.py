@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from pagedserve.kernels import reference
 from pagedserve.kernels.native import paged_decode_library
 from pagedserve.kernels.reference import attend_rows, write_kv_cache
 
@@ -41,9 +42,7 @@ def paged_attention(
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if (lib is None or kv_cache.dtype not in _KV_DTYPES or kv_cache.device.type != "cpu"
             or not lib.paged_decode_supports(num_q_heads, num_kv_heads, head_dim, block_size)):
-        from pagedserve.kernels.reference import paged_attention as reference_attention
-
-        return reference_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale)
+        return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
     cu_seqlens_q = cu_seqlens_q.to(torch.int64).contiguous()  # the kernel reads int64
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [R]

@@ -166,21 +166,28 @@ int paged_decode_attention(
     if (!paged_decode_supports(num_q_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t token_stride = Hkv * D;                 /* elements between tokens of one block */
     const int64_t v_offset = num_blocks * B * token_stride; /* V follows K */
-    const int64_t items = num_rows * Hkv, elem_size = kv_dtype == KV_F32 ? 4 : 2;
+    const int64_t elem_size = kv_dtype == KV_F32 ? 4 : 2;
+    /* A work item is a row's KV heads `heads` at a time: all of them when there are rows enough to keep the
+     * threads busy, so that each block's K and V are read as two contiguous runs; one when there are few
+     * rows (a long single decode still uses every thread). */
+    const int64_t heads = num_rows >= 2 * num_threads && num_q_heads * D <= MAX_GROUP_DIM ? Hkv : 1;
+    const int64_t chunks = Hkv / heads;
+    const int64_t items = num_rows * chunks, hgd = heads * group * D;
     int bad_block = 0;
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t r = rows[item / Hkv], h = item % Hkv;
+        const int64_t r = rows[item / chunks], h0 = (item % chunks) * heads;
         const int64_t ctx = context_lens[r], token = cu_seqlens_q[r];
         const int64_t *table = block_tables + r * table_stride;
-        /* Sized by the shapes (bounded by paged_decode_supports): small stacks suffice. */
-        float q[group * D], acc[group * D], scores[group * B], m[group], l[group];
+        /* Sized by the shapes (bounded by paged_decode_supports): small stacks suffice. Query heads of
+         * KV head h0 + i are q[(i * group + j) * D ...], their state m / l[i * group + j]. */
+        float q[hgd], acc[hgd], scores[group * B], m[heads * group], l[heads * group];
         float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
-        const float *q_in = query + (token * num_q_heads + h * group) * D;
-        for (int64_t i = 0; i < group * D; i++) q[i] = q_in[i] * scale;
-        memset(acc, 0, sizeof(float) * group * D);
-        for (int64_t j = 0; j < group; j++) { m[j] = -FLT_MAX; l[j] = 0.0f; }
+        const float *q_in = query + (token * num_q_heads + h0 * group) * D;
+        for (int64_t i = 0; i < hgd; i++) q[i] = q_in[i] * scale;
+        memset(acc, 0, sizeof(float) * hgd);
+        for (int64_t j = 0; j < heads * group; j++) { m[j] = -FLT_MAX; l[j] = 0.0f; }
 
         for (int64_t start = 0; start < ctx; start += B) {
             const int64_t blk = table[start / B], n = ctx - start < B ? ctx - start : B;
@@ -192,33 +199,37 @@ int paged_decode_attention(
             if (start + B < ctx) {
                 const int64_t next = table[start / B + 1];
                 if (next >= 0 && next < num_blocks) {
-                    const int64_t nn = ctx - start - B < B ? ctx - start - B : B;
-                    prefetch_tokens(kv, elem_size, next * B * token_stride + h * D, token_stride, nn, D);
-                    prefetch_tokens(kv, elem_size, v_offset + next * B * token_stride + h * D, token_stride, nn, D);
+                    const int64_t nn = ctx - start - B < B ? ctx - start - B : B, at = next * B * token_stride + h0 * D;
+                    prefetch_tokens(kv, elem_size, at, token_stride, nn, heads * D);
+                    prefetch_tokens(kv, elem_size, v_offset + at, token_stride, nn, heads * D);
                 }
             }
-            const int64_t base = blk * B * token_stride + h * D;
-            int64_t kstride, vstride;
-            const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n, D, k_scratch, &kstride);
-            for (int64_t j = 0; j < group; j++) dot_tokens(q + j * D, k, kstride, n, D, scores + j * B);
-            for (int64_t j = 0; j < group; j++) {
-                float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
-                for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
-                const float new_max = block_max > m[j] ? block_max : m[j];
-                const float correction = expf(m[j] - new_max);
-                #pragma omp simd reduction(+:sum)
-                for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - new_max); sum += s[t]; }
-                l[j] = l[j] * correction + sum;
-                m[j] = new_max;
-                float *a = acc + j * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] *= correction;
+            for (int64_t i = 0; i < heads; i++) {
+                const int64_t base = blk * B * token_stride + (h0 + i) * D;
+                float *qi = q + i * group * D, *acc_i = acc + i * group * D, *m_i = m + i * group, *l_i = l + i * group;
+                int64_t kstride, vstride;
+                const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n, D, k_scratch, &kstride);
+                for (int64_t j = 0; j < group; j++) dot_tokens(qi + j * D, k, kstride, n, D, scores + j * B);
+                for (int64_t j = 0; j < group; j++) {
+                    float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
+                    for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
+                    const float new_max = block_max > m_i[j] ? block_max : m_i[j];
+                    const float correction = expf(m_i[j] - new_max);
+                    #pragma omp simd reduction(+:sum)
+                    for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - new_max); sum += s[t]; }
+                    l_i[j] = l_i[j] * correction + sum;
+                    m_i[j] = new_max;
+                    float *a = acc_i + j * D;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] *= correction;
+                }
+                const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n, D, v_scratch, &vstride);
+                for (int64_t j = 0; j < group; j++)
+                    accumulate_tokens(acc_i + j * D, scores + j * B, v, vstride, n, D);
             }
-            const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n, D, v_scratch, &vstride);
-            for (int64_t j = 0; j < group; j++) accumulate_tokens(acc + j * D, scores + j * B, v, vstride, n, D);
         }
-        float *o = out + (token * num_q_heads + h * group) * D;
-        for (int64_t j = 0; j < group; j++) {
+        float *o = out + (token * num_q_heads + h0 * group) * D;
+        for (int64_t j = 0; j < heads * group; j++) {
             const float inv = ctx > 0 ? 1.0f / l[j] : 0.0f;
             #pragma omp simd
             for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] * inv;
