@@ -21,9 +21,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # The server: gRPC on :9000, OpenAI-compatible HTTP on 127.0.0.1:8000 (deploy/config.yaml). Ctrl-C stops it.
-# Ray's workers at normal priority: on a CPU they are the model's compute (Ray's default niceness is 15).
 run: install
-	RAY_worker_niceness=0 $(VENV)/bin/serve run deploy/config.yaml
+	$(VENV)/bin/serve run deploy/config.yaml
 
 # The offline engine, no server: one chat answer from the embedded model.
 generate: install

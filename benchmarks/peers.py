@@ -60,6 +60,21 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
+def server_process(cmd: list[str], ready_url: str, log_path: Path | None, timeout_s: float = 120,
+                   **popen_kwargs) -> Iterator[subprocess.Popen]:
+    """Start a server in its own session, wait until `ready_url` answers, stop it (and its helpers) after."""
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **popen_kwargs)
+    try:
+        wait_http(ready_url, timeout_s, proc)
+        yield proc
+    finally:
+        stop(proc)
+        if log_path:
+            log.close()
+
+
+@contextmanager
 def llama_server(gguf: Path, *, parallel: int, context_per_slot: int, port: int = 8090,
                  threads: int | None = None, log_path: Path | None = None) -> Iterator[str]:
     """llama-server on 127.0.0.1:`port` with `parallel` slots (continuous batching); yields its base URL."""
@@ -67,16 +82,9 @@ def llama_server(gguf: Path, *, parallel: int, context_per_slot: int, port: int 
     cmd = [str(peer_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(parallel), "-c", str(parallel * context_per_slot), "-t", str(threads), "-tb", str(threads),
            "--no-webui"]
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", 120, proc)
+    url = f"http://127.0.0.1:{port}"
+    with server_process(cmd, url + "/health", log_path):
         yield url
-    finally:
-        stop(proc)
-        if log_path:
-            log.close()
 
 
 def post_json(url: str, body: dict, timeout_s: float = 3600) -> dict:

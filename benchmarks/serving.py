@@ -6,8 +6,8 @@ same GGUF, under the same load from guidellm (a third-party load generator, in i
   .venv/bin/python benchmarks/serving.py --streams 16 --requests 32 --prompt-tokens 256 --output-tokens 64 \\
       --engines pagedserve llama-server --out-dir /tmp/serving
 
-pagedserve runs deploy/config.yaml as `make run` does (Ray's workers at normal priority), with its gRPC proxy
-left out (guidellm speaks HTTP; HTTP listens on 127.0.0.1 only). llama-server gets one slot per stream (`-np`).
+pagedserve runs deploy/config.yaml as `make run` does, with its gRPC proxy left out (guidellm speaks HTTP;
+HTTP listens on 127.0.0.1 only). llama-server gets one slot per stream (`-np`).
 guidellm sends chat completions with max_tokens and ignore_eos, so every request produces exactly
 --output-tokens tokens.
 """
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import llama_server, peer_binary, stop, wait_http  # noqa: E402
+from peers import llama_server, peer_binary, server_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGEDSERVE_PORT = 8000  # deploy/config.yaml's http_options.port
@@ -42,18 +42,13 @@ def pagedserve_server(log_path: Path, overrides: dict):
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     serve = Path(sys.executable).with_name("serve")
-    # As `make run` starts it: Ray's workers at normal priority, like llama-server (Ray's default is nice 15).
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "RAY_worker_niceness": "0"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(serve), "run", f.name], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=ROOT, start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{PAGEDSERVE_PORT}"
-            wait_http(url + "/v1/models", 300, proc)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    url = f"http://127.0.0.1:{PAGEDSERVE_PORT}"
+    try:
+        with server_process([str(serve), "run", f.name], url + "/v1/models", log_path, 300, env=env, cwd=ROOT):
             yield url
-        finally:
-            stop(proc)
-            os.unlink(f.name)
+    finally:
+        os.unlink(f.name)
 
 
 def run_guidellm(url: str, model: str, tokenizer_dir: Path, args, out: Path) -> dict:

@@ -76,10 +76,6 @@ def ensure_ray(min_cpus: int = 1) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=env)
     else:
-        # Ray starts worker processes at niceness 15 to keep its own daemons responsive. On a CPU the worker
-        # actors do the model's compute, and at 15 they give the cores up to any normal-priority process (the
-        # application, a load generator): served throughput fell by a quarter (benchmarks/RESULTS.md).
-        os.environ.setdefault("RAY_worker_niceness", "0")
         # Logical CPUs: one per worker slot even on a small machine (the workers share the cores).
         ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), runtime_env=env, include_dashboard=False)
 

@@ -1,10 +1,10 @@
 /* Paged decode attention on the CPU: rows with one new query token attend to their whole context,
  * read in place through the block table (no gather into a contiguous copy).
  *
- * One work item per (row, KV head): the item's K/V vectors are read once and serve every query head
- * of the GQA group. Online softmax block by block; math in fp32 whatever the pool's dtype. The next
- * block's K/V lines are prefetched while the current one is computed: blocks sit anywhere in the pool,
- * so the hardware prefetcher cannot guess them.
+ * A work item is a row (or a row's single KV head when rows are few); each K/V vector is read once and
+ * serves every query head of its GQA group. Online softmax block by block; math in fp32 whatever the
+ * pool's dtype. The next block's K/V lines are prefetched while the current one is computed: blocks sit
+ * anywhere in the pool, so the hardware prefetcher cannot guess them.
  *
  * SIMD through GCC/Clang vector extensions (any target: -march=native picks the width's instructions).
  * q.k for eight tokens at a time keeps eight independent FMA chains in flight; the p.v sum keeps a 64-wide
