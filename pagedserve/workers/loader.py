@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.parallel import TPLayout
@@ -98,6 +99,8 @@ def _safetensors(weights_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Read
     from safetensors import safe_open
 
     for f in sorted(weights_dir.glob("*.safetensors")):
+        if f.name == GGUF_BLOCKS_NAME:  # the same weights again, as GGUF blocks (workers/models/quant_linear.py)
+            continue
         with safe_open(f, framework="pt") as st:
             for key in st.keys():
                 sl = st.get_slice(key)
@@ -152,7 +155,7 @@ def _narrow(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor
     return full.narrow(dim, start, stop - start)
 
 
-def _shard(name: str, tp: TPLayout, config: ModelConfig) -> tuple[int, int, int] | None:
+def shard_range(name: str, tp: TPLayout, config: ModelConfig) -> tuple[int, int, int] | None:
     """(dim, start, length) of this rank's part of an HF tensor; None: every rank holds all of it."""
     d = config.head_dim
     if ".q_proj." in name:
@@ -195,7 +198,7 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.model_type} model")
-        dim, start, length = _shard(name, tp, config) or (0, 0, shape[0])
+        dim, start, length = shard_range(name, tp, config) or (0, 0, shape[0])
         stop = min(start + length, shape[dim])
         tensor = read(dim, start, stop)
         region = param.data.narrow(0, offset, length) if dim == 0 else param.data  # what this tensor fills

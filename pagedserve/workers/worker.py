@@ -9,9 +9,11 @@ import torch
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.kernels import get_attention_backend
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
+from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_memory
 from pagedserve.workers.loader import ModelSource, build_model
 from pagedserve.workers.model_runner import ModelRunner
+from pagedserve.workers.models import quant_linear
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import can_pack, pack_linears
 from pagedserve.workers.models.parallel import TPLayout
@@ -44,6 +46,11 @@ class Worker:
             _init_distributed(self.device, rank, world_size, dist_init_method)
         self.tp = TPLayout.make(model_config, rank, world_size)
         self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed, self.tp)
+        blocks = None if source.is_random else source.weights_dir / GGUF_BLOCKS_NAME
+        if config.gguf_linears and blocks is not None and blocks.is_file() and quant_linear.available(
+                self.device, self.dtype):
+            swapped = quant_linear.load_gguf_linears(self.model, blocks)
+            log.info("rank %d: %d linear layers compute from the checkpoint's GGUF blocks", rank, swapped)
         if can_pack(self.device, self.dtype):
             pack_linears(self.model, PACK_BATCH_HINT)
         self.backend = get_attention_backend(config.attention_backend, self.device)

@@ -176,7 +176,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V] (on every rank)."""
-        # A tied head has no module of its own unless the CPU packing gave it a packed copy.
+        # A tied head has no module of its own unless a CPU path gave it one (packed, or GGUF blocks).
         head = getattr(self, "lm_head", None)
         local = head(hidden) if head is not None else F.linear(hidden, self.model.embed_tokens.weight)
         logits = all_gather_last_dim(local, self.tp)  # [S, tp * vocab_shard]

@@ -50,16 +50,17 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: CausalLM, batch_hint: int) -> None:
-    """Swap every nn.Linear of a loaded model for a PackedLinear, and give a tied LM head a packed copy
-    of the embedding (the embedding lookup keeps the plain one)."""
+    """Swap every nn.Linear of a loaded model for a PackedLinear, and give a tied LM head without a module
+    of its own a packed copy of the embedding (the embedding lookup keeps the plain one)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, PackedLinear(child.weight, child.bias, batch_hint))
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and getattr(model, "lm_head", None) is None:
         model.lm_head = PackedLinear(model.model.embed_tokens.weight, None, batch_hint)
 
 
 def linear_product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` without the bias, for an nn.Linear or a PackedLinear."""
-    return linear.product(x) if isinstance(linear, PackedLinear) else F.linear(x, linear.weight)
+    """`x @ weight.T` without the bias, for an nn.Linear or a layer with its own `product` (PackedLinear,
+    QuantLinear)."""
+    return F.linear(x, linear.weight) if isinstance(linear, nn.Linear) else linear.product(x)

@@ -1,0 +1,172 @@
+"""Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q8_0).
+
+A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
+blocks 4.5 to 8.5. The kernel (kernels/csrc/quant_linear.c) forms each weight exactly as the GGUF
+converter formed the fp32 weights, so it computes the same model; the fp32 copy stays for the embedding
+lookup and is what the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.native import quant_linear_library
+
+if TYPE_CHECKING:
+    from pagedserve.workers.models.llama import CausalLM
+
+log = logging.getLogger(__name__)
+
+QK = 32  # values per GGUF block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF's block sizes: the types the kernel reads
+_KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # quant_linear.c's enum
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernel computes in fp32 on x86 CPUs with AVX2, FMA and F16C."""
+    return device.type == "cpu" and dtype == torch.float32 and quant_linear_library() is not None
+
+
+def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF rows [N, K / 32 * block bytes] (uint8) -> the kernel's panels of 16 rows (see quant_linear.c)."""
+    nr = quant_linear_library().quant_linear_panel_rows()
+    n, bb = rows.shape[0], BLOCK_BYTES[qtype]
+    nb = rows.shape[1] // bb
+    panels = -(-n // nr)
+    blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
+    blocks[:n] = rows.reshape(n, nb, bb)
+    blocks = blocks.view(panels, nr, nb, bb).transpose(1, 2)  # [P, nb, 16 rows, bb]
+    scales = [blocks[..., 0:2].reshape(panels, nb, 2 * nr)]  # the 16 rows' fp16 d
+    if qtype == "Q8_0":
+        quants = blocks[..., 2:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
+    else:
+        if qtype == "Q4_1":
+            scales.append(blocks[..., 2:4].reshape(panels, nb, 2 * nr))  # the 16 rows' fp16 m
+        qs = blocks[..., 2 * len(scales):]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
+        values = torch.cat([qs & 0xF, qs >> 4], dim=-1).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
+        quants = (values[..., : nr // 2] | (values[..., nr // 2:] << 4)).reshape(panels, nb, QK * nr // 2)
+    out = torch.cat([*scales, quants], dim=-1).contiguous()  # [P, nb, panel block bytes]
+    assert out.shape[-1] == quant_linear_library().quant_linear_panel_block_bytes(_KERNEL_TYPE[qtype])
+    return out
+
+
+class QuantLinear(nn.Module):
+    """`x @ W.T + bias` with W [out_features, in_features] held as GGUF blocks; x is fp32."""
+
+    def __init__(self, rows: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"GGUF type {qtype!r} has no CPU kernel (supported: {sorted(BLOCK_BYTES)})")
+        if in_features % QK or rows.shape[1] != in_features // QK * BLOCK_BYTES[qtype]:
+            raise ValueError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {in_features} values")
+        self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
+        self.panels = repack(rows, qtype)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` without the bias (a row-parallel shard adds it after the all-reduce)."""
+        return self._matmul(x, None)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"QuantLinear takes fp32 CPU inputs, got {x.dtype} on {x.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], self.out_features)  # [M, N]
+        if x2.shape[0]:
+            status = quant_linear_library().quant_linear(
+                x2.data_ptr(), x2.shape[0], self.in_features, x2.stride(0), self.panels.data_ptr(),
+                _KERNEL_TYPE[self.qtype], self.out_features, None if bias is None else bias.data_ptr(),
+                y.data_ptr(), self.out_features, torch.get_num_threads())
+            if status:
+                raise RuntimeError(f"quant_linear failed with status {status}")
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
+                f"bias={self.bias is not None}")
+
+
+def dequantize(linear: QuantLinear) -> torch.Tensor:
+    """The fp32 weights [out_features, in_features] the kernel computes with."""
+    out = torch.empty(linear.out_features, linear.in_features)
+    status = quant_linear_library().quant_linear_dequantize(
+        linear.panels.data_ptr(), _KERNEL_TYPE[linear.qtype], linear.out_features, linear.in_features,
+        ctypes.c_void_p(out.data_ptr()))
+    if status:
+        raise RuntimeError(f"quant_linear_dequantize failed with status {status}")
+    return out
+
+
+def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
+    """Swap each linear layer whose weights `blocks_path` holds as GGUF blocks (the converter's sidecar
+    file) for a QuantLinear on this rank's shard of them; returns how many were swapped. A layer whose
+    parts differ in type, or whose shard does not fall on block boundaries, keeps its fp32 weights."""
+    from safetensors import safe_open
+
+    from pagedserve.workers.loader import shard_range
+
+    config, tp = model.config, model.tp
+    swapped = 0
+    with safe_open(blocks_path, framework="pt") as f:
+        types = f.metadata() or {}  # tensor name -> GGUF type
+        names = set(f.keys())
+
+        def shard_rows(name: str) -> torch.Tensor | None:
+            qtype = types[name]
+            rows = f.get_slice(name)
+            n, row_bytes = rows.get_shape()
+            bb = BLOCK_BYTES[qtype]
+            dim, start, length = shard_range(name, tp, config) or (0, 0, n)
+            if dim == 0:
+                out = torch.zeros(length, row_bytes, dtype=torch.uint8)  # the last vocabulary shard's padding
+                stop = min(start + length, n)
+                out[: stop - start] = rows[start:stop]
+                return out
+            if start % QK or length % QK:
+                return None
+            return rows[:, start // QK * bb: (start + length) // QK * bb].contiguous()
+
+        for owner, attr, parts in _linear_sources(model):
+            if not all(p in names for p in parts) or len({types.get(p) for p in parts}) != 1:
+                continue
+            qtype = types[parts[0]]
+            if qtype not in BLOCK_BYTES:
+                continue
+            shards = [shard_rows(p) for p in parts]
+            if any(s is None for s in shards):
+                continue
+            old = getattr(owner, attr, None)
+            in_features = config.hidden_size if old is None else old.in_features
+            rows = torch.cat(shards)
+            out_features = tp.vocab_shard if old is None else old.out_features
+            if rows.shape[0] != out_features:
+                raise ValueError(f"{blocks_path}: {', '.join(parts)} hold {rows.shape[0]} rows for this rank, "
+                                 f"the model expects {out_features}")
+            setattr(owner, attr, QuantLinear(rows, qtype, in_features, None if old is None else old.bias))
+            swapped += 1
+    return swapped
+
+
+def _linear_sources(model: CausalLM):
+    """(module, attribute, the HF tensors whose rows it concatenates) for every linear layer."""
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        yield layer.self_attn, "qkv_proj", [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        yield layer.self_attn, "o_proj", [p + "self_attn.o_proj.weight"]
+        yield layer.mlp, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        yield layer.mlp, "down_proj", [p + "mlp.down_proj.weight"]
+    # A tied head reads the embedding's blocks; the lookup keeps the fp32 embedding.
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    yield model, "lm_head", [head]

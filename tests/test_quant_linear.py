@@ -1,0 +1,95 @@
+"""Linear layers on GGUF blocks: the kernel forms exactly the weights gguf's dequantize forms, multiplies
+like an fp32 GEMM, and a GGUF checkpoint's model computes the same tokens with them as with fp32 weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
+from pagedserve.workers.loader import build_model, resolve_model
+from pagedserve.workers.models import quant_linear
+from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.packed_linear import linear_product
+from pagedserve.workers.models.parallel import TPLayout
+from pagedserve.workers.models.quant_linear import QuantLinear, dequantize, load_gguf_linears
+
+pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), torch.float32),
+                                reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    rows = gguf_quantize(w, GGMLQuantizationType[qtype])
+    return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[qtype]))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n", [16, 40, 100])  # whole panels of 16 rows, and a padded last panel
+def test_weights_are_exactly_ggufs_dequantization(qtype, n):
+    rows, w = _quantized(n, 96, qtype, seed=n)
+    assert torch.equal(dequantize(QuantLinear(rows, qtype, 96, None)), w)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 50, 97])  # partial register tiles, and past one 48-row work item
+def test_product_matches_fp32_matmul(qtype, m):
+    n, k = 40, 128
+    rows, w = _quantized(n, k, qtype, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k + 8, generator=gen)[:, :k]  # rows strided past their length
+    layer = QuantLinear(rows, qtype, k, bias)
+    exact = x.double() @ w.double().T
+    torch.testing.assert_close(layer.product(x).double(), exact, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear_product(layer, x).double(), exact, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(layer(x).double(), exact + bias.double(), atol=1e-4, rtol=1e-5)
+    assert layer(x.reshape(m, 1, k)).shape == (m, 1, n)  # leading dims kept
+    assert layer(x[:0]).shape == (0, n)
+
+
+def test_bad_inputs_are_named():
+    rows, _ = _quantized(16, 64, "Q4_1", seed=0)
+    with pytest.raises(ValueError, match="Q5_K"):
+        QuantLinear(rows, "Q5_K", 64, None)
+    with pytest.raises(ValueError, match="do not hold 96 values"):
+        QuantLinear(rows, "Q4_1", 96, None)
+    with pytest.raises(ValueError, match="fp32 CPU inputs"):
+        QuantLinear(rows, "Q4_1", 64, None)(torch.randn(2, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp_rank", [None, 1])  # the whole model, and rank 1 of 3 (sliced along rows and K)
+def test_embedded_model_layers_hold_the_fp32_weights(embedded_dir, tp_rank):
+    """Every swapped layer computes with exactly the fp32 weights the loader reads for it: the converter's
+    Q/K row order, the fused q/k/v and gate/up concatenation, TP shards and the tied LM head all agree."""
+    source = resolve_model(str(embedded_dir))
+    config = ModelConfig.from_file(source.config_path)
+    tp = TPLayout.make(config, tp_rank, 3) if tp_rank is not None else None
+    model = build_model(source, config, torch.float32, torch.device("cpu"), 64, tp=tp)
+    fp32 = {name: p.detach().clone() for name, p in model.named_parameters()}
+    swapped = load_gguf_linears(model, embedded_dir / GGUF_BLOCKS_NAME)
+    assert swapped == 4 * config.num_layers + 1
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            weight = fp32["model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
+            assert torch.equal(dequantize(module), weight), name
+
+
+def test_engine_tokens_match_fp32_weights(embedded_dir):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    answers = []
+    for gguf_linears in (True, False):
+        with LLM(str(embedded_dir), gguf_linears=gguf_linears) as llm:
+            model = llm.engine.executor.worker.model
+            assert any(isinstance(m, QuantLinear) for m in model.modules()) == gguf_linears
+            answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert answers[0] == answers[1]
