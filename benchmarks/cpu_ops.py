@@ -2,8 +2,10 @@
 
 - decode attention, 16 sequences: the native kernel reading the paged pool in place vs the torch reference
   (gather each row's K/V through the block table, then one masked SDPA);
-- one decode step's linear layers (30 layers: qkv, o, gate_up, down; then the LM head) at 16 rows: weights
-  packed into oneDNN's layout vs F.linear on the plain weight.
+- one decode step's linear layers (30 layers: qkv, o, gate_up, down; then the LM head) at 16 rows, each
+  layer with weights of its own (so they stream from memory as in a model): F.linear on the plain fp32
+  weight, weights packed into oneDNN's layout, and the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
+  (the embedded GGUF's types).
 
   .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400]
 """
@@ -38,7 +40,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=30)
     args = p.parse_args()
 
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     from pagedserve.kernels import cpu, reference
+    from pagedserve.workers.models import quant_linear
     from pagedserve.workers.models.packed_linear import PackedLinear, can_pack
 
     # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, hidden 576, MLP 1536, vocab 49152; blocks of 16.
@@ -64,28 +70,26 @@ def main() -> None:
         print(f"  {name:28s} {ms:7.3f} ms  ({kv_bytes / ms / 1e6:5.1f} GB/s of K/V)")
 
     print(f"\nlinear layers of one decode step, {r} rows ({layers} layers + LM head):")
-    shapes = [(hidden, hq * d + 2 * hkv * d), (hq * d, hidden), (hidden, 2 * inter), (inter, hidden)]
-    weights = [torch.randn(n, k, generator=gen) for k, n in shapes] + [torch.randn(vocab, hidden, generator=gen)]
+    shapes = [(hidden, hq * d + 2 * hkv * d), (hq * d, hidden), (hidden, 2 * inter), (inter, hidden)] * layers
+    shapes.append((hidden, vocab))  # the tied LM head
+    weights = [torch.randn(n, k, generator=gen) * 0.02 for k, n in shapes]
     inputs = [torch.randn(r, w.shape[1], generator=gen) for w in weights]
-    flops = 2 * r * (layers * sum(k * n for k, n in shapes) + vocab * hidden)
+    flops = 2 * r * sum(k * n for k, n in shapes)
 
-    def plain():
-        for _ in range(layers):
-            for x, w in zip(inputs[:4], weights[:4], strict=True):
-                F.linear(x, w)
-        F.linear(inputs[4], weights[4])
+    def step(layer_fns):
+        def run():
+            for x, fn in zip(inputs, layer_fns, strict=True):
+                fn(x)
+        return run
 
-    runs = [("F.linear, plain weights", plain)]
+    runs = [("F.linear, plain fp32", step([lambda x, w=w: F.linear(x, w) for w in weights]))]
     if can_pack(torch.device("cpu"), torch.float32):
-        packed = [PackedLinear(w, None, r) for w in weights]
-
-        def packed_step():
-            for _ in range(layers):
-                for x, lin in zip(inputs[:4], packed[:4], strict=True):
-                    lin(x)
-            packed[4](inputs[4])
-
-        runs.append(("oneDNN packed weights", packed_step))
+        runs.append(("oneDNN packed fp32", step([PackedLinear(w, None, r) for w in weights])))
+    if quant_linear.available(torch.device("cpu"), torch.float32):
+        qtypes = ["Q4_1"] * (len(weights) - 1) + ["Q8_0"]
+        blocks = [quant_linear.QuantLinear(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[t])), t,
+                                           w.shape[1], None) for w, t in zip(weights, qtypes, strict=True)]
+        runs.append(("GGUF blocks (Q4_1, Q8_0 head)", step(blocks)))
     for name, fn in runs:
         ms = median_ms(fn, max(5, args.repeat // 3))
         print(f"  {name:28s} {ms:7.1f} ms  ({flops / ms / 1e6:5.1f} GFLOP/s)")

@@ -93,3 +93,10 @@ def test_engine_tokens_match_fp32_weights(embedded_dir):
             assert any(isinstance(m, QuantLinear) for m in model.modules()) == gguf_linears
             answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert answers[0] == answers[1]
+
+
+def test_gguf_linears_setting_must_be_a_bool():
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="gguf_linears='no' must be true or false"):
+        EngineConfig(gguf_linears="no")

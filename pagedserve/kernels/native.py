@@ -69,8 +69,6 @@ def quant_linear_library() -> ctypes.CDLL | None:
     lib.quant_linear_panel_block_bytes.restype = _i64
     lib.quant_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, _i64, ctypes.c_int]
     lib.quant_linear.restype = ctypes.c_int
-    lib.quant_linear_dequantize.argtypes = [_ptr, ctypes.c_int, _i64, _i64, _ptr]
-    lib.quant_linear_dequantize.restype = ctypes.c_int
     return lib
 
 

@@ -9,9 +9,11 @@
  * Weights are repacked once at load time (workers/models/quant_linear.py) into panels of 16 output rows:
  * per panel and 32-wide K block, the 16 rows' fp16 scales (and mins), then for each of the 32 k the 16
  * rows' quants side by side (4-bit: byte j holds row j in its low nibble and row j + 8 in its high one).
- * A panel is dequantized into a K x 16 fp32 scratch that stays in L1/L2 and serves every row of x in
- * the step; tiles of 6 rows x 16 columns keep 12 accumulators in registers (the classic AVX2 GEMM tile).
- * Work items are (block of 48 rows of x, panel) pairs spread over torch's OpenMP threads.
+ * The first rows of x (up to 4) run against a panel straight from its blocks, dequantizing each k's 16
+ * weights in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run
+ * against that scratch in tiles of 6 rows x 16 columns, 12 accumulators in registers (the classic AVX2
+ * GEMM tile). So each weight is dequantized once per call, in the same pass that first uses it.
+ * Work items are groups of panels, spread over torch's OpenMP threads.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,7 +24,10 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
 #define MR 6   /* rows of x per register tile */
-#define MB 48  /* rows of x per work item */
+#define MR_FUSED 4  /* rows of the tile that dequantizes as it goes (4 x 2 accumulators + the scales) */
+#define MB 48  /* rows of x per block */
+#define MAX_GROUP 8
+#define L2_FLOATS (96 * 1024)  /* 384 KiB of fp32 */
 
 int quant_linear_panel_rows(void) { return NR; }
 
@@ -42,44 +47,6 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
 int quant_linear_supported(void) { return 1; }
 
 static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-
-/* A panel's K values for its 16 rows into wt[k][16]. */
-static void dequant_panel(const uint8_t *p, int qtype, int64_t K, float *wt) {
-    const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m256i eight = _mm256_set1_epi32(8);
-    for (int64_t b = 0; b < nb; b++, p += bytes) {
-        float *o = wt + b * QK * NR;
-        const __m256 d0 = half8(p), d1 = half8(p + 16);
-        if (qtype == Q8_0) {
-            const uint8_t *q = p + 2 * NR;
-            for (int k = 0; k < QK; k++) {
-                __m128i v = _mm_loadu_si128((const __m128i *)(q + NR * k));
-                __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-                __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
-                _mm256_storeu_ps(o + k * NR, _mm256_mul_ps(f0, d0));
-                _mm256_storeu_ps(o + k * NR + 8, _mm256_mul_ps(f1, d1));
-            }
-            continue;
-        }
-        const int with_min = qtype == Q4_1;
-        const __m256 m0 = with_min ? half8(p + 32) : _mm256_setzero_ps();
-        const __m256 m1 = with_min ? half8(p + 48) : _mm256_setzero_ps();
-        const uint8_t *q = p + (with_min ? 4 : 2) * NR;
-        for (int k = 0; k < QK; k++) {
-            __m128i v = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * k));
-            __m256i i0 = _mm256_cvtepu8_epi32(_mm_and_si128(v, low4));
-            __m256i i1 = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4));
-            if (with_min) {
-                _mm256_storeu_ps(o + k * NR, _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(i0)), m0));
-                _mm256_storeu_ps(o + k * NR + 8, _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(i1)), m1));
-            } else {  /* Q4_0: (q - 8) * d */
-                _mm256_storeu_ps(o + k * NR, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(i0, eight))));
-                _mm256_storeu_ps(o + k * NR + 8, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(i1, eight))));
-            }
-        }
-    }
-}
 
 /* out[0:n][0:16] = x[0:n, :] @ wt (K x 16). One function per row count so the accumulators are named
  * variables the compiler keeps in registers (an indexed array of them gets spilled every iteration). */
@@ -113,6 +80,64 @@ TILE(6, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3) ACC_INIT(4) ACC_INIT(5),
      ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3) ACC_STEP(4) ACC_STEP(5),
      ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5))
 
+/* The first rows of x against a panel still in its blocks: each k's 16 weights are dequantized in registers,
+ * used at once, and stored to wt for the rows that follow (one pass over the weights instead of two). */
+#define DEQ_Q8(k) \
+    const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (k))); \
+    const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_)), d0); \
+    const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v_, 8))), d1);
+#define DEQ_Q40(k) \
+    const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
+    const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32( \
+        _mm256_cvtepu8_epi32(_mm_and_si128(v_, low4)), eight))); \
+    const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32( \
+        _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)), eight)));
+#define DEQ_Q41(k) \
+    const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
+    const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps( \
+        _mm256_cvtepu8_epi32(_mm_and_si128(v_, low4)))), m0); \
+    const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps( \
+        _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)))), m1);
+#define FUSED_LOOP(DEQ, STEP) \
+    for (int kk = 0; kk < QK; kk++) { \
+        const int64_t k = b * QK + kk; \
+        DEQ(kk) \
+        _mm256_storeu_ps(wt + k * NR, w0); \
+        _mm256_storeu_ps(wt + k * NR + 8, w1); \
+        STEP \
+    }
+#define TILE_FUSED(n, INIT, STEP, STORE) \
+    static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, float *wt, \
+                               float *out) { \
+        const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
+        const __m128i low4 = _mm_set1_epi8(0x0F); \
+        INIT \
+        for (int64_t b = 0; b < nb; b++, p += bytes) { \
+            const __m256 d0 = half8(p), d1 = half8(p + 16); \
+            if (qtype == Q8_0) { \
+                const uint8_t *q = p + 2 * NR; \
+                FUSED_LOOP(DEQ_Q8, STEP) \
+            } else if (qtype == Q4_1) { \
+                const __m256 m0 = half8(p + 32), m1 = half8(p + 48); \
+                const uint8_t *q = p + 4 * NR; \
+                FUSED_LOOP(DEQ_Q41, STEP) \
+            } else { \
+                const __m256i eight = _mm256_set1_epi32(8); \
+                const uint8_t *q = p + 2 * NR; \
+                FUSED_LOOP(DEQ_Q40, STEP) \
+            } \
+        } \
+        STORE \
+    }
+TILE_FUSED(1, ACC_INIT(0), ACC_STEP(0), ACC_STORE(0))
+TILE_FUSED(2, ACC_INIT(0) ACC_INIT(1), ACC_STEP(0) ACC_STEP(1), ACC_STORE(0) ACC_STORE(1))
+TILE_FUSED(3, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2), ACC_STEP(0) ACC_STEP(1) ACC_STEP(2),
+           ACC_STORE(0) ACC_STORE(1) ACC_STORE(2))
+TILE_FUSED(4, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3), ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3),
+           ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3))
+typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, float *, float *);
+static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
+
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *);
 static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
@@ -124,32 +149,56 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     const int64_t block_bytes = quant_linear_panel_block_bytes(qtype);
     if (!block_bytes) return -2;
     const int64_t panel_bytes = K / QK * block_bytes;
-    const int64_t n_panels = (N + NR - 1) / NR, n_mb = (M + MB - 1) / MB, items = n_panels * n_mb;
+    const int64_t n_panels = (N + NR - 1) / NR;
+    /* A work item is a group of panels, dequantized once and run against every row of x, 48 rows at a time:
+     * each weight is dequantized once per call, and each 48-row block of x is reused across the group
+     * while it sits in L2. Groups sized so the group's fp32 panels and a block of x fit in ~384 KiB. */
+    int64_t group = 1;
+    if (M > MB) {
+        group = (L2_FLOATS - MB * K) / (K * NR);
+        if (group < 1) group = 1;
+        if (group > MAX_GROUP) group = MAX_GROUP;
+        int64_t per_thread = (n_panels + num_threads - 1) / num_threads;  /* keep every thread busy */
+        if (group > per_thread) group = per_thread;
+    }
+    const int64_t n_groups = (n_panels + group - 1) / group;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        float *wt = aligned_alloc(64, (size_t)(K * NR * sizeof(float)));  /* K is a multiple of 32 */
+        float *wt = aligned_alloc(64, (size_t)(group * K * NR * sizeof(float)));  /* K is a multiple of 32 */
         float out[MR * NR];
         if (!wt) {
             #pragma omp atomic write
             failed = 1;
         }
-        #pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < n_groups; g++) {
             if (!wt) continue;
-            const int64_t mb = it / n_panels, p = it % n_panels, n0 = p * NR;
-            const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-            dequant_panel(w + p * panel_bytes, qtype, K, wt);
-            const int64_t iend = (mb + 1) * MB < M ? (mb + 1) * MB : M;
-            for (int64_t i = mb * MB; i < iend; i += MR) {
-                const int mr = (int)(iend - i < MR ? iend - i : MR);
-                TILES[mr](x + i * ldx, ldx, wt, K, out);
-                for (int r = 0; r < mr; r++) {
-                    float *dst = y + (i + r) * ldy + n0;
-                    if (bias) {
-                        for (int j = 0; j < nr; j++) dst[j] = out[r * NR + j] + bias[n0 + j];
-                    } else {
-                        memcpy(dst, out + r * NR, (size_t)nr * sizeof(float));
+            const int64_t p0 = g * group, p1 = p0 + group < n_panels ? p0 + group : n_panels;
+            for (int64_t i0 = 0; i0 < M; i0 += MB) {
+                const int64_t iend = i0 + MB < M ? i0 + MB : M;
+                for (int64_t p = p0; p < p1; p++) {
+                    const int64_t n0 = p * NR;
+                    const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+                    float *panel = wt + (p - p0) * K * NR;
+                    for (int64_t i = i0; i < iend;) {
+                        int mr;
+                        if (i == 0) {  /* the panel's first rows dequantize it as they go */
+                            mr = (int)(iend < MR_FUSED ? iend : MR_FUSED);
+                            FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, panel, out);
+                        } else {
+                            mr = (int)(iend - i < MR ? iend - i : MR);
+                            TILES[mr](x + i * ldx, ldx, panel, K, out);
+                        }
+                        for (int r = 0; r < mr; r++) {
+                            float *dst = y + (i + r) * ldy + n0;
+                            if (bias) {
+                                for (int j = 0; j < nr; j++) dst[j] = out[r * NR + j] + bias[n0 + j];
+                            } else {
+                                memcpy(dst, out + r * NR, (size_t)nr * sizeof(float));
+                            }
+                        }
+                        i += mr;
                     }
                 }
             }
@@ -157,22 +206,6 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         free(wt);
     }
     return failed ? -3 : 0;
-}
-
-/* The fp32 weights W [N, K] the kernel computes with, for tests. */
-int quant_linear_dequantize(const uint8_t *w, int qtype, int64_t N, int64_t K, float *out) {
-    if (K % QK) return -1;
-    const int64_t block_bytes = quant_linear_panel_block_bytes(qtype);
-    if (!block_bytes) return -2;
-    float *wt = aligned_alloc(64, (size_t)(K * NR * sizeof(float)));
-    if (!wt) return -3;
-    for (int64_t p = 0; p * NR < N; p++) {
-        dequant_panel(w + p * (K / QK * block_bytes), qtype, K, wt);
-        for (int64_t j = 0; j < NR && p * NR + j < N; j++)
-            for (int64_t k = 0; k < K; k++) out[(p * NR + j) * K + k] = wt[k * NR + j];
-    }
-    free(wt);
-    return 0;
 }
 
 #else  /* no AVX2/FMA/F16C: the caller keeps the fp32 weights */
@@ -184,6 +217,5 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     return -4;
 }
 
-int quant_linear_dequantize(const uint8_t *w, int qtype, int64_t N, int64_t K, float *out) { return -4; }
 
 #endif
