@@ -74,13 +74,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool = False) -> dict:
+def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool = False,
+                     gguf_linears: bool = True) -> dict:
     from pagedserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              cuda_graphs=cuda_graphs)
+              cuda_graphs=cuda_graphs, gguf_linears=gguf_linears)
     load = time.perf_counter() - t0
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -93,7 +94,8 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
     assert produced == sum(outputs), "every request must produce exactly max_tokens tokens"
     stats = llm.stats()
     del llm
-    name = "pagedserve" + (" (decode CUDA graphs)" if cuda_graphs else "")
+    name = "pagedserve" + (" (decode CUDA graphs)" if cuda_graphs else "") + (
+        "" if gguf_linears else " (gguf_linears=False: fp32 linear layers)")
     return {"name": name, "seconds": elapsed, "tokens": produced, "load_s": load,
             "note": f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"}
 
@@ -183,6 +185,8 @@ def main() -> None:
     p.add_argument("--llama-server", action="store_true",
                    help="also time llama.cpp's llama-server on the same GGUF (the embedded model or --model x.gguf)")
     p.add_argument("--cuda-graphs", action="store_true", help="also time pagedserve with cuda_graphs=True")
+    p.add_argument("--fp32-linears", action="store_true",
+                   help="also time pagedserve with gguf_linears=False (a GGUF model's linear layers on fp32)")
     p.add_argument("--json", type=Path, default=None, help="write results here too")
     args = p.parse_args()
 
@@ -205,6 +209,8 @@ def main() -> None:
     results = [] if args.skip_pagedserve else [bench_pagedserve(model_dir, prompts, outputs, args)]
     if args.cuda_graphs:
         results.append(bench_pagedserve(model_dir, prompts, outputs, args, cuda_graphs=True))
+    if args.fp32_linears:
+        results.append(bench_pagedserve(model_dir, prompts, outputs, args, gguf_linears=False))
     if not args.skip_hf:
         results.append(bench_hf_generate(model_dir, prompts, outputs, args, dtype))
         if args.hf_generate_batch:
