@@ -30,7 +30,7 @@ class EngineConfig:
     # Replay decode steps from CUDA graphs (CUDA only). Off until checked against HF on a GPU.
     cuda_graphs: bool = False
     # On a CPU in fp32, linear layers of a GGUF checkpoint compute from its own Q4_0/Q4_1/Q8_0 blocks (the
-    # same weights as the fp32 conversion, a quarter of the bytes per decode step); False: from fp32.
+    # same weights as the fp32 conversion, a sixth to a quarter of the bytes per decode step); False: from fp32.
     gguf_linears: bool = True
 
     def __post_init__(self) -> None:

@@ -38,8 +38,6 @@ MANIFEST_NAME = "pagedserve_gguf.json"
 WEIGHTS_NAME = "model.safetensors"
 # uint8 rows of GGUF blocks under transformers names; the metadata maps each name to its GGUF type.
 GGUF_BLOCKS_NAME = "gguf_blocks.safetensors"
-# The block types workers/models/quant_linear.py computes with.
-_KEPT_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 _REQUIRED_FILES = ("config.json", WEIGHTS_NAME, "tokenizer_config.json")
 
 # GGUF `general.architecture` values whose tensors this converter knows how to name. Only llama.cpp's
@@ -131,12 +129,15 @@ def _reverse_qk_permute(weights: Any, n_head: int) -> Any:
 
 def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     """Every tensor of the GGUF as a float32 torch tensor under its transformers name; and the 2-D tensors
-    of a type in `_KEPT_BLOCK_TYPES` as their raw rows of blocks (uint8), with their types."""
+    of a type the CPU's linear kernel reads as their raw rows of blocks (uint8), with their types. (Widening
+    that set changes what the cache holds: bump CONVERTER_VERSION with it.)"""
     import numpy as np
     import torch
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
+
+    from pagedserve.workers.models.quant_linear import BLOCK_BYTES
 
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
@@ -156,7 +157,7 @@ def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, 
         if hf_name is None:
             continue
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        keep_blocks = tensor.tensor_type.name in _KEPT_BLOCK_TYPES and tensor.data.ndim == 2
+        keep_blocks = tensor.tensor_type.name in BLOCK_BYTES and tensor.data.ndim == 2
         raw = tensor.data  # [rows, bytes of a row's blocks]
         if arch in _PERMUTED_QK_ARCHS:
             # A row permutation: the same one applies to the rows of blocks.

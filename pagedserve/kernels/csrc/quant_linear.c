@@ -217,5 +217,4 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     return -4;
 }
 
-
 #endif
