@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Everything issue 3 asks of a GPU, split to fit two 10-minute device calls (not yet timed; no ray, no gguf needed):
+# The checks that need a GPU, in two parts of about ten minutes each (not yet timed; no ray, no gguf needed):
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch
 #
-# Logs and JSON land in $OUT (the device tool's folder) or /tmp/gpu_check.
+# Logs and JSON land in $GPU_CHECK_OUT (default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-/tmp/gpu_check}"
+out="${GPU_CHECK_OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 status=0
