@@ -58,27 +58,23 @@ static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
         a##i##1 = _mm256_fmadd_ps(xb, w1, a##i##1);                       \
     }
 #define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
-#define TILE(n, INIT, STEP, STORE)                                                                       \
+/* ROWS_n(X): X(0) ... X(n - 1), so each tile below is written once for every row count. */
+#define ROWS_1(X) X(0)
+#define ROWS_2(X) ROWS_1(X) X(1)
+#define ROWS_3(X) ROWS_2(X) X(2)
+#define ROWS_4(X) ROWS_3(X) X(3)
+#define ROWS_5(X) ROWS_4(X) X(4)
+#define ROWS_6(X) ROWS_5(X) X(5)
+#define TILE(n)                                                                                          \
     static void tile_##n(const float *x, int64_t ldx, const float *wt, int64_t K, float *out) {          \
-        INIT                                                                                             \
+        ROWS_##n(ACC_INIT)                                                                               \
         for (int64_t k = 0; k < K; k++) {                                                                \
             const __m256 w0 = _mm256_loadu_ps(wt + k * NR), w1 = _mm256_loadu_ps(wt + k * NR + 8);      \
-            STEP                                                                                         \
+            ROWS_##n(ACC_STEP)                                                                           \
         }                                                                                                \
-        STORE                                                                                            \
+        ROWS_##n(ACC_STORE)                                                                              \
     }
-TILE(1, ACC_INIT(0), ACC_STEP(0), ACC_STORE(0))
-TILE(2, ACC_INIT(0) ACC_INIT(1), ACC_STEP(0) ACC_STEP(1), ACC_STORE(0) ACC_STORE(1))
-TILE(3, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2), ACC_STEP(0) ACC_STEP(1) ACC_STEP(2),
-     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2))
-TILE(4, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3), ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3),
-     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3))
-TILE(5, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3) ACC_INIT(4),
-     ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3) ACC_STEP(4),
-     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4))
-TILE(6, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3) ACC_INIT(4) ACC_INIT(5),
-     ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3) ACC_STEP(4) ACC_STEP(5),
-     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5))
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 
 /* The first rows of x against a panel still in its blocks: each k's 16 weights are dequantized in registers,
  * used at once, and stored to wt for the rows that follow (one pass over the weights instead of two). */
@@ -106,35 +102,30 @@ TILE(6, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3) ACC_INIT(4) ACC_INIT(5),
         _mm256_storeu_ps(wt + k * NR + 8, w1); \
         STEP \
     }
-#define TILE_FUSED(n, INIT, STEP, STORE) \
+#define TILE_FUSED(n) \
     static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, float *wt, \
                                float *out) { \
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
         const __m128i low4 = _mm_set1_epi8(0x0F); \
-        INIT \
+        ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
             const __m256 d0 = half8(p), d1 = half8(p + 16); \
             if (qtype == Q8_0) { \
                 const uint8_t *q = p + 2 * NR; \
-                FUSED_LOOP(DEQ_Q8, STEP) \
+                FUSED_LOOP(DEQ_Q8, ROWS_##n(ACC_STEP)) \
             } else if (qtype == Q4_1) { \
                 const __m256 m0 = half8(p + 32), m1 = half8(p + 48); \
                 const uint8_t *q = p + 4 * NR; \
-                FUSED_LOOP(DEQ_Q41, STEP) \
+                FUSED_LOOP(DEQ_Q41, ROWS_##n(ACC_STEP)) \
             } else { \
                 const __m256i eight = _mm256_set1_epi32(8); \
                 const uint8_t *q = p + 2 * NR; \
-                FUSED_LOOP(DEQ_Q40, STEP) \
+                FUSED_LOOP(DEQ_Q40, ROWS_##n(ACC_STEP)) \
             } \
         } \
-        STORE \
+        ROWS_##n(ACC_STORE) \
     }
-TILE_FUSED(1, ACC_INIT(0), ACC_STEP(0), ACC_STORE(0))
-TILE_FUSED(2, ACC_INIT(0) ACC_INIT(1), ACC_STEP(0) ACC_STEP(1), ACC_STORE(0) ACC_STORE(1))
-TILE_FUSED(3, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2), ACC_STEP(0) ACC_STEP(1) ACC_STEP(2),
-           ACC_STORE(0) ACC_STORE(1) ACC_STORE(2))
-TILE_FUSED(4, ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3), ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3),
-           ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3))
+TILE_FUSED(1) TILE_FUSED(2) TILE_FUSED(3) TILE_FUSED(4)
 typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, float *, float *);
 static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
 
