@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pagedserve.kernels import attention  # noqa: E402
 from pagedserve.kernels import reference as ref  # noqa: E402
-from pagedserve.kernels.triton_backend import paged_attention  # noqa: E402
+from pagedserve.kernels.attention import paged_attention  # noqa: E402
 
 MAX_REL_ERR = 1e-2  # bf16 outputs typically land near 3e-3
 L2_BYTES = 50 * 2**20  # H100 L2; smaller inputs are rotated so timings do not run from cache

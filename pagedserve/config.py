@@ -64,8 +64,7 @@ class EngineConfig:
             return _DTYPES[self.dtype]
         if device.type == "cpu":
             return torch.float32
-        return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16) if checkpoint_dtype in (
-            "float16", "bfloat16") else torch.bfloat16
+        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
 
     def batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens is not None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu, get_attention_backend
+from pagedserve.kernels import cpu
 from pagedserve.kernels import reference as ref
+from pagedserve.kernels.backend import get_attention_backend
 from tests.paged_batch import MIXED_ROWS, make_batch
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the native CPU kernel cannot be built")
@@ -56,8 +57,8 @@ def test_block_outside_the_pool_is_an_error_not_a_read():
 
 
 def test_auto_backend_on_cpu_is_the_native_one():
-    assert get_attention_backend("auto", torch.device("cpu")) is cpu
-    assert get_attention_backend("reference", torch.device("cpu")) is ref
+    assert get_attention_backend("auto", torch.device("cpu")).paged_attention is cpu.paged_attention
+    assert get_attention_backend("reference", torch.device("cpu")).paged_attention is ref.paged_attention
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         get_attention_backend("cpu", torch.device("meta"))
 
@@ -69,7 +70,7 @@ def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch):
     native.paged_decode_library.cache_clear()
     try:
         assert not cpu.available()
-        assert get_attention_backend("auto", torch.device("cpu")) is ref
+        assert get_attention_backend("auto", torch.device("cpu")).paged_attention is ref.paged_attention
         with pytest.raises(ValueError, match="needs a C compiler"):
             get_attention_backend("cpu", torch.device("cpu"))
     finally:

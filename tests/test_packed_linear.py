@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.backend import AttentionContext, get_attention_backend
 from pagedserve.workers.loader import build_model, resolve_model
 from pagedserve.workers.models.config import ModelConfig
-from pagedserve.workers.models.llama import AttentionContext
 from pagedserve.workers.models.packed_linear import PackedLinear, can_pack, linear_product, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
@@ -33,8 +33,6 @@ def test_can_pack_only_cpu_and_supported_dtypes():
 
 
 def test_packed_model_matches_unpacked(tiny_random):
-    from pagedserve.kernels import reference
-
     source = resolve_model(tiny_random)
     config = ModelConfig.from_file(source.config_path)
     plain = build_model(source, config, torch.float32, torch.device("cpu"), 64, seed=3)
@@ -44,6 +42,7 @@ def test_packed_model_matches_unpacked(tiny_random):
     tokens = 11
     ids = torch.randint(0, config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(tokens)
+    reference = get_attention_backend("reference", torch.device("cpu"))
     outs = []
     for model in (plain, packed):
         pool = torch.zeros(config.num_layers, 2, 1, 16, config.num_kv_heads, config.head_dim)

@@ -37,7 +37,7 @@ def _attend_tile(
     acc, l_i, m_i, q, kv_ptr, table_ptr, start_n, ctx_len, q_pos,
     head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    MASK_LEN: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    MASK_LEN: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one row and KV head."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -53,10 +53,9 @@ def _attend_tile(
         mask_v = mask_d[None, :]
     key_off = block.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + head_off  # [BLOCK_N]
     k = tl.load(kv_ptr + key_off[None, :] + offs_d[:, None], mask=mask_k, other=0.0)  # [BLOCK_D, BLOCK_N]
-    if UPCAST:
+    if UPCAST:  # fp32 operands, exact fp32 dots (never TF32) to match the reference
         k = k.to(tl.float32)
-    if UPCAST:  # fp32 operands: explicit precision (never plain TF32)
-        s = tl.dot(q, k, input_precision=PRECISION)
+        s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
     s = s * scale_log2  # [BLOCK_M, BLOCK_N]
@@ -72,8 +71,7 @@ def _attend_tile(
     v = tl.load(kv_ptr + stride_kv + key_off[:, None] + offs_d[None, :], mask=mask_v, other=0.0)  # [BLOCK_N, BLOCK_D]
     if UPCAST:
         v = v.to(tl.float32)
-    if UPCAST:  # fp32 operands: explicit precision (never plain TF32)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
@@ -103,7 +101,7 @@ def _prefill_kernel(
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,12 +141,12 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, False, False, UPCAST, PRECISION)
+            BLOCK_N, BLOCK_SIZE, False, False, UPCAST)
     for start_n in range(full_end, last_pos + 1, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, True, True, UPCAST, PRECISION)
+            BLOCK_N, BLOCK_SIZE, True, True, UPCAST)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -163,7 +161,7 @@ def _decode_kernel(
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -205,12 +203,12 @@ def _decode_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, offs_g,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, False, False, UPCAST, PRECISION)
+            BLOCK_N, BLOCK_SIZE, False, False, UPCAST)
     if full_end < hi:
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, kv_ptr, table_row, full_end, hi, offs_g,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, True, False, UPCAST, PRECISION)
+            BLOCK_N, BLOCK_SIZE, True, False, UPCAST)
 
     if SPLIT:
         # part_out [R, Hq, S, BLOCK_D], part_lse [R, Hq, S]; lse in log2 units.
@@ -329,7 +327,6 @@ def paged_attention(
     split_kv: bool | None = None,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context (see reference.paged_attention).
 
@@ -339,16 +336,13 @@ def paged_attention(
     max_query_len / max_context_len: optional host-side upper bounds the caller may already know;
     max_query_len == 1 skips the prefill launch (so it must be exact), max_context_len sharpens the
     split choice (default: block_tables.shape[1] * block_size). Nothing is read back from the device.
-    out: optional preallocated [T, Hq, D] result (any strides with a contiguous last dim).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     num_rows = context_lens.shape[0]
     assert kv_head_dim == head_dim and num_q_heads % num_kv_heads == 0
     assert kv_cache.stride(-1) == 1, "kv_cache must be contiguous in head_dim"
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, Hq, D]
-    assert out.shape == query.shape and out.stride(-1) == 1
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, Hq, D]
     if num_tokens == 0 or num_rows == 0:
         return out
     if query.stride(-1) != 1:
@@ -360,13 +354,12 @@ def paged_attention(
     # mishandles bf16 arithmetic; its fp16 is right, so fp16 tests run the GPU's 16-bit path).
     fp32_dot = (query.dtype != kv_cache.dtype or kv_cache.dtype == torch.float32
                 or (query.device.type != "cuda" and kv_cache.dtype == torch.bfloat16))
-    precision = "ieee"  # for fp32 dots: exact, never TF32, to match the reference
     tiles = _tiles(query.device, head_dim, fp32_dot)
     common = dict(
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_kv=kv_cache.stride(0), stride_block=kv_cache.stride(1), stride_slot=kv_cache.stride(2),
         stride_kh=kv_cache.stride(3), stride_table=block_tables.stride(0),
-        G=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=block_d, UPCAST=fp32_dot, PRECISION=precision,
+        G=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=block_d, UPCAST=fp32_dot,
     )
     scale_log2 = scale * _LOG2E
 

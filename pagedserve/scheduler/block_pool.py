@@ -96,9 +96,6 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._get(block_id).ref_count
 
-    def is_cached(self, block_id: int) -> bool:
-        return self._get(block_id).block_hash is not None
-
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]

@@ -15,11 +15,11 @@ With `capture=False` the same static-buffer path runs eagerly: that is how it is
 from __future__ import annotations
 
 import logging
-from types import ModuleType
 
 import torch
 
-from pagedserve.workers.models.llama import AttentionContext, CausalLM
+from pagedserve.kernels.backend import AttentionBackend, AttentionContext
+from pagedserve.workers.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: ModuleType, block_size: int,
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend, block_size: int,
                  max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         self.model = model
         self.kv_pool = kv_pool

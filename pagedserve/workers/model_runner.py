@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-from types import ModuleType
 
 import torch
 
+from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.cuda_graph import DecodeGraphs
-from pagedserve.workers.models.llama import AttentionContext, CausalLM
+from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: ModuleType, block_size: int,
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend, block_size: int,
                  sampler: Sampler | None) -> None:
         self.model = model
         self.kv_pool = kv_pool  # [L, 2, N, B, Hkv, D]

@@ -18,7 +18,6 @@ def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
-        self.device = device
         self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)

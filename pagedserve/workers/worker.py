@@ -7,7 +7,7 @@ import logging
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from pagedserve.kernels import get_attention_backend
+from pagedserve.kernels.backend import get_attention_backend
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_memory
@@ -56,11 +56,9 @@ class Worker:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.available_blocks = self._count_blocks()
-        self.num_blocks = 0
         self.runner: ModelRunner | None = None
 
     def init_kv_pool(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
         self.runner = None  # release a previous pool before allocating its replacement (no 2x peak)
         kv_pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                    self.tp.num_kv_heads)

@@ -8,38 +8,15 @@ o_proj and down_proj outputs are all-reduced, logits gathered.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.backend import AttentionContext
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
 from pagedserve.workers.models.rope import RotaryEmbedding
-
-
-class AttentionBackend(Protocol):
-    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None: ...
-
-    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
-                        max_query_len: int | None = None, max_context_len: int | None = None) -> torch.Tensor: ...
-
-
-@dataclass
-class AttentionContext:
-    backend: AttentionBackend
-    slot_mapping: torch.Tensor  # [T]
-    cu_seqlens_q: torch.Tensor  # [R + 1]
-    context_lens: torch.Tensor  # [R]
-    block_tables: torch.Tensor  # [R, max_blocks]
-    max_query_len: int  # host-side maxima: kernels size their launches without a device sync
-    max_context_len: int
-    token_seq_lens: torch.Tensor | None = None  # [T], only for dynamic NTK rope
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,92 @@
+"""The attention contract between the model and the kernels, and the backends that fulfil it.
+
+A model layer writes its new K/V into the paged pool (`write_kv_cache`) and attends through block
+tables (`paged_attention`); the step's tensors reach it as an `AttentionContext` argument. Three
+backends implement the contract:
+
+- `triton`: the Triton kernels (`attention.py`, `cache.py`), for CUDA (and Triton's interpreter in tests);
+- `cpu`: decode rows through the native C kernel, prefill rows through SDPA (`cpu.py`);
+- `reference`: plain torch (`reference.py`): the oracle the others are tested against, and the fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("auto", "triton", "cpu", "reference")
+
+
+class WriteKVCache(Protocol):
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Scatter key/value [T, Hkv, D] into kv_cache [2, N, B, Hkv, D] at slot_mapping [T] (-1: skip)."""
+
+
+class PagedAttention(Protocol):
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
+                 max_query_len: int | None = None, max_context_len: int | None = None) -> torch.Tensor:
+        """Each row's new queries [T, Hq, D] over its paged context; see reference.paged_attention."""
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str  # as `attention_backend` names it
+    write_kv_cache: WriteKVCache
+    paged_attention: PagedAttention
+
+
+@dataclass
+class AttentionContext:
+    """One step's attention inputs, shared by every layer."""
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor  # [T]
+    cu_seqlens_q: torch.Tensor  # [R + 1]
+    context_lens: torch.Tensor  # [R]
+    block_tables: torch.Tensor  # [R, max_blocks]
+    max_query_len: int  # host-side maxima: kernels size their launches without a device sync
+    max_context_len: int
+    token_seq_lens: torch.Tensor | None = None  # [T], only for dynamic NTK rope
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend `name` for `device` ("auto": triton on CUDA, cpu on a CPU, else the reference);
+    ValueError when it cannot run there."""
+    from pagedserve.kernels import cpu
+
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
+    if name == "auto":
+        if device.type == "cuda":
+            name = "triton" if _triton_available() else "reference"
+        else:
+            name = "cpu" if device.type == "cpu" and cpu.available() else "reference"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device}")
+        if not cpu.available():
+            raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel (set CC)")
+        return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention)
+    if name == "reference":
+        from pagedserve.kernels import reference
+
+        return AttentionBackend("reference", reference.write_kv_cache, reference.paged_attention)
+    if not _triton_available():
+        raise ValueError("attention_backend='triton' needs the triton package and its kernels")
+    from pagedserve.kernels import attention, cache
+
+    return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+
+        from pagedserve.kernels import attention, cache  # noqa: F401
+    except ImportError:
+        return False
+    return True
