@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -70,3 +71,15 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 8192 if device.type == "cuda" else 2048
+
+
+def ray_hosted_config(settings: EngineConfig | dict[str, Any]) -> EngineConfig:
+    """The settings of an engine that Ray hosts (an actor, a Serve replica). Its workers are Ray actors of
+    their own (one per GPU / CPU slot), so `executor` is "ray" whatever the settings leave it at; settings
+    given as a dict (a Serve config) may name no other executor."""
+    if isinstance(settings, EngineConfig):
+        return replace(settings, executor="ray")
+    if settings.get("executor", "ray") != "ray":
+        raise ValueError(f"executor={settings['executor']!r}: a served engine runs its workers as Ray actors "
+                         "(leave executor out, or set 'ray')")
+    return EngineConfig(**{**settings, "executor": "ray"})

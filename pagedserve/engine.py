@@ -1,4 +1,8 @@
-"""LLMEngine (scheduler + worker loop) and the offline `LLM` API."""
+"""LLMEngine: the scheduler, the block manager and an executor, stepped one batch at a time.
+
+Everything that drives it (the offline `LLM`, the asyncio `AsyncEngine`, the benchmarks) goes through
+the methods here, never through the scheduler or the executor.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,14 @@ import gc
 import itertools
 import json
 import logging
-from collections.abc import Sequence as Seq
-from dataclasses import asdict
 from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
-from pagedserve.executor import WorkerFailure, make_executor
+from pagedserve.executor import Executor, WorkerFailure, make_executor
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
@@ -26,6 +29,11 @@ from pagedserve.workers.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class RequestFailed(RuntimeError):
+    """A failed step ended the request; the engine has recovered and serves new requests."""
 
 
 class LLMEngine:
@@ -41,7 +49,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         self.tokenizer = _load_tokenizer(self.source)
-        self.executor = make_executor(config, self.source, self.model_config, self.max_model_len)
+        self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
         self.num_failures = 0
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -49,16 +57,6 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         _freeze_startup_heap()
-
-    def _reset_blocks(self) -> None:
-        """A fresh block manager: the new workers' pools hold nothing, so no cached prefix survives.
-        Only called when no sequence holds blocks (in-flight ones were failed; new ones still wait)."""
-        old = self.block_manager
-        self.block_manager = BlockManager(self.executor.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
-        self.block_manager.prefix_cache_queries = old.prefix_cache_queries
-        self.block_manager.prefix_cache_hits = old.prefix_cache_hits
-        self.scheduler.block_manager = self.block_manager
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -91,9 +89,14 @@ class LLMEngine:
         self.scheduler.check_admissible(request)
         return request
 
+    def enqueue(self, request: Request) -> None:
+        """Queue a request from `make_request`: validation and queueing are apart so that a caller can
+        validate a whole batch before any of it starts."""
+        self.scheduler.add_request(request)
+
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
         request = self.make_request(prompt, params, request_id)
-        self.scheduler.add_request(request)
+        self.enqueue(request)
         return request.request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -103,59 +106,107 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting_requests()
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The model's chat template applied to `messages`, as token ids; ValueError naming what is wrong."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages is empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise ValueError(f"messages[{i}] must be an object with role and content, got {m!r}")
+            if m.get("role") not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role={m.get('role')!r} must be one of {CHAT_ROLES}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}].content must be a string")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None,
+                 add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
+        """Token ids and their string forms of `text`, or of `messages` through the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        if messages:
+            ids = self.chat_prompt(messages)
+        elif text:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            raise ValueError("text is empty (give text or messages)")
+        return ids, self.tokenizer.convert_ids_to_tokens(ids)
+
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; outputs of the requests that got tokens (finished ones last time)."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        """Run one step; outputs of the requests that got tokens (finished ones last time).
+
+        Never raises for a failed step: the requests it ended come back with `error` set."""
         try:
-            output = self.executor.execute(batch)
-        except WorkerFailure as e:
-            return self._recover(e)
-        return self._process(batch, output)
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            return self._process(batch, self.executor.execute(batch))
+        except Exception as e:
+            outputs, restart = self._fail_step(e)
+        if restart:
+            self._restart_workers()
+            self.block_manager.reset()  # the new pools hold nothing: no cached prefix survives
+        return outputs
 
     async def step_async(self) -> list[RequestOutput]:
         """`step` for an event loop: requests can be added and aborted while the workers compute."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
         try:
-            if hasattr(self.executor, "execute_async"):
-                output = await self.executor.execute_async(batch)
-            else:
-                output = await asyncio.to_thread(self.executor.execute, batch)
-        except WorkerFailure as e:
-            outputs = self._fail_in_flight(e)
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            return self._process(batch, await self.executor.execute_async(batch))
+        except Exception as e:
+            outputs, restart = self._fail_step(e)
+        if restart:
             # Off the event loop: requests that arrive meanwhile wait in the queue, holding no blocks.
-            await asyncio.to_thread(self.executor.restart)
-            self._reset_blocks()
-            return outputs
-        return self._process(batch, output)
-
-    def _recover(self, error: WorkerFailure) -> list[RequestOutput]:
-        outputs = self._fail_in_flight(error)
-        self.executor.restart()
-        self._reset_blocks()
+            await asyncio.to_thread(self._restart_workers)
+            self.block_manager.reset()
         return outputs
 
-    def _fail_in_flight(self, error: WorkerFailure) -> list[RequestOutput]:
-        """End every request that holds blocks with the error; queued ones stay queued."""
-        log.error("step failed, failing in-flight requests and restarting workers: %s", error)
-        self.num_failures += 1
+    def _fail_step(self, error: Exception) -> tuple[list[RequestOutput], bool]:
+        """The one failure path of a step. Returns the outputs of the requests it ended, and whether the
+        workers must be replaced.
+
+        A worker failure loses the KV of every request that holds blocks: those end with the error, and
+        queued ones wait for new workers. Any other error is a bug of the engine, and nothing says which
+        request caused it, so every request ends with it."""
+        lost_workers = isinstance(error, WorkerFailure)
+        if lost_workers:
+            log.error("step failed, failing in-flight requests and restarting workers: %s", error)
+            self.num_failures += 1
+            message = str(error)
+        else:
+            log.error("engine step failed, failing every request", exc_info=error)
+            message = f"internal engine error: {type(error).__name__}: {error}"
         outputs = []
         for request in list(self.scheduler.requests.values()):
-            if not any(seq.status == SequenceStatus.RUNNING for seq in request.sequences):
+            if lost_workers and not any(seq.status == SequenceStatus.RUNNING for seq in request.sequences):
                 continue  # holds no blocks, computed nothing: it simply waits for the new workers
             for seq in request.sequences:
                 self.scheduler.finish(seq, "error")
             out = self._output(request)
-            out.error = str(error)
+            out.error = message
             outputs.append(out)
-        return outputs
+        return outputs, lost_workers
 
-    def _process(self, batch, output) -> list[RequestOutput]:
+    def _restart_workers(self) -> None:
+        try:
+            self.executor.restart()
+        except Exception:  # then the next step fails at once with WorkerFailure, and tries again
+            log.exception("restarting the workers failed")
+
+    def _process(self, batch: StepBatch, output: StepOutput) -> list[RequestOutput]:
         updated = self.scheduler.update(batch, output)
         requests: dict[str, Request] = {}
         for seq in updated:
@@ -203,9 +254,23 @@ class LLMEngine:
             "num_worker_failures": self.num_failures,
         }
 
+    def model_info(self) -> dict[str, Any]:
+        return {"model": self.source.name, "max_model_len": self.max_model_len,
+                "block_size": self.config.block_size, "tensor_parallel_size": self.config.tensor_parallel_size,
+                "num_kv_blocks": self.block_manager.num_total_blocks, "vocab_size": self.model_config.vocab_size}
+
+    def worker_pids(self) -> list[int]:
+        return self.executor.worker_pids()
+
     def shutdown(self) -> None:
+        """Stop the workers and let go of them. Idempotent."""
+        if self.executor is None:
+            return
         self.executor.shutdown()
-        gc.unfreeze()  # this engine was frozen with the start-up heap: let a cycle through it be collected
+        # Dropped, not kept: the model and the KV pool are freed by reference counting now, even while
+        # the start-up heap stays frozen for another engine of this process.
+        self.executor = None
+        _release_startup_heap()
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -229,21 +294,32 @@ class LLMEngine:
         return self.model_config.eos_token_ids
 
 
-_heap_frozen = False
+_live_engines = 0
+_exit_hook = False
 
 
 def _freeze_startup_heap() -> None:
     """Move every object alive after start-up (torch, transformers, triton, the model) out of the
     garbage collector's sight. Otherwise each full collection walks those ~350k-600k objects, a stall
     of the whole step loop (190 ms on the 2-core CI machine); see benchmarks/RESULTS.md."""
-    global _heap_frozen
+    global _live_engines, _exit_hook
     gc.collect()
     gc.freeze()
-    if not _heap_frozen:
-        _heap_frozen = True
+    _live_engines += 1
+    if not _exit_hook:
+        _exit_hook = True
         # Unfrozen at exit so interpreter shutdown still finalises them (extension modules such as
         # triton's report frozen objects as leaks otherwise).
         atexit.register(gc.unfreeze)
+
+
+def _release_startup_heap() -> None:
+    """When the last engine stops, hand the frozen heap back to the collector (a cycle through a stopped
+    engine can then be collected). Not before: another engine's step loop still wants it out of sight."""
+    global _live_engines
+    _live_engines -= 1
+    if _live_engines == 0:
+        gc.unfreeze()
 
 
 def _load_tokenizer(source: ModelSource):
@@ -252,93 +328,3 @@ def _load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.tokenizer_dir)
-
-
-class LLM:
-    """Offline batch API: `LLM(model).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: Prompt | Seq[Prompt],
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Run all prompts to completion; outputs in input order. Validates every prompt before
-        starting any, so a bad one raises ValueError and leaves the engine as it was."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (list(sampling_params) if isinstance(sampling_params, list | tuple)
-                       else [sampling_params] * len(prompts))
-        if len(params_list) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
-        engine = self.engine
-        requests = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            try:
-                requests.append(engine.make_request(prompt, params))
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
-        for r in requests:
-            engine.scheduler.add_request(r)
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        results: list[RequestOutput | None] = [None] * len(requests)
-        try:
-            while any(x is None for x in results):
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-        finally:
-            for r in requests:
-                if results[order[r.request_id]] is None:
-                    engine.abort_request(r.request_id)
-        errors = [o.error for o in results if o.error]
-        if errors:
-            raise WorkerFailure(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")
-        return results  # type: ignore[return-value]
-
-    def chat(
-        self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
-        if self.engine.tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            for m in conv:
-                if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                    raise ValueError(f"messages entries need 'role' and 'content', got {m!r}")
-            ids = self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                            tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
-        return self.generate(prompts, sampling_params)
-
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    def shutdown(self) -> None:
-        """Stop the worker actors (executor="ray"); a no-op in process."""
-        self.engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    def config(self) -> dict[str, Any]:
-        return asdict(self.engine.config)

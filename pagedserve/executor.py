@@ -3,6 +3,8 @@ in one process (`LocalExecutor`) or on Ray worker actors (`pagedserve.cluster.ra
 
 from __future__ import annotations
 
+import asyncio
+import os
 from typing import Protocol
 
 from pagedserve.config import EngineConfig
@@ -18,11 +20,19 @@ class WorkerFailure(RuntimeError):
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds (the minimum over ranks)
 
-    def execute(self, batch: StepBatch) -> StepOutput: ...
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Run one step on every rank; rank 0's sampled tokens. WorkerFailure if a worker died or hung."""
 
-    def restart(self) -> None: ...
+    async def execute_async(self, batch: StepBatch) -> StepOutput:
+        """`execute` without blocking the event loop."""
+
+    def restart(self) -> None:
+        """Replace the workers after a failure: same pool size, empty pools."""
 
     def shutdown(self) -> None: ...
+
+    def worker_pids(self) -> list[int]:
+        """Process id of each rank, in rank order."""
 
 
 class LocalExecutor:
@@ -37,11 +47,17 @@ class LocalExecutor:
     def execute(self, batch: StepBatch) -> StepOutput:
         return self.worker.execute(batch)
 
+    async def execute_async(self, batch: StepBatch) -> StepOutput:
+        return await asyncio.to_thread(self.worker.execute, batch)
+
     def restart(self) -> None:
         self.worker.init_kv_pool(self.num_blocks)  # a fresh pool: nothing cached survives a failure
 
     def shutdown(self) -> None:
         pass
+
+    def worker_pids(self) -> list[int]:
+        return [os.getpid()]
 
 
 def make_executor(config: EngineConfig, source: ModelSource, model_config: ModelConfig,

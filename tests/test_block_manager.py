@@ -63,6 +63,24 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 10 + 11
 
 
+def test_reset_forgets_blocks_and_prefixes_but_keeps_counting():
+    bm = BlockManager(8, BS)
+    a = make_seq(list(range(10)))
+    admit(bm, a)
+    compute(bm, a, 10)
+    with pytest.raises(RuntimeError, match="3 KV blocks still held"):
+        bm.reset()
+    bm.free(a)
+    assert bm.pool.num_cached_blocks == 2
+    bm.reset()
+    assert bm.pool.num_cached_blocks == 0 and bm.num_free_blocks == 8
+    b = make_seq(list(range(10)), seq_id=1)
+    assert bm.get_computed_blocks(b) == ([], [])  # the rebuilt KV pool holds nothing to hit
+    admit(bm, b)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (20, 0)
+    bm.pool.check_invariants()
+
+
 def test_full_hit_still_computes_last_token():
     bm = BlockManager(16, BS)
     a = make_seq(list(range(8)), 0)

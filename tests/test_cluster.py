@@ -14,7 +14,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.cluster.engine_actor import EngineActor, RequestFailed  # noqa: E402
+from pagedserve.async_engine import RequestFailed  # noqa: E402
+from pagedserve.cluster.engine_actor import EngineActor  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 
 from .test_parity import hf_greedy  # noqa: E402

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from pagedserve.engine import LLM
+from pagedserve import LLM
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.cuda_graph import graph_batch_sizes
 

@@ -8,6 +8,7 @@ so the output; the expected output is computed without any paging at all.
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -171,6 +172,20 @@ def test_abort_frees_blocks_at_once():
     assert not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
     assert sched.abort("unknown") is None
+
+
+def test_update_reads_the_step_from_the_batch_alone():
+    """The batch is the whole record of a step: a copy that went through pickling (as to a Ray worker and
+    back) drives update exactly as the original would."""
+    sched, worker = make(max_num_batched_tokens=8)
+    a = add(sched, "a", list(range(10)), max_tokens=3)
+    b = add(sched, "b", list(range(20, 23)), max_tokens=3, n=2)
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        sched.update(pickle.loads(pickle.dumps(batch)), worker.execute(batch))
+    assert outputs(a) == {0: expected(list(range(10)), 3, 0)}
+    assert outputs(b) == {i: expected(list(range(20, 23)), 3, i) for i in range(2)}
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
 
 
 def test_abort_while_step_runs_is_ignored_by_update():

@@ -28,15 +28,10 @@ import grpc.aio
 from pagedserve.client.errors import Cancelled, from_rpc_error
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos import pagedserve_pb2_grpc as pb_grpc
+from pagedserve.protos.sampling import sampling_to_proto
 
 __all__ = ["Client", "AsyncClient", "Completion", "Choice", "StreamChunk", "TokenLogprob",
            "ResponseStream", "AsyncResponseStream"]
-
-_SCALAR_SAMPLING = frozenset({
-    "n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
-})
-_REPEATED_SAMPLING = frozenset({"stop", "stop_token_ids"})
 
 
 class _Unset:
@@ -158,25 +153,6 @@ def _to_chunk(response: pb.GenerateResponse, with_logprobs: bool) -> StreamChunk
     )
 
 
-def _sampling_params(sampling: dict[str, Any]) -> pb.SamplingParams:
-    params = pb.SamplingParams()
-    for name, value in sampling.items():
-        if name not in _SCALAR_SAMPLING and name not in _REPEATED_SAMPLING:
-            raise TypeError(f"unknown sampling parameter {name!r}")
-        if value is None:  # None = leave unset, so callers can forward optional values as they are
-            continue
-        try:
-            if name == "stop":
-                params.stop.extend([value] if isinstance(value, str) else value)
-            elif name == "stop_token_ids":
-                params.stop_token_ids.extend(value)
-            else:
-                setattr(params, name, value)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"sampling parameter {name}={value!r}: {e}") from None
-    return params
-
-
 def _prompt_request(prompt: str | Sequence[int], request_id: str,
                     sampling: pb.SamplingParams) -> pb.GenerateRequest:
     if isinstance(prompt, str):
@@ -276,7 +252,7 @@ class _Base:
         sampling = dict(sampling)
         request_id = sampling.pop("request_id", None) or ""
         timeout = sampling.pop("timeout", _CLIENT_DEFAULT)
-        return _sampling_params(sampling), request_id, timeout
+        return sampling_to_proto(sampling), request_id, timeout
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r}, application={self.application!r})"

@@ -185,6 +185,9 @@ class RayExecutor:
             raise WorkerFailure(f"a worker did not finish the step within {STEP_TIMEOUT_S:.0f}s")
         return futures[0].result()
 
+    def worker_pids(self) -> list[int]:
+        return ray.get([w.pid.remote() for w in self.workers])
+
     def restart(self) -> None:
         """Replace every worker (the survivors may be wedged in a collective) with the same pool size."""
         self.shutdown()

@@ -27,12 +27,16 @@ class SampleSpec:
 @dataclass
 class StepBatch:
     """One forward step. Row i computes query tokens input_ids[cu_seqlens_q[i]:cu_seqlens_q[i+1]],
-    the last of which sits at position context_lens[i] - 1 of its sequence."""
+    the last of which sits at position context_lens[i] - 1 of its sequence, seq_ids[i].
+
+    It is also the scheduler's record of the step: `Scheduler.update` reads which sequences ran and
+    how many tokens each computed from it, and keeps no state of its own between the two calls."""
 
     input_ids: list[int]
     cu_seqlens_q: list[int]  # [num_rows + 1]
     context_lens: list[int]  # [num_rows]: tokens in the KV cache once this step's are written
     block_tables: list[list[int]]  # [num_rows][blocks covering context_lens[i]]
+    seq_ids: list[int] = field(default_factory=list)  # [num_rows]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
     samples: list[SampleSpec] = field(default_factory=list)
 

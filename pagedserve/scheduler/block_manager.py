@@ -29,6 +29,13 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
+    def reset(self) -> None:
+        """Forget every block and cached prefix (the workers' pools were rebuilt empty). No sequence may
+        hold blocks; the prefix-cache counters keep counting."""
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            raise RuntimeError(f"reset with {self.pool.num_blocks - self.pool.num_free_blocks} KV blocks still held")
+        self.pool = BlockPool(self.pool.num_blocks)
+
     @property
     def num_total_blocks(self) -> int:
         return self.pool.num_blocks

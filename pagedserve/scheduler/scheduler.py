@@ -31,7 +31,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._seq_ids = itertools.count()
-        self._scheduled: list[tuple[Sequence, int]] = []
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -132,7 +131,6 @@ class Scheduler:
             scheduled.append((seq, num_new))
             budget -= num_new
 
-        self._scheduled = scheduled
         if not scheduled:
             return None
         return self._make_batch(scheduled, copies)
@@ -146,6 +144,7 @@ class Scheduler:
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + num_new)
             batch.context_lens.append(end)
             batch.block_tables.append(list(seq.block_table))
+            batch.seq_ids.append(seq.seq_id)
             if end == seq.num_tokens:  # caught up: this row's last logits give the next token
                 request = seq.request
                 params = request.params
@@ -168,14 +167,15 @@ class Scheduler:
         Returns the sequences that received a token (children of a fork included).
         """
         bm = self.block_manager
+        running = {seq.seq_id: seq for seq in self.running}  # a row's sequence is gone if aborted meanwhile
         by_id: dict[int, Sequence] = {}
-        for seq, num_new in self._scheduled:
-            if seq.status != SequenceStatus.RUNNING:  # aborted while the step ran
+        for row, seq_id in enumerate(batch.seq_ids):
+            seq = running.get(seq_id)
+            if seq is None:
                 continue
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += batch.cu_seqlens_q[row + 1] - batch.cu_seqlens_q[row]
             bm.cache_full_blocks(seq)
-            by_id[seq.seq_id] = seq
-        self._scheduled = []
+            by_id[seq_id] = seq
 
         updated: list[Sequence] = []
         for spec, sampled in zip(batch.samples, output.samples, strict=True):

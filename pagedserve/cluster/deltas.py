@@ -1,0 +1,51 @@
+"""What a served stream carries: per-sample deltas of a request's cumulative outputs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Delta:
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None  # on the request's last delta
+
+
+async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingParams) -> AsyncIterator[Delta]:
+    """Per-sample text and token deltas of a request's cumulative outputs. Text that could still turn out
+    to be the start of a stop string is held back until it cannot, so streamed text is never taken back."""
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    done: set[int] = set()
+    async for out in outputs:
+        batch = []
+        for c in out.outputs:
+            if c.index in done:
+                continue
+            finished = c.finish_reason is not None
+            t0, k0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+            t1 = len(c.text) if finished else max(t0, len(c.text) - hold)
+            if t1 == t0 and len(c.token_ids) == k0 and not finished:
+                continue
+            batch.append(Delta(out.request_id, c.index, c.text[t0:t1], c.token_ids[k0:],
+                               (c.logprobs or [])[k0:], c.finish_reason if finished else None))
+            sent_text[c.index], sent_tokens[c.index] = t1, len(c.token_ids)
+            if finished:
+                done.add(c.index)
+        if out.finished and batch:
+            completion = sum(len(c.token_ids) for c in out.outputs)
+            prompt_tokens = len(out.prompt_token_ids)
+            batch[-1].usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                               "total_tokens": prompt_tokens + completion}
+        for d in batch:
+            yield d

@@ -1,0 +1,96 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import asdict
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine import LLMEngine, Prompt, RequestFailed
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batch API over one `LLMEngine` in this process (its workers too, unless executor="ray")."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion; outputs in input order. Validates every prompt before
+        starting any, so a bad one raises ValueError and leaves the engine as it was."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, list | tuple)
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        engine = self.engine
+        requests = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            try:
+                requests.append(engine.make_request(prompt, params))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        for r in requests:
+            engine.enqueue(r)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        try:
+            while any(x is None for x in results):
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+        finally:
+            for r in requests:
+                if results[order[r.request_id]] is None:
+                    engine.abort_request(r.request_id)
+        errors = [o.error for o in results if o.error]
+        if errors:
+            raise RequestFailed(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")
+        return results  # type: ignore[return-value]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                prompts.append(self.engine.chat_prompt(conv, add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the worker actors (executor="ray") and release the engine. Idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def config(self) -> dict[str, Any]:
+        return asdict(self.engine.config)

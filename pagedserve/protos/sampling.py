@@ -1,0 +1,40 @@
+"""Sampling keywords <-> the proto's `SamplingParams` message, both ways, from the message's descriptor:
+the SDK and the server accept exactly the fields the .proto declares, so a field added there reaches
+both without a second list to keep in step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.protos import pagedserve_pb2 as pb
+
+_FIELDS = pb.SamplingParams.DESCRIPTOR.fields
+SAMPLING_FIELDS = tuple(f.name for f in _FIELDS)
+_REPEATED = frozenset(f.name for f in _FIELDS if f.is_repeated)
+
+
+def sampling_to_proto(sampling: dict[str, Any]) -> pb.SamplingParams:
+    """Keyword arguments as a message; a None value stays unset (the server's default applies).
+    TypeError for a name the proto does not have, TypeError / ValueError naming a bad value."""
+    params = pb.SamplingParams()
+    for name, value in sampling.items():
+        if name not in SAMPLING_FIELDS:
+            raise TypeError(f"unknown sampling parameter {name!r}")
+        if value is None:
+            continue
+        try:
+            if name in _REPEATED:
+                getattr(params, name).extend([value] if isinstance(value, str) else value)
+            else:
+                setattr(params, name, value)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"sampling parameter {name}={value!r}: {e}") from None
+    return params
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> dict[str, Any]:
+    """The fields a message sets, as keyword arguments of `pagedserve.SamplingParams`."""
+    kwargs: dict[str, Any] = {}
+    for field, value in msg.ListFields():
+        kwargs[field.name] = list(value) if field.is_repeated else value
+    return kwargs

@@ -1,0 +1,151 @@
+"""The engine's interface without Ray: a failed step ends the requests it must and nothing else, the engine
+recovers and serves on (sync `step`, `step_async`, and the `AsyncEngine` loop), and chat prompts are
+built and checked in one place."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedserve import LLM, LLMEngine, SamplingParams
+from pagedserve.async_engine import AsyncEngine, RequestFailed
+from pagedserve.config import EngineConfig
+from pagedserve.executor import WorkerFailure
+
+
+def greedy(max_tokens=8):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_random):
+    with LLM(tiny_random, max_model_len=256) as llm:
+        yield {tuple(p): llm.generate([p], greedy(12))[0].outputs[0].token_ids for p in ([9, 8, 7], [5, 6, 7, 8])}
+
+
+def fail_next_step(engine: LLMEngine, error: Exception) -> None:
+    """The next step's worker raises `error` (as a dying worker or a bug would), later ones run."""
+    worker = engine.executor.worker
+    execute = worker.execute
+
+    def failing(batch):
+        worker.execute = execute
+        raise error
+
+    worker.execute = failing
+
+
+def drain(engine: LLMEngine) -> dict[str, object]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_worker_failure_fails_running_requests_keeps_queued_ones_and_recovers(tiny_random, reference):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_seqs=1))
+    try:
+        running = engine.add_request([9, 8, 7], greedy(12))
+        engine.step()  # prefill: `running` holds blocks; with max_num_seqs=1 the next one waits
+        queued = engine.add_request([5, 6, 7, 8], greedy(12))
+        fail_next_step(engine, WorkerFailure("worker 0 died"))
+        failed = engine.step()
+        assert [(o.request_id, o.finished, o.error) for o in failed] == [(running, True, "worker 0 died")]
+        assert failed[0].outputs[0].finish_reason == "error"
+        stats = engine.stats()
+        assert stats["num_worker_failures"] == 1
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_cached_blocks"] == 0
+        assert stats["num_waiting"] == 1
+        done = drain(engine)
+        assert list(done) == [queued] and done[queued].outputs[0].token_ids == reference[(5, 6, 7, 8)]
+        again = engine.add_request([9, 8, 7], greedy(12))
+        assert drain(engine)[again].outputs[0].token_ids == reference[(9, 8, 7)]
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_bug_fails_every_request_and_the_engine_serves_on(tiny_random, reference):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_seqs=1))
+    try:
+        first = engine.add_request([9, 8, 7], greedy(12))
+        engine.step()
+        second = engine.add_request([5, 6, 7, 8], greedy(12))
+        fail_next_step(engine, IndexError("list index out of range"))
+        failed = engine.step()
+        assert sorted(o.request_id for o in failed) == sorted([first, second])
+        assert all(o.finished and o.error == "internal engine error: IndexError: list index out of range"
+                   for o in failed)
+        assert not engine.has_unfinished_requests()
+        assert engine.stats()["num_worker_failures"] == 0
+        again = engine.add_request([5, 6, 7, 8], greedy(12))
+        assert drain(engine)[again].outputs[0].token_ids == reference[(5, 6, 7, 8)]
+    finally:
+        engine.shutdown()
+
+
+def test_offline_generate_raises_request_failed(tiny_random):
+    with LLM(tiny_random, max_model_len=256) as llm:
+        fail_next_step(llm.engine, WorkerFailure("worker 0 died"))
+        with pytest.raises(RequestFailed, match="1 of 1 requests failed: worker 0 died"):
+            llm.generate([[1, 2, 3]], greedy())
+        assert llm.generate([[1, 2, 3]], greedy())[0].outputs[0].finish_reason == "length"
+
+
+def test_async_engine_streams_fails_and_recovers(tiny_random, reference):
+    async def collect(core, prompt):
+        last = None
+        async for out in core.generate(prompt, greedy(12)):
+            last = out
+        return last
+
+    async def main():
+        core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256))
+        try:
+            ok = await asyncio.gather(*[collect(core, [9, 8, 7]) for _ in range(3)])
+            fail_next_step(core.engine, WorkerFailure("worker 0 died"))
+            with pytest.raises(RequestFailed, match="worker 0 died"):
+                await collect(core, [5, 6, 7, 8])
+            after = await collect(core, [5, 6, 7, 8])
+            return ok, after, core.stats()
+        finally:
+            core.shutdown()
+
+    ok, after, stats = asyncio.run(main())
+    assert all(o.finished and o.outputs[0].token_ids == reference[(9, 8, 7)] for o in ok)
+    assert after.outputs[0].token_ids == reference[(5, 6, 7, 8)]
+    assert stats["num_worker_failures"] == 1 and stats["num_streams"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_chat_prompt_is_checked_in_one_place(tiny_random):
+    with LLM(tiny_random, max_model_len=256) as llm:
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"}, {"role": "tool", "content": "42"}]
+        ids = llm.engine.chat_prompt(messages)
+        assert ids == llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
+        for bad, field in [([{"role": "robot", "content": "x"}], r"messages\[0\].role='robot'"),
+                           ([{"role": "user", "content": 3}], r"messages\[0\].content"),
+                           ([], "messages is empty"), (["hi"], r"messages\[0\] must be an object")]:
+            with pytest.raises(ValueError, match=field):
+                llm.engine.chat_prompt(bad)
+        with pytest.raises(ValueError, match=r"conversation 1: messages\[0\].role"):
+            llm.chat([[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]], greedy())
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+def test_shutdown_is_idempotent_and_keeps_the_heap_frozen_for_other_engines(tiny_random):
+    import gc
+    import weakref
+
+    first = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256))
+    second = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256))
+    worker = weakref.ref(first.executor.worker)
+    first.shutdown()
+    first.shutdown()
+    assert worker() is None  # freed at once, though the heap is still frozen
+    assert gc.get_freeze_count() > 0  # `second` still runs: its start-up heap stays out of the collector's sight
+    second.shutdown()
