@@ -26,3 +26,23 @@ def test_stubs_import_and_describe_the_service():
     assert service.full_name == SERVICE_NAME
     assert {m.name for m in service.methods} == {"Generate", "Chat", "Tokenize", "ModelInfo", "Health"}
     assert hasattr(pagedserve_pb2_grpc, "add_PagedServeServicer_to_server")
+
+
+def test_sampling_fields_come_from_the_proto_and_map_onto_sampling_params():
+    import dataclasses
+
+    from pagedserve.protos import pagedserve_pb2
+    from pagedserve.protos.sampling import SAMPLING_FIELDS, sampling_from_proto, sampling_to_proto
+    from pagedserve.sampling_params import SamplingParams
+
+    assert SAMPLING_FIELDS == tuple(f.name for f in pagedserve_pb2.SamplingParams.DESCRIPTOR.fields)
+    assert set(SAMPLING_FIELDS) <= {f.name for f in dataclasses.fields(SamplingParams)}
+    sampling = {"n": 2, "temperature": 0.5, "top_k": 7, "seed": 3, "max_tokens": 9, "stop": ["x", "yz"],
+                "stop_token_ids": [4, 5], "ignore_eos": True, "logprobs": 0}
+    assert sampling_from_proto(sampling_to_proto(sampling)) == sampling  # set to 0 / False still counts as set
+    assert sampling_from_proto(sampling_to_proto({"stop": "x", "seed": None})) == {"stop": ["x"]}
+    SamplingParams(**sampling_from_proto(sampling_to_proto(sampling)))
+    with pytest.raises(TypeError, match="unknown sampling parameter 'beam_width'"):
+        sampling_to_proto({"beam_width": 4})
+    with pytest.raises(TypeError, match="sampling parameter top_k='many'"):
+        sampling_to_proto({"top_k": "many"})
