@@ -149,3 +149,13 @@ def test_shutdown_is_idempotent_and_keeps_the_heap_frozen_for_other_engines(tiny
     assert worker() is None  # freed at once, though the heap is still frozen
     assert gc.get_freeze_count() > 0  # `second` still runs: its start-up heap stays out of the collector's sight
     second.shutdown()
+
+
+def test_the_engine_and_its_asyncio_wrapper_import_without_ray_or_grpc():
+    # The GPU machine has neither: scripts there drive AsyncEngine and LLM in process.
+    import subprocess
+    import sys
+
+    code = "import sys, pagedserve.async_engine, pagedserve.llm; print(sorted({'ray', 'grpc'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -14,7 +14,7 @@ import torch
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.models.parallel import TPLayout
+from pagedserve.workers.models.parallel import TPLayout, shard_range
 from pagedserve.workers.models.rope import RotaryEmbedding
 
 RANDOM_PREFIX = "random:"
@@ -153,24 +153,6 @@ def _random_tensors(config: ModelConfig, seed: int) -> Iterator[tuple[str, tuple
 
 def _narrow(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     return full.narrow(dim, start, stop - start)
-
-
-def shard_range(name: str, tp: TPLayout, config: ModelConfig) -> tuple[int, int, int] | None:
-    """(dim, start, length) of this rank's part of an HF tensor; None: every rank holds all of it."""
-    d = config.head_dim
-    if ".q_proj." in name:
-        return 0, tp.q_head_start * d, tp.num_heads * d
-    if ".k_proj." in name or ".v_proj." in name:
-        return 0, tp.kv_head_start * d, tp.num_kv_heads * d
-    if ".gate_proj." in name or ".up_proj." in name:
-        return 0, tp.rank * tp.intermediate_size, tp.intermediate_size
-    if name.endswith("o_proj.weight"):
-        return 1, tp.q_head_start * d, tp.num_heads * d
-    if name.endswith("down_proj.weight"):
-        return 1, tp.rank * tp.intermediate_size, tp.intermediate_size
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return 0, tp.vocab_start, tp.vocab_shard  # the last shard may run past the vocabulary: padding
-    return None
 
 
 def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]], label: str) -> None:

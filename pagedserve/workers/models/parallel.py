@@ -42,6 +42,24 @@ class TPLayout:
         return cls(rank, size, heads, kv_heads, rank * heads, kv_start, inter, rank * shard, shard)
 
 
+def shard_range(name: str, tp: TPLayout, config) -> tuple[int, int, int] | None:
+    """(dim, start, length) of this rank's part of an HF tensor; None: every rank holds all of it."""
+    d = config.head_dim
+    if ".q_proj." in name:
+        return 0, tp.q_head_start * d, tp.num_heads * d
+    if ".k_proj." in name or ".v_proj." in name:
+        return 0, tp.kv_head_start * d, tp.num_kv_heads * d
+    if ".gate_proj." in name or ".up_proj." in name:
+        return 0, tp.rank * tp.intermediate_size, tp.intermediate_size
+    if name.endswith("o_proj.weight"):
+        return 1, tp.q_head_start * d, tp.num_heads * d
+    if name.endswith("down_proj.weight"):
+        return 1, tp.rank * tp.intermediate_size, tp.intermediate_size
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, tp.vocab_start, tp.vocab_shard  # the last shard may run past the vocabulary: padding
+    return None
+
+
 def check_tp_size(config, size: int) -> None:
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size={size!r} must be an integer >= 1")

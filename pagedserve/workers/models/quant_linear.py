@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.native import quant_linear_library
+from pagedserve.workers.models.parallel import shard_range
 
 if TYPE_CHECKING:
     from pagedserve.workers.models.llama import CausalLM
@@ -104,8 +105,6 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
     file) for a QuantLinear on this rank's shard of them; returns how many were swapped. A layer whose
     parts differ in type, or whose shard does not fall on block boundaries, keeps its fp32 weights."""
     from safetensors import safe_open
-
-    from pagedserve.workers.loader import shard_range
 
     config, tp = model.config, model.tp
     swapped = 0
