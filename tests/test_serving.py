@@ -86,6 +86,16 @@ def wait_idle(app_name: str = "pagedserve", timeout: float = 30) -> dict:
 GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+def test_build_app_refuses_bad_settings_before_deploying():
+    from pagedserve.cluster.serve_app import build_app
+
+    with pytest.raises(ValueError, match="executor='local': a served engine runs its workers as Ray actors"):
+        build_app({"executor": "local"})
+    with pytest.raises(ValueError, match="block_size=12"):
+        build_app({"block_size": 12})
+    build_app({"tensor_parallel_size": 2})  # needs executor='ray', which a served engine always has
+
+
 def test_stream_equals_unary_and_offline_greedy(client, offline):
     prompt = "The quick brown fox jumps over"
     chunks = list(client.stream(prompt, **GREEDY))
