@@ -58,10 +58,11 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError naming the field), queue, and yield outputs until the request ends.
         RequestFailed if a failed step ended it."""
-        waiting = self.engine.num_waiting_requests()
-        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-            raise QueueFull(f"{waiting} requests are waiting (max_waiting_requests={self.max_waiting_requests}); "
-                            "retry later")
+        if self.max_waiting_requests is not None:
+            waiting = self.engine.num_waiting_requests()
+            if waiting >= self.max_waiting_requests:
+                raise QueueFull(f"{waiting} requests are waiting "
+                                f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         request = self.engine.make_request(prompt, params, request_id)
         rid = request.request_id
         if rid in self._streams:  # its request has ended, but its last output is not read yet
