@@ -74,9 +74,9 @@ def main() -> None:
             prefix_share.append(1.0)
             continue
         prefix_share.append(first / len(r.token_ids))
-        top = r.logprobs[first]["top_logprobs"]  # fp32's own top-2 at the first difference
+        top = r.logprobs[first].top_logprobs  # fp32's own top-2 at the first difference
         if len(top) >= 2:
-            gaps.append(top[0][1] - top[1][1])
+            gaps.append(top[0].logprob - top[1].logprob)
     n = len(prompts)
     print(f"{n} chat prompts, {args.max_tokens} greedy tokens each, embedded SmolLM2-135M-Instruct")
     print(f"identical answers ({args.dtype} vs float32): {identical}/{n} = {identical / n:.0%}")

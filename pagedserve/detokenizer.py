@@ -27,10 +27,11 @@ class Detokenizer:
         return state.text if state else ""
 
     def update(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool,
-               stop: list[str]) -> bool:
-        """Decode what is new in `token_ids`; True if a stop string ended the text (it is cut off)."""
+               stop: list[str], include_stop_str: bool = False) -> str | None:
+        """Decode what is new in `token_ids`. Returns the stop string that ended the text, if one did: the
+        text is cut before it (after it with `include_stop_str`)."""
         if self.tokenizer is None:
-            return False
+            return None
         state = self._states.get(seq_id)
         if state is None:
             state = self._states[seq_id] = _State(max(0, num_prompt_tokens - _CONTEXT_TOKENS), num_prompt_tokens)
@@ -38,17 +39,22 @@ class Detokenizer:
         new_text = self._decode(token_ids[state.prefix_offset:], skip_special_tokens)
         # A trailing U+FFFD is an unfinished multi-byte character: wait for the next token.
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return False
+            return None
         delta = new_text[len(prefix_text):]
         state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
         old_len = len(state.text)
         state.text += delta
         if stop:
-            hits = [i for s in stop if (i := state.text.find(s, max(0, old_len - len(s) + 1))) != -1]
+            hits = [(i, s) for s in stop if (i := state.text.find(s, max(0, old_len - len(s) + 1))) != -1]
             if hits:
-                state.text = state.text[: min(hits)]
-                return True
-        return False
+                i, s = min(hits, key=lambda hit: hit[0])
+                state.text = state.text[: i + len(s) if include_stop_str else i]
+                return s
+        return None
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text, special tokens included (what logprobs show)."""
+        return [self._decode([t], False) for t in token_ids]
 
     def release(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)

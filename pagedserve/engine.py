@@ -17,7 +17,7 @@ from typing import Any
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
 from pagedserve.executor import Executor, WorkerFailure, make_executor
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
@@ -83,6 +83,11 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        for name, ids in params.token_ids_named().items():
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
                           prompt=prompt if isinstance(prompt, str) else None)
@@ -211,20 +216,47 @@ class LLMEngine:
         requests: dict[str, Request] = {}
         for seq in updated:
             params = seq.request.params
-            if self.detokenizer.update(seq.seq_id, seq.token_ids, seq.num_prompt_tokens,
-                                       params.skip_special_tokens, params.stop) and not seq.finished:
+            # Stop strings count only once min_tokens are out (as EOS and stop_token_ids, banned until then).
+            stop = params.stop if seq.num_output_tokens >= params.min_tokens else []
+            hit = self.detokenizer.update(seq.seq_id, seq.token_ids, seq.num_prompt_tokens,
+                                          params.skip_special_tokens, stop, params.include_stop_str_in_output)
+            if hit is not None and not seq.finished:
+                seq.stop_reason = hit
                 self.scheduler.finish(seq, "stop")
             requests[seq.request.request_id] = seq.request
         return [self._output(r) for r in requests.values()]
 
+    def _name_tokens(self, entries: list[Logprob | None]) -> None:
+        """Give the newest logprob entries (those still without text) their tokens' text."""
+        if self.tokenizer is None:
+            return
+        new: list[Logprob] = []
+        for entry in reversed(entries):
+            if entry is None or entry.token is not None:
+                break
+            new.append(entry)
+        for entry in new:
+            ids = [entry.token_id] + [t.token_id for t in entry.top_logprobs]
+            texts = self.detokenizer.token_texts(ids)
+            entry.token = texts[0]
+            for top, text in zip(entry.top_logprobs, texts[1:], strict=True):
+                top.token = text
+
     def _output(self, request: Request) -> RequestOutput:
+        if request.prompt_logprobs is not None:
+            self._name_tokens(request.prompt_logprobs)
+        with_logprobs = request.params.logprobs is not None
+        if with_logprobs:
+            for seq in request.sequences:
+                self._name_tokens(seq.logprobs)
         outputs = [
             CompletionOutput(
                 index=seq.sample_index,
                 text=self.detokenizer.text(seq.seq_id),
                 token_ids=seq.output_token_ids,  # a fresh slice
                 finish_reason=seq.finish_reason,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if with_logprobs else None,
             )
             for seq in sorted(request.sequences, key=lambda s: s.sample_index)
         ]
@@ -233,7 +265,9 @@ class LLMEngine:
             for seq in request.sequences:
                 self.detokenizer.release(seq.seq_id)
         # The request's prompt ids are never mutated (sequences copy them), so they are shared, not copied.
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
+        prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+                             prompt_logprobs=prompt_logprobs)
 
     # ---- numbers -------------------------------------------------------------------------
 

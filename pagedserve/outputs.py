@@ -6,13 +6,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability under the model's raw distribution (before penalties, biases and
+    temperature), its text, and the `k` most likely tokens at its position, best first."""
+
+    token_id: int
+    logprob: float
+    token: str | None = None  # None where the model has no tokenizer
+    top_logprobs: list[Logprob] = field(default_factory=list)
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
-    # Per token: {"token_id", "logprob", "top_logprobs": [(id, logprob), ...]} (model's raw distribution)
-    logprobs: list[dict] | None = None
+    # What stopped it when finish_reason is "stop": the stop string or stop token id; None for EOS.
+    stop_reason: str | int | None = None
+    logprobs: list[Logprob] | None = None  # one per token id, when asked for
 
     @property
     def finished(self) -> bool:
@@ -27,3 +39,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # set when a worker failure ended the request
+    # When asked for: one per prompt token; the first is None (nothing predicts it).
+    prompt_logprobs: list[Logprob | None] | None = None

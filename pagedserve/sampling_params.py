@@ -1,8 +1,16 @@
-"""Per-request sampling settings, validated when the request is made."""
+"""Per-request sampling settings, validated when the request is made.
+
+`SamplingParams.validate` is the one place where a sampling value is checked: the offline API, the gRPC
+service and the OpenAI routes all build a `SamplingParams`, so each gives the same error for the same value.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
 
 
 @dataclass
@@ -11,7 +19,8 @@ class SamplingParams:
 
     temperature == 0 means greedy. top_k == -1 disables top-k. Penalties follow
     the usual definitions: repetition (HF/CTRL, over prompt and output tokens),
-    presence and frequency (OpenAI, over output tokens).
+    presence and frequency (OpenAI, over output tokens). max_tokens=None runs until
+    the model stops or the context (max_model_len, or the KV pool if smaller) is full.
     """
 
     n: int = 1
@@ -23,44 +32,62 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's plus the top-k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus the top-k
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.validate()
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        self.validate()
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
-        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-            "top_k", self.top_k, "must be -1 (disabled) or >= 1",
-        )
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty,
-               "must be in [-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
-               "must be in [-2, 2]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "must be an integer >= 1")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               "logprobs", self.logprobs, "must be None or an integer in [0, 20]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "must be non-negative integers")
+        """Raise ValueError naming the first field whose value has the wrong type or is out of range."""
+        _int(self, "n", lo=1)
+        _float(self, "temperature", lo=0)
+        _float(self, "top_p", rule="must be in (0, 1]", ok=lambda v: 0 < v <= 1)
+        _int(self, "top_k", rule="must be -1 (disabled) or >= 1", ok=lambda v: v == -1 or v >= 1)
+        _float(self, "min_p", rule="must be in [0, 1]", ok=lambda v: 0 <= v <= 1)
+        _float(self, "repetition_penalty", rule="must be > 0", ok=lambda v: v > 0)
+        _float(self, "presence_penalty", lo=-2, hi=2)
+        _float(self, "frequency_penalty", lo=-2, hi=2)
+        _int(self, "seed", optional=True)
+        _int(self, "max_tokens", lo=1, optional=True)
+        _int(self, "min_tokens", lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
+        _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of them")
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of non-negative integers")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to numbers")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias has key {token!r}: keys must be non-negative token ids")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token}]={bias!r} must be a number in "
+                                 f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """The token ids this request names, by field: checked against the vocabulary by the engine."""
+        return {"stop_token_ids": list(self.stop_token_ids), "logit_bias": list(self.logit_bias)}
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +99,34 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def _check(ok: bool, name: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} {rule}")
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _range_rule(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f"in [{lo:g}, {hi:g}]"
+    return f">= {lo:g}" if lo is not None else f"<= {hi:g}" if hi is not None else ""
+
+
+def _int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None, optional: bool = False,
+         rule: str | None = None, ok=None) -> None:
+    v = getattr(p, name)
+    if v is None and optional:
+        return
+    kind = "None or an integer" if optional else "an integer"
+    rule = rule or f"must be {kind}" + (f" {_range_rule(lo, hi)}" if lo is not None or hi is not None else "")
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi) or (ok and not ok(v)):
+        raise ValueError(f"{name}={v!r} {rule}")
+
+
+def _float(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None,
+           rule: str | None = None, ok=None) -> None:
+    v = getattr(p, name)
+    rule = rule or f"must be a number {_range_rule(lo, hi)}"
+    if not _is_number(v) or (lo is not None and v < lo) or (hi is not None and v > hi) or (ok and not ok(v)):
+        raise ValueError(f"{name}={v!r} {rule}")

@@ -45,7 +45,7 @@ def generate(model: str, backend: str, static: bool, capture: bool = False, **co
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
         outs = llm.generate(PROMPTS, params)
         runs = runner.decode_graphs.num_runs if static else 0
-        return [(o.outputs[0].token_ids, [lp["logprob"] for lp in o.outputs[0].logprobs]) for o in outs], runs
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs], runs
 
 
 # 10 prompts with max_num_seqs=12: decode batches of 10 and fewer, padded to 12 (or 8, 4, 2, 1); a

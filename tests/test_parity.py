@@ -179,5 +179,5 @@ def test_rope_scaling_matches_transformers(kind, tmp_path):
         # Tokens of a tiny random model rarely flip on a rope error; the logprobs of every step do.
         ref_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, out.outputs[0].token_ids,
                                                                           strict=True)]
-        got_lp = [e["logprob"] for e in out.outputs[0].logprobs]
+        got_lp = [e.logprob for e in out.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

@@ -24,7 +24,8 @@ def test_stubs_import_and_describe_the_service():
 
     service = pagedserve_pb2.DESCRIPTOR.services_by_name["PagedServe"]
     assert service.full_name == SERVICE_NAME
-    assert {m.name for m in service.methods} == {"Generate", "Chat", "Tokenize", "ModelInfo", "Health"}
+    assert {m.name for m in service.methods} == {"Generate", "Chat", "Tokenize", "ModelInfo", "Abort",
+                                                   "Health"}
     assert hasattr(pagedserve_pb2_grpc, "add_PagedServeServicer_to_server")
 
 
@@ -36,9 +37,11 @@ def test_sampling_fields_come_from_the_proto_and_map_onto_sampling_params():
     from pagedserve.sampling_params import SamplingParams
 
     assert SAMPLING_FIELDS == tuple(f.name for f in pagedserve_pb2.SamplingParams.DESCRIPTOR.fields)
-    assert set(SAMPLING_FIELDS) <= {f.name for f in dataclasses.fields(SamplingParams)}
+    # gRPC and the offline API take the same sampling fields
+    assert set(SAMPLING_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}
     sampling = {"n": 2, "temperature": 0.5, "top_k": 7, "seed": 3, "max_tokens": 9, "stop": ["x", "yz"],
-                "stop_token_ids": [4, 5], "ignore_eos": True, "logprobs": 0}
+                "stop_token_ids": [4, 5], "ignore_eos": True, "logprobs": 0, "min_tokens": 0,
+                "logit_bias": {5: -1.5, 7: 100.0}, "prompt_logprobs": 1}
     assert sampling_from_proto(sampling_to_proto(sampling)) == sampling  # set to 0 / False still counts as set
     assert sampling_from_proto(sampling_to_proto({"stop": "x", "seed": None})) == {"stop": ["x"]}
     SamplingParams(**sampling_from_proto(sampling_to_proto(sampling)))

@@ -157,6 +157,63 @@ def test_logprobs_match_the_model(smol, embedded_dir):
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
     top = ref.topk(3)
     entry = out.logprobs[0]
-    assert entry["token_id"] == top.indices[0].item()
-    assert abs(entry["logprob"] - top.values[0].item()) < 1e-4
-    assert [t for t, _ in entry["top_logprobs"]] == top.indices.tolist()
+    assert entry.token_id == top.indices[0].item()
+    assert abs(entry.logprob - top.values[0].item()) < 1e-4
+    assert [t.token_id for t in entry.top_logprobs] == top.indices.tolist()
+    assert entry.token == smol.tokenizer.decode([entry.token_id])
+    assert [t.token for t in entry.top_logprobs] == [smol.tokenizer.decode([t]) for t in top.indices.tolist()]
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 7])
+def test_prompt_logprobs_match_the_model(embedded_dir, max_num_batched_tokens):
+    """Every prompt token scored as the model scores it: in one step, in chunks of 7 tokens, and again
+    when the prompt's blocks are in the prefix cache (cached positions must be computed anyway)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(embedded_dir), block_size=4, max_num_batched_tokens=max_num_batched_tokens)
+    prompt = llm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)  # [P, V]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for _ in range(2):
+        out = llm.generate([prompt], params)[0]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for t in range(1, len(prompt)):
+            entry = out.prompt_logprobs[t]
+            assert entry.token_id == prompt[t]
+            assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) < 1e-3, t
+            assert [x.token_id for x in entry.top_logprobs] == ref[t - 1].topk(2).indices.tolist()
+            assert entry.token == llm.tokenizer.decode([prompt[t]])
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+    llm.shutdown()
+
+
+def test_min_tokens_holds_back_eos_and_stop_strings(smol):
+    full = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
+    assert full.finish_reason == "stop" and full.stop_reason is None  # EOS
+    longer = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=60,
+                                               min_tokens=len(full.token_ids) + 3))[0].outputs[0]
+    assert len(longer.token_ids) >= len(full.token_ids) + 3
+    assert longer.token_ids[:len(full.token_ids) - 1] == full.token_ids[:-1]  # the same until EOS was banned
+    word = full.text.split()[0]
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=60, stop=[word], min_tokens=0))[0].outputs[0]
+    assert out.text == full.text[:full.text.index(word)] and out.stop_reason == word
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=60, stop=[word],
+                                            include_stop_str_in_output=True))[0].outputs[0]
+    assert out.text == full.text[:full.text.index(word) + len(word)] and out.finish_reason == "stop"
+    stop_id = full.token_ids[2]
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.stop_reason == stop_id
+
+
+def test_logit_bias_steers_and_unbounded_chat_runs_to_eos(smol):
+    out = smol.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logit_bias={42: 100}))[0].outputs[0]
+    assert out.token_ids == [42] * 4
+    plain = smol.generate("Hello", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+    banned = plain.token_ids[0]
+    out = smol.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logit_bias={banned: -100}))[0]
+    assert out.outputs[0].token_ids[0] != banned
+    say_hi = [{"role": "user", "content": "Say hi"}]
+    out = smol.chat(say_hi, SamplingParams(temperature=0, max_tokens=None))[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) > 16

@@ -24,43 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/pagedserve.proto\x12\rpagedserve.v1\"\xbc\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9e\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParamsB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x80\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xc1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"i\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xc8\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x14\n\x0cnum_replicas\x18\x08 \x01(\x05\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\x86\x03\n\nPagedServe\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x45\n\x04\x43hat\x12\x1a.pagedserve.v1.ChatRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/pagedserve.proto\x12\rpagedserve.v1\"\xd2\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12@\n\nlogit_bias\x18\x12 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9e\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParamsB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x80\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"q\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xd6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x32\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\x05H\x00\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprobB\r\n\x0bstop_reasonJ\x04\x08\x06\x10\x07\"i\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xdf\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x14\n\x0cnum_replicas\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xca\x03\n\nPagedServe\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x45\n\x04\x43hat\x12\x1a.pagedserve.v1.ChatRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.protos.pagedserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2399
+  _globals['_FINISHREASON']._serialized_end=2519
   _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=622
-  _globals['_TOKENIDS']._serialized_start=624
-  _globals['_TOKENIDS']._serialized_end=647
-  _globals['_GENERATEREQUEST']._serialized_start=650
-  _globals['_GENERATEREQUEST']._serialized_end=808
-  _globals['_CHATMESSAGE']._serialized_start=810
-  _globals['_CHATMESSAGE']._serialized_end=854
-  _globals['_CHATREQUEST']._serialized_start=857
-  _globals['_CHATREQUEST']._serialized_end=985
-  _globals['_TOPLOGPROB']._serialized_start=987
-  _globals['_TOPLOGPROB']._serialized_end=1034
-  _globals['_TOKENLOGPROB']._serialized_start=1036
-  _globals['_TOKENLOGPROB']._serialized_end=1134
-  _globals['_USAGE']._serialized_start=1136
-  _globals['_USAGE']._serialized_end=1215
-  _globals['_GENERATERESPONSE']._serialized_start=1218
-  _globals['_GENERATERESPONSE']._serialized_end=1411
-  _globals['_TOKENIZEREQUEST']._serialized_start=1413
-  _globals['_TOKENIZEREQUEST']._serialized_end=1518
-  _globals['_TOKENIZERESPONSE']._serialized_start=1520
-  _globals['_TOKENIZERESPONSE']._serialized_end=1573
-  _globals['_MODELINFOREQUEST']._serialized_start=1575
-  _globals['_MODELINFOREQUEST']._serialized_end=1593
-  _globals['_MODELINFORESPONSE']._serialized_start=1596
-  _globals['_MODELINFORESPONSE']._serialized_end=1796
-  _globals['_HEALTHREQUEST']._serialized_start=1798
-  _globals['_HEALTHREQUEST']._serialized_end=1813
-  _globals['_HEALTHRESPONSE']._serialized_start=1815
-  _globals['_HEALTHRESPONSE']._serialized_end=1847
-  _globals['_PAGEDSERVE']._serialized_start=1850
-  _globals['_PAGEDSERVE']._serialized_end=2240
+  _globals['_SAMPLINGPARAMS']._serialized_end=900
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=592
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=640
+  _globals['_TOKENIDS']._serialized_start=902
+  _globals['_TOKENIDS']._serialized_end=925
+  _globals['_GENERATEREQUEST']._serialized_start=928
+  _globals['_GENERATEREQUEST']._serialized_end=1086
+  _globals['_CHATMESSAGE']._serialized_start=1088
+  _globals['_CHATMESSAGE']._serialized_end=1132
+  _globals['_CHATREQUEST']._serialized_start=1135
+  _globals['_CHATREQUEST']._serialized_end=1263
+  _globals['_TOPLOGPROB']._serialized_start=1265
+  _globals['_TOPLOGPROB']._serialized_end=1327
+  _globals['_TOKENLOGPROB']._serialized_start=1329
+  _globals['_TOKENLOGPROB']._serialized_end=1442
+  _globals['_USAGE']._serialized_start=1444
+  _globals['_USAGE']._serialized_end=1523
+  _globals['_GENERATERESPONSE']._serialized_start=1526
+  _globals['_GENERATERESPONSE']._serialized_end=1868
+  _globals['_TOKENIZEREQUEST']._serialized_start=1870
+  _globals['_TOKENIZEREQUEST']._serialized_end=1975
+  _globals['_TOKENIZERESPONSE']._serialized_start=1977
+  _globals['_TOKENIZERESPONSE']._serialized_end=2030
+  _globals['_MODELINFOREQUEST']._serialized_start=2032
+  _globals['_MODELINFOREQUEST']._serialized_end=2050
+  _globals['_MODELINFORESPONSE']._serialized_start=2053
+  _globals['_MODELINFORESPONSE']._serialized_end=2276
+  _globals['_ABORTREQUEST']._serialized_start=2278
+  _globals['_ABORTREQUEST']._serialized_end=2312
+  _globals['_ABORTRESPONSE']._serialized_start=2314
+  _globals['_ABORTRESPONSE']._serialized_end=2346
+  _globals['_HEALTHREQUEST']._serialized_start=2348
+  _globals['_HEALTHREQUEST']._serialized_end=2363
+  _globals['_HEALTHRESPONSE']._serialized_start=2365
+  _globals['_HEALTHRESPONSE']._serialized_end=2397
+  _globals['_PAGEDSERVE']._serialized_start=2522
+  _globals['_PAGEDSERVE']._serialized_end=2980
 # @@protoc_insertion_point(module_scope)

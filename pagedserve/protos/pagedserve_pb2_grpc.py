@@ -54,6 +54,11 @@ class PagedServeStub:
                 request_serializer=pagedserve_dot_v1_dot_pagedserve__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_pagedserve__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pagedserve.v1.PagedServe/Abort',
+                request_serializer=pagedserve_dot_v1_dot_pagedserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_pagedserve__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pagedserve.v1.PagedServe/Health',
                 request_serializer=pagedserve_dot_v1_dot_pagedserve__pb2.HealthRequest.SerializeToString,
@@ -90,8 +95,16 @@ class PagedServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Abort a running request by its request_id: its stream ends with finish_reason ABORT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Kept for old clients: the standard grpc.health.v1.Health service answers the same, per service.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -118,6 +131,11 @@ def add_PagedServeServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_pagedserve__pb2.ModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_pagedserve__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pagedserve_dot_v1_dot_pagedserve__pb2.AbortRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_pagedserve__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -233,6 +251,33 @@ class PagedServe:
             '/pagedserve.v1.PagedServe/ModelInfo',
             pagedserve_dot_v1_dot_pagedserve__pb2.ModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_pagedserve__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.PagedServe/Abort',
+            pagedserve_dot_v1_dot_pagedserve__pb2.AbortRequest.SerializeToString,
+            pagedserve_dot_v1_dot_pagedserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,8 @@ from pagedserve.protos import pagedserve_pb2 as pb
 
 _FIELDS = pb.SamplingParams.DESCRIPTOR.fields
 SAMPLING_FIELDS = tuple(f.name for f in _FIELDS)
-_REPEATED = frozenset(f.name for f in _FIELDS if f.is_repeated)
+_MAPS = frozenset(f.name for f in _FIELDS if f.message_type is not None and f.message_type.GetOptions().map_entry)
+_REPEATED = frozenset(f.name for f in _FIELDS if f.is_repeated) - _MAPS
 
 
 def sampling_to_proto(sampling: dict[str, Any]) -> pb.SamplingParams:
@@ -23,7 +24,9 @@ def sampling_to_proto(sampling: dict[str, Any]) -> pb.SamplingParams:
         if value is None:
             continue
         try:
-            if name in _REPEATED:
+            if name in _MAPS:
+                getattr(params, name).update(value)
+            elif name in _REPEATED:
                 getattr(params, name).extend([value] if isinstance(value, str) else value)
             else:
                 setattr(params, name, value)
@@ -36,5 +39,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> dict[str, Any]:
     """The fields a message sets, as keyword arguments of `pagedserve.SamplingParams`."""
     kwargs: dict[str, Any] = {}
     for field, value in msg.ListFields():
-        kwargs[field.name] = list(value) if field.is_repeated else value
+        if field.name in _MAPS:
+            kwargs[field.name] = dict(value)
+        else:
+            kwargs[field.name] = list(value) if field.is_repeated else value
     return kwargs

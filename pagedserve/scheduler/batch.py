@@ -22,6 +22,19 @@ class SampleSpec:
     # Only sent when the request uses penalties (they need the whole history).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # Tokens that may not be drawn yet: EOS and stop_token_ids while fewer than min_tokens are out.
+    banned_token_ids: list[int] | None = None
+
+
+@dataclass
+class PromptLogprobSpec:
+    """Score prompt tokens: the logits of `row`'s query tokens [start, start + len(target_token_ids))
+    against the prompt tokens that follow each of them; `k` top alternatives per token."""
+
+    row: int
+    start: int
+    target_token_ids: list[int]
+    k: int
 
 
 @dataclass
@@ -39,6 +52,7 @@ class StepBatch:
     seq_ids: list[int] = field(default_factory=list)  # [num_rows]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
     samples: list[SampleSpec] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -59,3 +73,4 @@ class SampledTokens:
 @dataclass
 class StepOutput:
     samples: list[SampledTokens]  # aligned with StepBatch.samples
+    prompt_logprobs: list[SampledTokens] = field(default_factory=list)  # aligned with StepBatch.prompt_logprobs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,21 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     # False until the first sample is drawn: then the one sequence forks into `n`.
     forked: bool = False
+    # The output budget: params.max_tokens, or what the context leaves (set on admission) when that is None.
+    max_tokens: int | None = None
+    # Scored prompt tokens so far, when params.prompt_logprobs asks for them; the first token has none.
+    prompt_logprobs: list[Logprob | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = self.params.max_tokens
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt tokens are left to score: their positions must be computed, not cached."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -46,7 +62,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, chained
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.logprobs: list[dict] = []
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+        self.logprobs: list[Logprob] = []
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
+from pagedserve.outputs import Logprob
+from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, Sequence, SequenceStatus
 
@@ -49,17 +50,25 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if num_prompt > self.max_model_len:
             raise ValueError(f"prompt has {num_prompt} tokens, more than max_model_len={self.max_model_len}")
-        total = num_prompt + request.params.max_tokens
+        bm = self.block_manager
+        if request.params.max_tokens is None:
+            # Until the context is full: the model's, or the pool's if one sequence cannot fill the model's.
+            context = min(self.max_model_len, bm.num_total_blocks * bm.block_size)
+            request.max_tokens = context - num_prompt
+            if request.max_tokens < 1:
+                raise ValueError(f"prompt has {num_prompt} tokens: no room is left for output in a context "
+                                 f"of {context}")
+        total = num_prompt + request.max_tokens
         if total > self.max_model_len:
             raise ValueError(
-                f"max_tokens={request.params.max_tokens} with a {num_prompt}-token prompt needs {total} "
+                f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {total} "
                 f"positions, more than max_model_len={self.max_model_len}")
         # One sequence must fit the pool on its own; preemption makes room for it then.
-        needed = self.block_manager.blocks_for(total)
-        if needed > self.block_manager.num_total_blocks:
+        needed = bm.blocks_for(total)
+        if needed > bm.num_total_blocks:
             raise ValueError(
-                f"max_tokens={request.params.max_tokens} with a {num_prompt}-token prompt needs {needed} KV "
-                f"blocks, more than the pool's {self.block_manager.num_total_blocks}: the request can never fit")
+                f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {needed} KV "
+                f"blocks, more than the pool's {bm.num_total_blocks}: the request can never fit")
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request now and free its blocks. Unknown ids are ignored (it may have just ended)."""
@@ -119,7 +128,8 @@ class Scheduler:
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs and len(scheduled) < self.max_num_seqs):
             seq = self.waiting[0]
-            hit_blocks, hit_hashes = bm.get_computed_blocks(seq)
+            hit_blocks, hit_hashes = (([], []) if seq.request.needs_prompt_logprobs
+                                      else bm.get_computed_blocks(seq))
             num_new = min(seq.num_tokens - len(hit_blocks) * bm.block_size, budget)
             seq_copies = bm.allocate_slots(seq, num_new, hit_blocks, hit_hashes)
             if seq_copies is None:
@@ -145,8 +155,16 @@ class Scheduler:
             batch.context_lens.append(end)
             batch.block_tables.append(list(seq.block_table))
             batch.seq_ids.append(seq.seq_id)
+            request = seq.request
+            if request.needs_prompt_logprobs:
+                # Position j's logits score prompt token j + 1: those not yet scored, within this row.
+                first = max(start, len(request.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    batch.prompt_logprobs.append(PromptLogprobSpec(
+                        row=row, start=first - start, target_token_ids=request.prompt_token_ids[first + 1:last + 1],
+                        k=request.params.prompt_logprobs))
             if end == seq.num_tokens:  # caught up: this row's last logits give the next token
-                request = seq.request
                 params = request.params
                 with_penalties = params.needs_penalties
                 batch.samples.append(SampleSpec(
@@ -158,8 +176,17 @@ class Scheduler:
                     params=params,
                     prompt_token_ids=request.prompt_token_ids if with_penalties else None,
                     output_token_ids=seq.output_token_ids if with_penalties else None,
+                    banned_token_ids=self._banned_tokens(seq),
                 ))
         return batch
+
+    @staticmethod
+    def _banned_tokens(seq: Sequence) -> list[int] | None:
+        params = seq.request.params
+        if seq.num_output_tokens >= params.min_tokens:
+            return None
+        eos = () if params.ignore_eos else seq.request.eos_token_ids
+        return sorted({*eos, *params.stop_token_ids}) or None
 
     def update(self, batch: StepBatch, output: StepOutput) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, append samples, end finished ones.
@@ -176,6 +203,10 @@ class Scheduler:
             seq.num_computed_tokens += batch.cu_seqlens_q[row + 1] - batch.cu_seqlens_q[row]
             bm.cache_full_blocks(seq)
             by_id[seq_id] = seq
+        for spec, scored in zip(batch.prompt_logprobs, output.prompt_logprobs, strict=True):
+            seq = by_id.get(batch.seq_ids[spec.row])
+            if seq is not None:
+                seq.request.prompt_logprobs.extend(_logprobs(scored, j) for j in range(len(scored.token_ids)))
 
         updated: list[Sequence] = []
         for spec, sampled in zip(batch.samples, output.samples, strict=True):
@@ -202,17 +233,15 @@ class Scheduler:
         token = sampled.token_ids[j]
         seq.token_ids.append(token)
         if sampled.logprobs is not None:
-            seq.logprobs.append({
-                "token_id": token,
-                "logprob": sampled.logprobs[j],
-                "top_logprobs": sampled.top_logprobs[j] if sampled.top_logprobs else [],
-            })
-        params = seq.request.params
-        if not params.ignore_eos and token in seq.request.eos_token_ids:
+            seq.logprobs.append(_logprobs(sampled, j))
+        request = seq.request
+        params = request.params
+        if not params.ignore_eos and token in request.eos_token_ids:
             self.finish(seq, "stop")
         elif token in params.stop_token_ids:
+            seq.stop_reason = token
             self.finish(seq, "stop")
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")
 
     def _preempt(self, seq: Sequence) -> None:
@@ -228,3 +257,8 @@ class Scheduler:
 
     def num_waiting_requests(self) -> int:
         return len({s.request.request_id for s in self.waiting} - {s.request.request_id for s in self.running})
+
+
+def _logprobs(scored: SampledTokens, j: int) -> Logprob:
+    top = scored.top_logprobs[j] if scored.top_logprobs else []
+    return Logprob(scored.token_ids[j], scored.logprobs[j], top_logprobs=[Logprob(t, v) for t, v in top])

@@ -8,12 +8,14 @@ import logging
 import torch
 
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
-from pagedserve.scheduler.batch import StepBatch, StepOutput
+from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, StepBatch, StepOutput
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.sampler import Sampler
+from pagedserve.workers.sampler import Sampler, score_tokens
 
 log = logging.getLogger(__name__)
+
+_PROMPT_LOGITS_CHUNK = 256  # prompt positions whose [n, vocab] logits are held at once
 
 
 class ModelRunner:
@@ -47,14 +49,32 @@ class ModelRunner:
             hidden = self.decode_graphs.run(input_ids, positions, ctx)  # [T, H]
         else:
             hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
+        prompt_logprobs = [self._score_prompt(hidden, batch, spec) for spec in batch.prompt_logprobs]
         if not batch.samples:
-            return StepOutput(samples=[]) if self.sampler else None
+            return StepOutput(samples=[], prompt_logprobs=prompt_logprobs) if self.sampler else None
         last_token = ctx.cu_seqlens_q[1:] - 1  # [R]
         rows = torch.tensor([s.row for s in batch.samples], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32, a collective under TP
         if self.sampler is None:
             return None
-        return StepOutput(samples=self.sampler(logits, batch.samples))
+        return StepOutput(samples=self.sampler(logits, batch.samples), prompt_logprobs=prompt_logprobs)
+
+    def _score_prompt(self, hidden: torch.Tensor, batch: StepBatch, spec: PromptLogprobSpec) -> SampledTokens:
+        """Logprobs of the prompt tokens that `spec` names, a bounded slice of logits at a time."""
+        first = batch.cu_seqlens_q[spec.row] + spec.start
+        count = len(spec.target_token_ids)
+        scored = SampledTokens(token_ids=[], logprobs=[], top_logprobs=[])
+        for c in range(0, count, _PROMPT_LOGITS_CHUNK):
+            n = min(_PROMPT_LOGITS_CHUNK, count - c)
+            logits = self.model.compute_logits(hidden[first + c:first + c + n])  # [n, V]; a collective under TP
+            if self.sampler is None:
+                continue
+            targets = torch.tensor(spec.target_token_ids[c:c + n], dtype=torch.long, device=self.device)
+            part = score_tokens(torch.log_softmax(logits, dim=-1), targets, spec.k)
+            scored.token_ids += part.token_ids
+            scored.logprobs += part.logprobs
+            scored.top_logprobs += part.top_logprobs
+        return scored
 
     def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """Positions and slot mapping are derived here, vectorised, not sent per token."""

@@ -35,25 +35,19 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None
                                                                  for s in specs) else None
         logits = self._apply_penalties(logits, rows)
+        logits = _apply_bias_and_bans(logits, rows)
         tokens = self._pick(logits, rows)
 
-        token_list = tokens.tolist()
+        token_list = tokens.tolist()  # one device sync for the whole batch
         out: list[SampledTokens] = []
         pos = 0
         for spec in specs:
-            ids = token_list[pos:pos + spec.num_samples]
-            sampled = SampledTokens(token_ids=ids)
+            rows_of_spec = slice(pos, pos + spec.num_samples)
             k = spec.params.logprobs
-            if k is not None:
-                lp = raw_logprobs[pos:pos + spec.num_samples]
-                sampled.logprobs = lp.gather(1, tokens[pos:pos + spec.num_samples, None]).squeeze(1).tolist()
-                if k > 0:
-                    top_v, top_i = lp.topk(k, dim=-1)
-                    sampled.top_logprobs = [list(zip(i, v, strict=True))
-                                            for i, v in zip(top_i.tolist(), top_v.tolist(), strict=True)]
-                else:
-                    sampled.top_logprobs = [[] for _ in ids]
-            out.append(sampled)
+            if k is None:
+                out.append(SampledTokens(token_ids=token_list[rows_of_spec]))
+            else:
+                out.append(score_tokens(raw_logprobs[rows_of_spec], tokens[rows_of_spec], k))
             pos += spec.num_samples
         return out
 
@@ -101,6 +95,31 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([s.params.greedy for s, _ in rows], device=dev)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledTokens:
+    """`tokens` [S] with their logprobs under `logprobs` [S, V], and each row's top `k`."""
+    sampled = SampledTokens(token_ids=tokens.tolist(),
+                            logprobs=logprobs.gather(1, tokens[:, None]).squeeze(1).tolist())
+    if k > 0:
+        top_v, top_i = logprobs.topk(k, dim=-1)
+        sampled.top_logprobs = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(), top_v.tolist(),
+                                                                            strict=True)]
+    else:
+        sampled.top_logprobs = [[] for _ in range(len(tokens))]
+    return sampled
+
+
+def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
+    """logit_bias added, then tokens banned by min_tokens masked (a bias cannot lift a ban)."""
+    for r, (spec, _) in enumerate(rows):
+        bias = spec.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[r, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        if spec.banned_token_ids:
+            logits[r, spec.banned_token_ids] = float("-inf")
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
