@@ -134,17 +134,27 @@ class LLMEngine:
         return list(ids)
 
     def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None,
-                 add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
+                 add_special_tokens: bool = True, add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:
         """Token ids and their string forms of `text`, or of `messages` through the chat template."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         if messages:
-            ids = self.chat_prompt(messages)
+            ids = self.chat_prompt(messages, add_generation_prompt)
         elif text:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
             raise ValueError("text is empty (give text or messages)")
         return ids, self.tokenizer.convert_ids_to_tokens(ids)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens included); ValueError for an id outside the vocabulary."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"tokens contains ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        return self.tokenizer.decode(token_ids)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -226,13 +236,13 @@ class LLMEngine:
             requests[seq.request.request_id] = seq.request
         return [self._output(r) for r in requests.values()]
 
-    def _name_tokens(self, entries: list[Logprob | None]) -> None:
+    def _name_tokens(self, entries: list[Logprob]) -> None:
         """Give the newest logprob entries (those still without text) their tokens' text."""
         if self.tokenizer is None:
             return
         new: list[Logprob] = []
         for entry in reversed(entries):
-            if entry is None or entry.token is not None:
+            if entry.token is not None:
                 break
             new.append(entry)
         for entry in new:
@@ -291,7 +301,8 @@ class LLMEngine:
     def model_info(self) -> dict[str, Any]:
         return {"model": self.source.name, "max_model_len": self.max_model_len,
                 "block_size": self.config.block_size, "tensor_parallel_size": self.config.tensor_parallel_size,
-                "num_kv_blocks": self.block_manager.num_total_blocks, "vocab_size": self.model_config.vocab_size}
+                "num_kv_blocks": self.block_manager.num_total_blocks, "vocab_size": self.model_config.vocab_size,
+                "eos_token_ids": list(self.eos_token_ids)}
 
     def worker_pids(self) -> list[int]:
         return self.executor.worker_pids()

@@ -11,7 +11,7 @@ class Logprob:
     temperature), its text, and the `k` most likely tokens at its position, best first."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token: nothing predicts it
     token: str | None = None  # None where the model has no tokenizer
     top_logprobs: list[Logprob] = field(default_factory=list)
 
@@ -39,5 +39,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # set when a worker failure ended the request
-    # When asked for: one per prompt token; the first is None (nothing predicts it).
-    prompt_logprobs: list[Logprob | None] | None = None
+    # When asked for: one per prompt token (the first one's logprob is None: nothing predicts it).
+    prompt_logprobs: list[Logprob] | None = None

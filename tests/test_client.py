@@ -58,7 +58,7 @@ def scripted_stream(request: pb.GenerateRequest | pb.ChatRequest, context: grpc.
                                      top_logprobs=[pb.TopLogprob(token_id=t, logprob=-0.5),
                                                    pb.TopLogprob(token_id=1, logprob=-2.0)])
             if step == len(PIECES):
-                msg.finish_reason = "length"
+                msg.finish_reason = pb.FINISH_REASON_LENGTH
                 if i == n - 1:
                     msg.usage.CopyFrom(pb.Usage(prompt_tokens=3, completion_tokens=token - 100,
                                                 total_tokens=3 + token - 100))
@@ -130,7 +130,7 @@ def endless(servicer: ScriptedServicer) -> Callable[..., Iterator[pb.GenerateRes
         # A termination callback, not the loop in hold(): when the client's cancel beats the server's
         # pending send, the server never resumes this generator at all.
         context.add_callback(lambda: None if timed_out.is_set() else servicer.cancelled.set())
-        yield pb.GenerateResponse(index=0, text="a", token_ids=[1])
+        yield pb.GenerateResponse(request_id="r", index=0, text="a", token_ids=[1])
         if not hold(context, limit_s=10):
             timed_out.set()
 
@@ -186,7 +186,8 @@ def test_stream_deltas_join_to_generate(server):
     assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
     assert completion.usage == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
     assert completion.finish_reason == "length"
-    assert completion.request_id == "srv-1"
+    # the SDK names every request, so a retried stream keeps its id
+    assert completion.request_id == servicer.requests[1].request_id and len(completion.request_id) == 32
     assert completion.logprobs is None and chunks[0].logprobs is None
     assert servicer.requests[0].text == "hi"
 
@@ -298,6 +299,49 @@ def test_unavailable_twice_then_success_is_retried(server):
         assert client.generate("hi").text == expected_text(0)
     assert servicer.calls == 3
     assert all(m.get("application") == "pagedserve" for m in servicer.metadata)
+    # every attempt carries the same request id: the server treats a retry as the same request
+    assert len({r.request_id for r in servicer.requests}) == 1 and servicer.requests[0].request_id
+
+
+def test_status_details_name_the_field_and_the_carrier_message_is_skipped(server):
+    """The server's error shape behind Ray Serve's proxy: one empty message, then the status with a
+    google.rpc.BadRequest in its details."""
+    from google.protobuf import any_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    servicer, target = server
+
+    def reject(request, context):
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field="temperature", description="must be >= 0")]))
+        status = rpc_status.to_status(status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message="temperature=-1",
+                                                        details=[detail]))
+        context.set_code(status.code)
+        context.set_details(status.details)
+        context.set_trailing_metadata(status.trailing_metadata)
+        yield pb.GenerateResponse()
+
+    servicer.script = reject
+    with client_for(target) as client, pytest.raises(InvalidArgument) as info:
+        list(client.stream("hi"))
+    assert info.value.field_violations == [("temperature", "must be >= 0")]
+    assert servicer.calls == 1
+
+
+def test_api_key_from_argument_or_environment(server, monkeypatch):
+    servicer, target = server
+    with client_for(target, api_key="k1") as client:
+        client.generate("hi")
+        client.health()
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "k2")
+    with client_for(target) as client:
+        client.generate("hi")
+    monkeypatch.delenv("PAGEDSERVE_API_KEY")
+    with client_for(target) as client:
+        client.generate("hi")
+    assert [m.get("authorization") for m in servicer.metadata] == ["Bearer k1", "Bearer k1", "Bearer k2", None]
 
 
 def test_unary_unavailable_is_retried(server):
@@ -315,7 +359,7 @@ def test_unavailable_after_first_message_is_raised_not_retried(server):
     servicer, target = server
 
     def dies(request, context):
-        yield pb.GenerateResponse(index=0, text="Hel", token_ids=[1])
+        yield pb.GenerateResponse(request_id="r", index=0, text="Hel", token_ids=[1])
         context.abort(grpc.StatusCode.UNAVAILABLE, "replica died")
 
     servicer.script = dies
@@ -354,7 +398,7 @@ def test_short_timeout_on_slow_server_is_deadline_exceeded(server):
 
     def slow(request, context):
         hold(context, limit_s=5)
-        yield pb.GenerateResponse(text="late")
+        yield pb.GenerateResponse(request_id="r", text="late")
 
     servicer.script = slow
     with client_for(target) as client:
@@ -416,7 +460,7 @@ def test_async_errors_and_retries(server):
             mode["fails"] += 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
         if mode["kind"] == "dies":
-            yield pb.GenerateResponse(text="x")
+            yield pb.GenerateResponse(request_id="r", text="x")
             context.abort(grpc.StatusCode.UNAVAILABLE, "replica died")
         if mode["kind"] == "slow":
             hold(context, limit_s=5)

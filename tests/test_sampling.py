@@ -178,7 +178,8 @@ def test_prompt_logprobs_match_the_model(embedded_dir, max_num_batched_tokens):
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     for _ in range(2):
         out = llm.generate([prompt], params)[0]
-        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        assert len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0].token_id == prompt[0] and out.prompt_logprobs[0].logprob is None
         for t in range(1, len(prompt)):
             entry = out.prompt_logprobs[t]
             assert entry.token_id == prompt[t]

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "Client", "AsyncClient", "Completion", "Choice", "StreamChunk", "TokenLogprob", "ResponseStream",
     "AsyncResponseStream", "PagedServeError", "InvalidArgument", "ResourceExhausted", "Unavailable",
-    "DeadlineExceeded", "Cancelled", "NotFound", "InternalError", "from_rpc_error",
+    "DeadlineExceeded", "Cancelled", "NotFound", "InternalError", "Unauthenticated", "from_rpc_error",
 ]
 _FROM_ERRORS = {"PagedServeError", "InvalidArgument", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
-                "Cancelled", "NotFound", "InternalError", "from_rpc_error"}
+                "Cancelled", "NotFound", "InternalError", "Unauthenticated", "from_rpc_error"}
 
 if TYPE_CHECKING:
     from pagedserve.client.errors import (
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         NotFound,
         PagedServeError,
         ResourceExhausted,
+        Unauthenticated,
         Unavailable,
         from_rpc_error,
     )

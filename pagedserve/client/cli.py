@@ -26,6 +26,8 @@ def register(subparsers: Any) -> None:
                       help="Ray Serve application name to route to (default %(default)s)")
     conn.add_argument("--timeout", type=float, default=120.0,
                       help="deadline per request in seconds, 0 for none (default %(default)s)")
+    conn.add_argument("--api-key", default=None,
+                      help="the server's API key (default: the PAGEDSERVE_API_KEY environment variable)")
 
     # Defaults of None leave the field unset, so the server's defaults apply.
     sampling = argparse.ArgumentParser(add_help=False)
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.client.sdk import Client
 
     try:
-        with Client(args.target, args.application, timeout=args.timeout or None) as client:
+        with Client(args.target, args.application, timeout=args.timeout or None, api_key=args.api_key) as client:
             if args.client_command == "info":
                 print(json.dumps(client.model_info(), indent=2))
             elif args.client_command == "generate":

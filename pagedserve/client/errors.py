@@ -31,9 +31,21 @@ class PagedServeError(Exception):
 
 
 class InvalidArgument(PagedServeError):
-    """A bad request parameter; the message names the field."""
+    """A bad request parameter; the message names the field, and `field_violations` lists (field, description)
+    pairs from the status details (google.rpc.BadRequest)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, details: str = "", code: grpc.StatusCode | None = None,
+                 field_violations: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(details, code)
+        self.field_violations = field_violations or []
+
+
+class Unauthenticated(PagedServeError):
+    """No API key, or a wrong one: pass `api_key=` or set PAGEDSERVE_API_KEY."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class ResourceExhausted(PagedServeError):
@@ -74,6 +86,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.INTERNAL: InternalError,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     # An unhandled exception in a servicer (or the proxy) surfaces as UNKNOWN: a server bug like INTERNAL.
     grpc.StatusCode.UNKNOWN: InternalError,
 }
@@ -88,4 +101,23 @@ def from_rpc_error(e: grpc.RpcError) -> PagedServeError:
     details = details_fn() if callable(details_fn) else None
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(details or "", code, _field_violations(e))
     return _BY_CODE.get(code, PagedServeError)(details or "", code)
+
+
+def _field_violations(e: grpc.RpcError) -> list[tuple[str, str]]:
+    """The google.rpc.BadRequest in the status details, if the call has one."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(e)
+    except (AttributeError, TypeError, ValueError):  # not a grpc.Call, or details that do not match
+        return []
+    violations = []
+    for detail in status.details if status is not None else []:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    return violations

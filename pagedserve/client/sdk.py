@@ -7,17 +7,21 @@
 
 `AsyncClient` has the same methods as coroutines / async iterators. Sampling keywords map onto the proto's
 `SamplingParams`; the ones not passed stay unset so the server applies its own defaults. Every call sends
-the `("application", ...)` metadata the proxy routes by, and the timeout as the gRPC deadline (one budget
-for the whole call, retries included). UNAVAILABLE (server or engine not up yet, replica restarting) is
-retried with exponential backoff, for streams only until their first message: after that, the text
-already handed out cannot be taken back. Every other error is raised at once, as the typed exceptions of
+the `("application", ...)` metadata the proxy routes by, the API key (`api_key=`, else the
+PAGEDSERVE_API_KEY environment variable) as `("authorization", "Bearer ...")`, and the timeout as the gRPC
+deadline (one budget for the whole call, retries included). UNAVAILABLE (server or engine not up yet,
+replica restarting) is retried with exponential backoff, for streams only until their first message: after
+that, the text already handed out cannot be taken back. A stream's retries keep its request id, so the
+server never runs the request twice. Every other error is raised at once, as the typed exceptions of
 `pagedserve.client.errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +30,7 @@ import grpc
 import grpc.aio
 
 from pagedserve.client.errors import Cancelled, from_rpc_error
+from pagedserve.protos import API_KEY_ENV
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos import pagedserve_pb2_grpc as pb_grpc
 from pagedserve.protos.sampling import sampling_to_proto
@@ -45,19 +50,24 @@ _CLIENT_DEFAULT: Any = _Unset()
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's logprob and the top-k alternatives (token id -> logprob, best first)."""
+    """One token's logprob, its text, and the top-k alternatives (token id -> logprob, best first; their
+    texts in `top_tokens`, same order)."""
 
     token_id: int
     logprob: float
     top_logprobs: dict[int, float] = field(default_factory=dict)
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class StreamChunk:
     """One streamed message: the text / token ids new since sample `index`'s previous chunk.
 
-    `finish_reason` is set on the sample's last chunk (stop | length | abort), `usage` on the request's
-    last chunk. `logprobs` is None unless logprobs were asked for (then a list, possibly empty).
+    `finish_reason` is set on the sample's last chunk (stop | length | abort), with `stop_reason` the stop
+    string or stop token id that ended it (None for EOS); `usage` on the request's last chunk. `logprobs`
+    is None unless logprobs were asked for (then a list, possibly empty); `prompt_logprobs` is on the
+    request's first chunk when asked for (one per prompt token after the first).
     """
 
     index: int
@@ -67,6 +77,8 @@ class StreamChunk:
     usage: dict[str, int] | None = None
     logprobs: list[TokenLogprob] | None = None
     request_id: str = ""
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -78,6 +90,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -87,6 +100,7 @@ class Completion:
     choices: list[Choice]
     usage: dict[str, int] = field(default_factory=dict)
     request_id: str = ""
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def text(self) -> str:
@@ -112,6 +126,7 @@ class _Accumulator:
         self._request_id = request_id
         self._choices: dict[int, Choice] = {}
         self._usage: dict[str, int] = {}
+        self._prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, chunk: StreamChunk) -> None:
         choice = self._choices.get(chunk.index)
@@ -123,13 +138,17 @@ class _Accumulator:
             choice.logprobs = (choice.logprobs or []) + chunk.logprobs
         if chunk.finish_reason:
             choice.finish_reason = chunk.finish_reason
+            choice.stop_reason = chunk.stop_reason
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs = chunk.prompt_logprobs
         if chunk.usage is not None:
             self._usage = chunk.usage
         if chunk.request_id:
             self._request_id = chunk.request_id
 
     def result(self) -> Completion:
-        return Completion([self._choices[i] for i in sorted(self._choices)], self._usage, self._request_id)
+        return Completion([self._choices[i] for i in sorted(self._choices)], self._usage, self._request_id,
+                          self._prompt_logprobs)
 
 
 def _usage_dict(usage: pb.Usage) -> dict[str, int]:
@@ -137,19 +156,29 @@ def _usage_dict(usage: pb.Usage) -> dict[str, int]:
             "total_tokens": usage.total_tokens}
 
 
-def _to_chunk(response: pb.GenerateResponse, with_logprobs: bool) -> StreamChunk:
-    logprobs = None
-    if with_logprobs:
-        logprobs = [TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top_logprobs})
-                    for lp in response.logprobs]
+_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                   pb.FINISH_REASON_ABORT: "abort"}
+
+
+def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top_logprobs}, lp.token,
+                        [t.token for t in lp.top_logprobs])
+
+
+def _to_chunk(response: pb.GenerateResponse, sampling: pb.SamplingParams) -> StreamChunk:
+    with_logprobs, with_prompt_logprobs = sampling.HasField("logprobs"), sampling.HasField("prompt_logprobs")
+    which = response.WhichOneof("stop_reason")
     return StreamChunk(
         index=response.index,
         text=response.text,
         token_ids=list(response.token_ids),
-        finish_reason=response.finish_reason or None,
+        finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=_usage_dict(response.usage) if response.HasField("usage") else None,
-        logprobs=logprobs,
+        logprobs=[_logprob(lp) for lp in response.logprobs] if with_logprobs else None,
         request_id=response.request_id,
+        stop_reason=getattr(response, which) if which else None,
+        prompt_logprobs=([_logprob(lp) for lp in response.prompt_logprobs]
+                         if with_prompt_logprobs and response.prompt_logprobs else None),
     )
 
 
@@ -186,7 +215,8 @@ def _tokenize_request(text: str | None, messages: Sequence[dict[str, str]] | Non
 
 def _model_info_dict(response: pb.ModelInfoResponse) -> dict[str, Any]:
     # Not MessageToDict: it renders int64 fields as strings and drops zero-valued ones.
-    return {f.name: getattr(response, f.name) for f in response.DESCRIPTOR.fields}
+    return {f.name: list(getattr(response, f.name)) if f.is_repeated else getattr(response, f.name)
+            for f in response.DESCRIPTOR.fields}
 
 
 class _Deadline:
@@ -218,7 +248,7 @@ class _CallRef:
 
 class _Base:
     def __init__(self, target: str, application: str, timeout: float | None, max_retries: int,
-                 backoff_s: float) -> None:
+                 backoff_s: float, api_key: str | None) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if backoff_s < 0:
@@ -230,7 +260,9 @@ class _Base:
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self._metadata = (("application", application),)
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self._metadata = (("application", application),) + ((("authorization", f"Bearer {api_key}"),)
+                                                             if api_key else ())
 
     def _deadline(self, timeout: Any) -> _Deadline:
         return _Deadline(self.timeout if timeout is _CLIENT_DEFAULT else timeout)
@@ -250,7 +282,8 @@ class _Base:
     @staticmethod
     def _split(sampling: dict[str, Any]) -> tuple[pb.SamplingParams, str, Any]:
         sampling = dict(sampling)
-        request_id = sampling.pop("request_id", None) or ""
+        # Made here when not given, so that every retry of a stream carries the same id.
+        request_id = sampling.pop("request_id", None) or uuid.uuid4().hex
         timeout = sampling.pop("timeout", _CLIENT_DEFAULT)
         return sampling_to_proto(sampling), request_id, timeout
 
@@ -263,10 +296,10 @@ class ResponseStream(Iterator[StreamChunk]):
     it, e.g. by `break`ing out of the `for` loop) cancels the RPC, so the server aborts the request."""
 
     def __init__(self, client: Client, method: Callable[..., Any], request: Any, timeout: Any,
-                 with_logprobs: bool) -> None:
+                 sampling: pb.SamplingParams) -> None:
         self._ref = _CallRef()
         self.request_id: str = request.request_id
-        self._gen = _sync_chunks(client, self._ref, method, request, client._deadline(timeout), with_logprobs)
+        self._gen = _sync_chunks(client, self._ref, method, request, client._deadline(timeout), sampling)
 
     def __iter__(self) -> ResponseStream:
         return self
@@ -295,7 +328,7 @@ class ResponseStream(Iterator[StreamChunk]):
 
 
 def _sync_chunks(client: _Base, ref: _CallRef, method: Callable[..., Any], request: Any, deadline: _Deadline,
-                 with_logprobs: bool) -> Iterator[StreamChunk]:
+                 sampling: pb.SamplingParams) -> Iterator[StreamChunk]:
     attempt = 0
     while True:
         if ref.cancelled:
@@ -304,8 +337,10 @@ def _sync_chunks(client: _Base, ref: _CallRef, method: Callable[..., Any], reque
         received = False
         try:
             for response in call:
+                if not response.request_id:  # the empty message that carries an error status
+                    continue
                 received = True
-                yield _to_chunk(response, with_logprobs)
+                yield _to_chunk(response, sampling)
             return
         except grpc.RpcError as e:
             delay = None if received else client._retry_delay(e, attempt, deadline)
@@ -321,8 +356,9 @@ class Client(_Base):
     """Synchronous client (one `grpc.insecure_channel`, safe to share between threads)."""
 
     def __init__(self, target: str = "127.0.0.1:9000", application: str = "pagedserve",
-                 timeout: float | None = 120.0, max_retries: int = 4, backoff_s: float = 0.25) -> None:
-        super().__init__(target, application, timeout, max_retries, backoff_s)
+                 timeout: float | None = 120.0, max_retries: int = 4, backoff_s: float = 0.25,
+                 api_key: str | None = None) -> None:
+        super().__init__(target, application, timeout, max_retries, backoff_s, api_key)
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.PagedServeStub(self._channel)
 
@@ -352,7 +388,7 @@ class Client(_Base):
         """Stream a completion of `prompt` (text or token ids) chunk by chunk."""
         params, request_id, timeout = self._split(sampling)
         request = _prompt_request(prompt, request_id, params)
-        return ResponseStream(self, self._stub.Generate, request, timeout, params.HasField("logprobs"))
+        return ResponseStream(self, self._stub.Generate, request, timeout, params)
 
     def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
         """Complete `prompt` (text or token ids); the whole `stream()`, joined."""
@@ -362,7 +398,7 @@ class Client(_Base):
         """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...])."""
         params, request_id, timeout = self._split(sampling)
         request = pb.ChatRequest(request_id=request_id, messages=_chat_messages(messages), sampling=params)
-        return ResponseStream(self, self._stub.Chat, request, timeout, params.HasField("logprobs"))
+        return ResponseStream(self, self._stub.Chat, request, timeout, params)
 
     def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> Completion:
         """The assistant's reply to `messages`; the whole `stream_chat()`, joined."""
@@ -389,6 +425,10 @@ class Client(_Base):
         """The server's status string ("SERVING" when up)."""
         return self._unary(self._stub.Health, pb.HealthRequest(), timeout).status
 
+    def abort(self, request_id: str, *, timeout: float | None = _CLIENT_DEFAULT) -> bool:
+        """Abort a running request (its stream ends with finish_reason "abort"); False if none runs by that id."""
+        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout).aborted
+
 
 class AsyncResponseStream(AsyncIterator[StreamChunk]):
     """The chunks of one streamed request, for `async for`. `aclose()`, leaving its `async with` block,
@@ -396,10 +436,10 @@ class AsyncResponseStream(AsyncIterator[StreamChunk]):
     finalizes the abandoned generator)."""
 
     def __init__(self, client: AsyncClient, method: Callable[..., Any], request: Any, timeout: Any,
-                 with_logprobs: bool) -> None:
+                 sampling: pb.SamplingParams) -> None:
         self._ref = _CallRef()
         self.request_id: str = request.request_id
-        self._gen = _async_chunks(client, self._ref, method, request, client._deadline(timeout), with_logprobs)
+        self._gen = _async_chunks(client, self._ref, method, request, client._deadline(timeout), sampling)
 
     def __aiter__(self) -> AsyncResponseStream:
         return self
@@ -428,7 +468,7 @@ class AsyncResponseStream(AsyncIterator[StreamChunk]):
 
 
 async def _async_chunks(client: _Base, ref: _CallRef, method: Callable[..., Any], request: Any,
-                        deadline: _Deadline, with_logprobs: bool) -> AsyncIterator[StreamChunk]:
+                        deadline: _Deadline, sampling: pb.SamplingParams) -> AsyncIterator[StreamChunk]:
     attempt = 0
     while True:
         if ref.cancelled:
@@ -437,8 +477,10 @@ async def _async_chunks(client: _Base, ref: _CallRef, method: Callable[..., Any]
         received = False
         try:
             async for response in call:
+                if not response.request_id:  # the empty message that carries an error status
+                    continue
                 received = True
-                yield _to_chunk(response, with_logprobs)
+                yield _to_chunk(response, sampling)
             return
         except grpc.RpcError as e:
             delay = None if received else client._retry_delay(e, attempt, deadline)
@@ -462,8 +504,9 @@ class AsyncClient(_Base):
     construct it anywhere but use it from one event loop only."""
 
     def __init__(self, target: str = "127.0.0.1:9000", application: str = "pagedserve",
-                 timeout: float | None = 120.0, max_retries: int = 4, backoff_s: float = 0.25) -> None:
-        super().__init__(target, application, timeout, max_retries, backoff_s)
+                 timeout: float | None = 120.0, max_retries: int = 4, backoff_s: float = 0.25,
+                 api_key: str | None = None) -> None:
+        super().__init__(target, application, timeout, max_retries, backoff_s, api_key)
         self._channel: grpc.aio.Channel | None = None
         self._stub_: pb_grpc.PagedServeStub | None = None
 
@@ -502,7 +545,7 @@ class AsyncClient(_Base):
         """Stream a completion of `prompt` (text or token ids): `async for chunk in client.stream(...)`."""
         params, request_id, timeout = self._split(sampling)
         request = _prompt_request(prompt, request_id, params)
-        return AsyncResponseStream(self, self._stub.Generate, request, timeout, params.HasField("logprobs"))
+        return AsyncResponseStream(self, self._stub.Generate, request, timeout, params)
 
     async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
         return await self._collect(self.stream(prompt, **sampling))
@@ -510,7 +553,7 @@ class AsyncClient(_Base):
     def stream_chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> AsyncResponseStream:
         params, request_id, timeout = self._split(sampling)
         request = pb.ChatRequest(request_id=request_id, messages=_chat_messages(messages), sampling=params)
-        return AsyncResponseStream(self, self._stub.Chat, request, timeout, params.HasField("logprobs"))
+        return AsyncResponseStream(self, self._stub.Chat, request, timeout, params)
 
     async def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> Completion:
         return await self._collect(self.stream_chat(messages, **sampling))
@@ -533,3 +576,6 @@ class AsyncClient(_Base):
 
     async def health(self, *, timeout: float | None = _CLIENT_DEFAULT) -> str:
         return (await self._unary(self._stub.Health, pb.HealthRequest(), timeout)).status
+
+    async def abort(self, request_id: str, *, timeout: float | None = _CLIENT_DEFAULT) -> bool:
+        return (await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)).aborted

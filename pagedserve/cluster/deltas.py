@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -15,9 +15,17 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
-    usage: dict[str, int] | None = None  # on the request's last delta
+    stop_reason: str | int | None = None
+    usage: dict[str, int] = field(default_factory=dict)  # the request's so far (every delta carries it)
+    final: bool = False  # the request's last delta
+    prompt_logprobs: list[Logprob] | None = None  # on the request's first delta, when asked for
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingParams) -> AsyncIterator[Delta]:
@@ -27,8 +35,10 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
+    first = True
     async for out in outputs:
         batch = []
+        counts = usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         for c in out.outputs:
             if c.index in done:
                 continue
@@ -37,15 +47,16 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
             t1 = len(c.text) if finished else max(t0, len(c.text) - hold)
             if t1 == t0 and len(c.token_ids) == k0 and not finished:
                 continue
-            batch.append(Delta(out.request_id, c.index, c.text[t0:t1], c.token_ids[k0:],
-                               (c.logprobs or [])[k0:], c.finish_reason if finished else None))
+            batch.append(Delta(out.request_id, c.index, c.text[t0:t1], c.token_ids[k0:], (c.logprobs or [])[k0:],
+                               c.finish_reason if finished else None, c.stop_reason if finished else None,
+                               counts))
             sent_text[c.index], sent_tokens[c.index] = t1, len(c.token_ids)
             if finished:
                 done.add(c.index)
+        if batch and first:
+            batch[0].prompt_logprobs = out.prompt_logprobs
+            first = False
         if out.finished and batch:
-            completion = sum(len(c.token_ids) for c in out.outputs)
-            prompt_tokens = len(out.prompt_token_ids)
-            batch[-1].usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                               "total_tokens": prompt_tokens + completion}
+            batch[-1].final = True
         for d in batch:
             yield d

@@ -4,14 +4,17 @@ ingress's view of it through a deployment handle."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.async_engine import AsyncEngine
+from pagedserve.cluster.auth import ApiKeys
 from pagedserve.cluster.deltas import Delta, stream_deltas
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.sampling_params import SamplingParams
@@ -31,12 +34,15 @@ class EngineServer:
         async for d in stream_deltas(self.core.generate(prompt, params, request_id), params):
             yield d
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.core.engine.chat_prompt(messages)
+    async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return self.core.engine.chat_prompt(messages, add_generation_prompt)
 
-    async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None,
-                       add_special_tokens: bool) -> tuple[list[int], list[str]]:
-        return self.core.engine.tokenize(text, messages, add_special_tokens)
+    async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, add_special_tokens: bool,
+                       add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:
+        return self.core.engine.tokenize(text, messages, add_special_tokens, add_generation_prompt)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return self.core.engine.detokenize(token_ids)
 
     async def model_info(self) -> dict[str, Any]:
         return self.core.model_info()
@@ -50,27 +56,81 @@ class EngineServer:
             core.shutdown()  # the worker actors and their placement group go with the replica
 
 
+class _Running:
+    """A request this ingress is streaming: what `Abort` and a retried request id reach."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.aborted = False
+        self.done = asyncio.Event()
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.stream is not None:
+            self.stream.cancel()
+
+
 class EngineClient:
     """What the front ends (gRPC, OpenAI HTTP) share: the `EngineServer` handle (Serve routes each call
-    to one of its replicas) and the model's description."""
+    to one of its replicas), the model's description, the API keys, and the requests this ingress is
+    streaming, by id."""
 
-    def __init__(self, engine: DeploymentHandle, num_replicas: int = 1) -> None:
+    def __init__(self, engine: DeploymentHandle, num_replicas: int = 1, api_keys: ApiKeys | None = None) -> None:
         self.engine = engine
         self.num_replicas = num_replicas
+        self.api_keys = api_keys or ApiKeys()
+        self.api_keys.log_state("pagedserve ingress")
         self._info: dict[str, Any] | None = None
+        self._running: dict[str, _Running] = {}
 
     async def model_info_dict(self) -> dict[str, Any]:
         if self._info is None:
             self._info = await self.engine.model_info.remote()
         return self._info
 
+    def abort(self, request_id: str) -> bool:
+        """End a request this ingress is streaming: its stream ends with finish_reason "abort" and the engine
+        frees its blocks. False if no such request is running here."""
+        running = self._running.get(request_id)
+        if running is None or running.aborted:
+            return False
+        running.abort()
+        return True
+
     async def deltas(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None) -> AsyncIterator[Delta]:
-        """The request's deltas (see `stream_deltas`) from whichever engine replica Serve picks."""
-        stream = self.engine.options(stream=True).generate_deltas.remote(prompt, params,
-                                                                         request_id or uuid.uuid4().hex)
+        """The request's deltas (see `stream_deltas`) from whichever engine replica Serve picks.
+
+        A request id that is still streaming here is a retry of it (a client that lost the first attempt's
+        connection): the earlier attempt is aborted first, so the request never runs twice."""
+        rid = request_id or uuid.uuid4().hex
+        earlier = self._running.get(rid)
+        if earlier is not None:
+            earlier.abort()
+            await earlier.done.wait()
+        running = self._running[rid] = _Running()
+        finished: set[int] = set()
+        usage_so_far: dict[str, int] = {}
         try:
-            async for d in stream:
-                yield d
+            running.stream = self.engine.options(stream=True).generate_deltas.remote(prompt, params, rid)
+            if running.aborted:  # aborted while the call was being made
+                running.stream.cancel()
+            try:
+                async for d in running.stream:
+                    usage_so_far = d.usage
+                    if d.finish_reason is not None:
+                        finished.add(d.index)
+                    yield d
+            except (RequestCancelledError, asyncio.CancelledError):
+                if not running.aborted:
+                    raise
+            if running.aborted:
+                left = [i for i in range(params.n) if i not in finished]
+                for i in left:
+                    yield Delta(rid, i, "", [], finish_reason="abort", usage=usage_so_far, final=i == left[-1])
         finally:
-            stream.cancel()  # no-op once finished; otherwise the client left: abort and free the blocks
+            if running.stream is not None:
+                running.stream.cancel()  # no-op once finished; otherwise the client left: abort, free the blocks
+            running.done.set()
+            if self._running.get(rid) is running:
+                del self._running[rid]

@@ -4,6 +4,7 @@ status, with the message the client sees. Nothing escapes as UNKNOWN."""
 from __future__ import annotations
 
 import logging
+import re
 
 import grpc
 
@@ -35,7 +36,9 @@ def classify(e: BaseException) -> ClientError:
         root = root.cause
     message = str(root).strip() or type(root).__name__
     if isinstance(root, ValueError):
-        return ClientError(grpc.StatusCode.INVALID_ARGUMENT, 400, message, message.split("=", 1)[0].split()[0])
+        # Messages start with the field they name: "temperature=-1.0 must be ...", "messages.0.role: ..."
+        field = re.match(r"[A-Za-z_][\w.\[\]]*", message)
+        return ClientError(grpc.StatusCode.INVALID_ARGUMENT, 400, message, field.group(0) if field else None)
     if isinstance(root, QueueFull | BackPressureError):
         return ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, message)
     if isinstance(root, RequestFailed | RayActorError | DeploymentUnavailableError):

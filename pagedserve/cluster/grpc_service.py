@@ -1,21 +1,45 @@
-"""The PagedServe gRPC service (protos/pagedserve/v1). Ray Serve's gRPC proxy calls these methods by name
-on the application's ingress deployment."""
+"""The PagedServe gRPC service (protos/pagedserve/v1) and the standard `grpc.health.v1.Health` service. Ray
+Serve's gRPC proxy calls these methods by name on the application's ingress deployment.
+
+Errors set the status code, a message naming the field, and (for bad input) a `google.rpc.BadRequest` in
+the status details. Serve's proxy forwards a status's trailing metadata only along with a response
+message, so an error is answered with one empty message: for a unary call gRPC drops it (the client sees
+the status), a stream shows it before its status (clients skip a message without a request_id)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2
+from grpc_status import rpc_status
 
 from pagedserve.cluster.deltas import Delta
 from pagedserve.cluster.engine_server import EngineClient
-from pagedserve.cluster.errors import classify
+from pagedserve.cluster.errors import ClientError, classify
+from pagedserve.outputs import Logprob
+from pagedserve.protos import SERVICE_NAME
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos.sampling import sampling_from_proto
 from pagedserve.sampling_params import SamplingParams
 
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_HEALTH_SERVICES = ("", SERVICE_NAME)  # "": the server as a whole
+
 
 class GrpcService(EngineClient):
+    def _authorize(self, grpc_context) -> None:
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        if not self.api_keys.allows(metadata.get("authorization")):
+            raise ClientError(grpc.StatusCode.UNAUTHENTICATED, 401,
+                              "a valid API key is required: send the metadata ('authorization', 'Bearer <key>')")
+
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            self._authorize(grpc_context)
             which = request.WhichOneof("prompt")
             if which is None:
                 raise ValueError("prompt is empty (set text or token_ids)")
@@ -24,60 +48,123 @@ class GrpcService(EngineClient):
             async for d in self.deltas(prompt, params, request.request_id or None):
                 yield _delta_to_proto(d)
         except Exception as e:
-            _abort_grpc(grpc_context, e)
+            yield _error(grpc_context, e, pb.GenerateResponse())
 
     async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            self._authorize(grpc_context)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            params = SamplingParams(**sampling_from_proto(request.sampling))
+            # A chat answer runs until the model stops or the context is full, unless max_tokens says otherwise.
+            params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
             prompt = await self.engine.chat_prompt.remote(messages)
             async for d in self.deltas(prompt, params, request.request_id or None):
                 yield _delta_to_proto(d)
         except Exception as e:
-            _abort_grpc(grpc_context, e)
+            yield _error(grpc_context, e, pb.GenerateResponse())
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:
         try:
+            self._authorize(grpc_context)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             ids, tokens = await self.engine.tokenize.remote(request.text, messages, request.add_special_tokens)
             return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
         except Exception as e:
-            _abort_grpc(grpc_context, e)
+            return _error(grpc_context, e, pb.TokenizeResponse())
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, grpc_context=None) -> pb.ModelInfoResponse:
         try:
+            self._authorize(grpc_context)
             info = await self.model_info_dict()
             return pb.ModelInfoResponse(
                 model=info["model"], max_model_len=info["max_model_len"], block_size=info["block_size"],
                 tensor_parallel_size=info["tensor_parallel_size"], num_kv_blocks=info["num_kv_blocks"],
                 kv_capacity_tokens=info["num_kv_blocks"] * info["block_size"], vocab_size=info["vocab_size"],
-                num_replicas=self.num_replicas)
+                num_replicas=self.num_replicas, eos_token_ids=info["eos_token_ids"])
         except Exception as e:
-            _abort_grpc(grpc_context, e)
+            return _error(grpc_context, e, pb.ModelInfoResponse())
+
+    async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
+        try:
+            self._authorize(grpc_context)
+            if not request.request_id:
+                raise ValueError("request_id is empty")
+            return pb.AbortResponse(aborted=self.abort(request.request_id))
+        except Exception as e:
+            return _error(grpc_context, e, pb.AbortResponse())
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         try:
             await self.engine.stats.remote()
             return pb.HealthResponse(status="SERVING")
         except Exception as e:
-            _abort_grpc(grpc_context, e)
+            return _error(grpc_context, e, pb.HealthResponse())
+
+    # ---- grpc.health.v1.Health: open to all, as load balancers and orchestrators probe it without keys ----
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    grpc_context=None) -> health_pb2.HealthCheckResponse:
+        if request.service not in _HEALTH_SERVICES:
+            return _error(grpc_context, ClientError(grpc.StatusCode.NOT_FOUND, 404,
+                                                    f"service={request.service!r} is not served here"),
+                          health_pb2.HealthCheckResponse())
+        return health_pb2.HealthCheckResponse(status=await self._serving_status())
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest,
+                    grpc_context=None) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """The status now, then each time it changes (checked every few seconds)."""
+        if request.service not in _HEALTH_SERVICES:
+            yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            return
+        last = None
+        while True:
+            status = await self._serving_status()
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(2.0)
+
+    async def _serving_status(self) -> int:
+        try:
+            await self.engine.stats.remote()
+            return health_pb2.HealthCheckResponse.SERVING
+        except Exception:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=lp.token or "", top_logprobs=[
+        pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token or "") for t in lp.top_logprobs])
 
 
 def _delta_to_proto(d: Delta) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=d.request_id, index=d.index, text=d.text, token_ids=d.token_ids,
-                              finish_reason=d.finish_reason or "")
-    for lp in d.logprobs:
-        msg.logprobs.append(pb.TokenLogprob(token_id=lp["token_id"], logprob=lp["logprob"], top_logprobs=[
-            pb.TopLogprob(token_id=t, logprob=v) for t, v in lp["top_logprobs"]]))
-    if d.usage:
+                              finish_reason=_FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                              logprobs=[_logprob_to_proto(lp) for lp in d.logprobs])
+    if isinstance(d.stop_reason, str):
+        msg.stop_str = d.stop_reason
+    elif isinstance(d.stop_reason, int):
+        msg.stop_token_id = d.stop_reason
+    if d.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprob_to_proto(lp) for lp in d.prompt_logprobs[1:])
+    if d.final and d.usage:
         msg.usage.CopyFrom(pb.Usage(**d.usage))
     return msg
 
 
-def _abort_grpc(grpc_context, e: Exception) -> None:
-    """Set the status on the call, then raise: Serve's proxy returns the code we set with our message."""
+def _error(grpc_context, e: Exception, empty):
+    """Set the status (code, message, and a BadRequest naming the field for bad input) on the call and
+    return the empty message that carries it through Serve's proxy."""
     err = classify(e)
-    if grpc_context is not None:
-        grpc_context.set_code(err.code)
-        grpc_context.set_details(err.message)
-    raise err
+    if grpc_context is None:
+        raise err
+    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message)
+    if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.param:
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=err.param, description=err.message)]))
+        status.details.append(detail)
+    grpc_status = rpc_status.to_status(status)
+    grpc_context.set_code(grpc_status.code)
+    grpc_context.set_details(grpc_status.details)
+    grpc_context.set_trailing_metadata(list(grpc_status.trailing_metadata))
+    return empty

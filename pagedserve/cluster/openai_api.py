@@ -1,5 +1,7 @@
-"""OpenAI-compatible HTTP: `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events with
-`"stream": true`), `/v1/models`, `/health`, on `Ingress`, the application's ingress deployment.
+"""OpenAI-compatible HTTP on `Ingress`, the application's ingress deployment: `/v1/completions`,
+`/v1/chat/completions` (streamed as server-sent events with `"stream": true`), `/v1/models`,
+`/v1/models/{id}`, `/tokenize`, `/detokenize`, `/health`. Bodies are parsed by `openai_protocol`'s typed
+models; with API keys configured every route but `/health` needs `Authorization: Bearer <key>`.
 
 No `from __future__ import annotations` here: FastAPI must see real types (Request) on the route methods.
 """
@@ -14,71 +16,56 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from pagedserve.cluster.deltas import Delta
 from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.cluster.grpc_service import GrpcService
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
+from pagedserve.outputs import Logprob
 
 api = FastAPI(title="pagedserve", description="OpenAI-compatible completions and chat over pagedserve")
 
-_EXTRA_FIELDS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
-
-
-def _openai_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, bool]:
-    def number(name: str, default: Any = None) -> Any:
-        value = body.get(name, default)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise ValueError(f"{name}={value!r} must be a number")
-        return value
-
-    kwargs: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
-    if max_tokens is not None:
-        kwargs["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        if number(name) is not None:
-            kwargs[name] = float(body[name])
-    for name in ("n", "seed"):
-        if number(name) is not None:
-            kwargs[name] = body[name]
-    for name in _EXTRA_FIELDS:
-        if body.get(name) is not None:
-            kwargs[name] = body[name]
-    stop = body.get("stop")
-    if stop is not None:
-        kwargs["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if chat:
-        if body.get("logprobs"):
-            kwargs["logprobs"] = int(body.get("top_logprobs") or 0)
-    elif body.get("logprobs") is not None:
-        kwargs["logprobs"] = body["logprobs"]
-    return SamplingParams(**kwargs), bool(body.get("stream", False))
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                429: "rate_limit_error", 503: "service_unavailable"}
 
 
 def _error_response(e: Exception) -> JSONResponse:
     err = classify(e)
-    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-            503: "service_unavailable"}.get(err.http_status, "server_error")
-    return JSONResponse({"error": {"message": err.message, "type": kind, "param": err.param, "code": None}},
-                        status_code=err.http_status)
+    return JSONResponse({"error": {"message": err.message, "type": _ERROR_TYPES.get(err.http_status, "server_error"),
+                                   "param": err.param, "code": err.http_status}}, status_code=err.http_status)
 
 
-def _content_text(content: Any) -> Any:
-    """OpenAI content may be a list of parts; the text parts are joined."""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return content
+def _token_bytes(token: str | None) -> list[int] | None:
+    return list(token.encode("utf-8", errors="replace")) if token is not None else None
 
 
-def _completion_logprobs(entries: list[dict]) -> dict[str, Any]:
-    return {"token_logprobs": [e["logprob"] for e in entries], "tokens": [str(e["token_id"]) for e in entries],
-            "top_logprobs": [{str(t): v for t, v in e["top_logprobs"]} for e in entries], "text_offset": []}
+class _CompletionLogprobs:
+    """The legacy completions `logprobs` object, built token by token (text_offset runs across chunks)."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+
+    def render(self, entries: list[Logprob]) -> dict[str, Any]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            out["tokens"].append(e.token)
+            out["token_logprobs"].append(e.logprob)
+            # the prompt's first token (echo) has no logprob and no alternatives: nothing predicts it
+            out["top_logprobs"].append({t.token: t.logprob for t in e.top_logprobs} if e.logprob is not None else None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(e.token or "")
+        return out
 
 
-def _chat_logprobs(entries: list[dict]) -> list[dict[str, Any]]:
-    return [{"token": str(e["token_id"]), "logprob": e["logprob"], "bytes": None,
-             "top_logprobs": [{"token": str(t), "logprob": v, "bytes": None} for t, v in e["top_logprobs"]]}
-            for e in entries]
-
+def _chat_logprobs(entries: list[Logprob]) -> dict[str, Any]:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token),
+                         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)}
+                                          for t in e.top_logprobs]} for e in entries]}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -90,13 +77,22 @@ class Ingress(GrpcService):
     then the deployment, so the methods travel to the replicas by value, with the signature
     `serve.ingress` gives them (by reference, a replica would import them without it)."""
 
-    async def _check_model(self, body: dict[str, Any]) -> str:
+    def _authorize(self, request: Request) -> None:
+        if not self.api_keys.allows(request.headers.get("authorization")):
+            raise ClientError(grpc.StatusCode.UNAUTHENTICATED, 401,
+                              "a valid API key is required: send the header 'Authorization: Bearer <key>'")
+
+    async def _check_model(self, asked: str | None) -> str:
         name = (await self.model_info_dict())["model"]
-        asked = body.get("model")
         if asked not in (None, "", name):
             raise ClientError(grpc.StatusCode.NOT_FOUND, 404, f"model={asked!r} is not served here (serving {name!r})",
                               "model")
         return name
+
+    async def _model_card(self) -> dict[str, Any]:
+        info = await self.model_info_dict()
+        return {"id": info["model"], "object": "model", "created": 0, "owned_by": "pagedserve",
+                "max_model_len": info["max_model_len"]}
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -107,97 +103,204 @@ class Ingress(GrpcService):
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
-    async def models(self) -> JSONResponse:
-        info = await self.model_info_dict()
-        return JSONResponse({"object": "list", "data": [{
-            "id": info["model"], "object": "model", "created": 0, "owned_by": "pagedserve",
-            "max_model_len": info["max_model_len"]}]})
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            return JSONResponse({"object": "list", "data": [await self._model_card()]})
+        except Exception as e:
+            return _error_response(e)
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            await self._check_model(model_id)
+            return JSONResponse(await self._model_card())
+        except Exception as e:
+            return _error_response(e)
+
+    @api.post("/tokenize")
+    async def tokenize_route(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            body = parse(TokenizeRequest, await request.body())
+            await self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise ValueError("prompt: give exactly one of prompt and messages")
+            messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
+            ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
+                                                            body.add_generation_prompt)
+            info = await self.model_info_dict()
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
+            if body.return_token_strs:
+                out["token_strs"] = tokens
+            return JSONResponse(out)
+        except Exception as e:
+            return _error_response(e)
+
+    @api.post("/detokenize")
+    async def detokenize_route(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            body = parse(DetokenizeRequest, await request.body())
+            await self._check_model(body.model)
+            return JSONResponse({"prompt": await self.engine.detokenize.remote(body.tokens)})
+        except Exception as e:
+            return _error_response(e)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         try:
-            body = await request.json()
-            model = await self._check_model(body)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-                prompt = prompt[0]
-            if not isinstance(prompt, str | list):
-                raise ValueError("prompt must be a string or a list of token ids")
-            params, stream = _openai_params(body, chat=False)
-            return await self._respond(prompt, params, stream, model, chat=False)
+            self._authorize(request)
+            body = parse(CompletionRequest, await request.body())
+            model = await self._check_model(body.model)
+            prompt = body.single_prompt()
+            params = body.to_sampling_params()
+            echo_text = None
+            if body.echo:
+                echo_text = prompt if isinstance(prompt, str) else await self.engine.detokenize.remote(prompt)
+            return await self._respond(prompt, params, body, model, chat=False, echo_text=echo_text)
         except Exception as e:
             return _error_response(e)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         try:
-            body = await request.json()
-            model = await self._check_model(body)
-            messages = body.get("messages")
-            if not isinstance(messages, list):
-                raise ValueError("messages must be a list of {role, content}")
-            messages = [{"role": m.get("role"), "content": _content_text(m.get("content"))} for m in messages]
-            params, stream = _openai_params(body, chat=True)
-            prompt = await self.engine.chat_prompt.remote(messages)
-            return await self._respond(prompt, params, stream, model, chat=True)
+            self._authorize(request)
+            body = parse(ChatCompletionRequest, await request.body())
+            model = await self._check_model(body.model)
+            params = body.to_sampling_params()
+            prompt = await self.engine.chat_prompt.remote([m.as_dict() for m in body.messages],
+                                                          body.add_generation_prompt)
+            return await self._respond(prompt, params, body, model, chat=True)
         except Exception as e:
             return _error_response(e)
 
-    async def _respond(self, prompt, params: SamplingParams, stream: bool, model: str, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    async def _respond(self, prompt, params, body, model: str, chat: bool, echo_text: str | None = None):
+        rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
         deltas = self.deltas(prompt, params, rid)
         first = await anext(deltas, None)  # errors in validation surface here, as a JSON error
-        if stream:
-            return StreamingResponse(self._sse(first, deltas, rid, created, model, chat),
-                                     media_type="text/event-stream")
+        form = _Form(rid, created, model, chat, params, body, echo_text)
+        if body.stream:
+            return StreamingResponse(form.sse(first, deltas), media_type="text/event-stream")
+        return JSONResponse(await form.whole(first, deltas))
+
+
+class _Form:
+    """One response's OpenAI shape: whole (`whole`) or as server-sent chunks (`sse`)."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, params, body, echo_text: str | None) -> None:
+        self.rid, self.created, self.model, self.chat = rid, created, model, chat
+        self.with_logprobs = params.logprobs is not None
+        self.with_prompt_logprobs = body.prompt_logprobs is not None
+        self.echo_text = echo_text
+        options = body.stream_options
+        self.include_usage = options is not None and options.include_usage
+        self.continuous_usage = options is not None and options.continuous_usage_stats
+        self.offsets: dict[int, _CompletionLogprobs] = {}
+        self._prompt_logprobs: list[Logprob] | None = None  # from the first delta
+
+    def _head(self, d: Delta, first_of_choice: bool) -> tuple[str, list[Logprob]]:
+        """A choice's text and logprob entries, with the echoed prompt before its first chunk."""
+        entries: list[Logprob] = list(d.logprobs)
+        text = d.text
+        if first_of_choice and self.echo_text is not None:
+            text = self.echo_text + text
+            if self.with_logprobs:
+                entries = list(self._prompt_logprobs or []) + entries
+        return text, entries
+
+    def _choice_logprobs(self, index: int, entries: list[Logprob]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        if self.chat:
+            return _chat_logprobs(entries)
+        return self.offsets.setdefault(index, _CompletionLogprobs()).render(entries)
+
+    async def whole(self, first: Delta | None, deltas) -> dict[str, Any]:
         choices: dict[int, dict[str, Any]] = {}
-        usage = None
         d = first
+        usage: dict[str, int] = {}
+        self._prompt_logprobs = first.prompt_logprobs if first is not None else None
         while d is not None:
-            c = choices.setdefault(d.index, {"text": "", "token_ids": [], "finish_reason": None, "logprobs": []})
-            c["text"] += d.text
+            c = choices.get(d.index)
+            if c is None:
+                c = choices[d.index] = {"text": "", "entries": [], "token_ids": [], "finish_reason": None,
+                                        "stop_reason": None}
+                text, entries = self._head(d, True)
+            else:
+                text, entries = d.text, list(d.logprobs)
+            c["text"] += text
+            c["entries"] += entries
             c["token_ids"] += d.token_ids
-            c["logprobs"] += d.logprobs
-            c["finish_reason"] = d.finish_reason or c["finish_reason"]
-            usage = d.usage or usage
+            if d.finish_reason:
+                c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
+            usage = d.usage
             d = await anext(deltas, None)
         out = []
         for i in sorted(choices):
             c = choices[i]
-            choice: dict[str, Any] = {"index": i, "finish_reason": c["finish_reason"], "token_ids": c["token_ids"]}
-            if chat:
+            choice: dict[str, Any] = {"index": i, "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
+                                      "token_ids": c["token_ids"], "logprobs": self._choice_logprobs(i, c["entries"])}
+            if self.chat:
                 choice["message"] = {"role": "assistant", "content": c["text"]}
-                choice["logprobs"] = {"content": _chat_logprobs(c["logprobs"])} if params.logprobs is not None else None
             else:
                 choice["text"] = c["text"]
-                choice["logprobs"] = _completion_logprobs(c["logprobs"]) if params.logprobs is not None else None
+            if self.with_prompt_logprobs and i == 0:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs)
             out.append(choice)
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": model, "choices": out, "usage": usage})
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": out, "usage": usage}
 
-    async def _sse(self, first, deltas, rid: str, created: int, model: str, chat: bool):
-        obj = "chat.completion.chunk" if chat else "text_completion"
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> str:
+        chunk: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                 "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    async def sse(self, first: Delta | None, deltas):
         started: set[int] = set()
+        self._prompt_logprobs = first.prompt_logprobs if first is not None else None
         d = first
+        usage: dict[str, int] = {}
         try:
             while d is not None:
-                if chat:
-                    delta: dict[str, Any] = {"content": d.text}
-                    if d.index not in started:
-                        delta["role"] = "assistant"
-                        started.add(d.index)
-                    choice = {"index": d.index, "delta": delta, "finish_reason": d.finish_reason,
-                              "token_ids": d.token_ids}
+                new = d.index not in started
+                started.add(d.index)
+                text, entries = self._head(d, new)
+                choice: dict[str, Any] = {"index": d.index, "finish_reason": d.finish_reason,
+                                          "stop_reason": d.stop_reason, "token_ids": d.token_ids,
+                                          "logprobs": self._choice_logprobs(d.index, entries)}
+                if self.chat:
+                    choice["delta"] = {"role": "assistant", "content": text} if new else {"content": text}
                 else:
-                    choice = {"index": d.index, "text": d.text, "finish_reason": d.finish_reason,
-                              "token_ids": d.token_ids}
-                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-                if d.usage:
-                    chunk["usage"] = d.usage
-                yield f"data: {json.dumps(chunk)}\n\n"
+                    choice["text"] = text
+                if new and d.index == 0 and self.with_prompt_logprobs:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs)
+                usage = d.usage
+                yield self._chunk([choice], usage if self.continuous_usage else None)
                 d = await anext(deltas, None)
+            if self.include_usage:
+                yield self._chunk([], usage)
         except Exception as e:  # mid-stream: the status line is gone, report in-band as OpenAI does
             err = classify(e)
             yield f"data: {json.dumps({'error': {'message': err.message, 'code': err.http_status}})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _prompt_logprobs_json(entries: list[Logprob] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's shape: per prompt token, {token id: {logprob, decoded_token}} for it and its top k; None for
+    the first token."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        scored = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token} for t in e.top_logprobs}
+        scored[str(e.token_id)] = {"logprob": e.logprob, "decoded_token": e.token}
+        out.append(scored)
+    return out

@@ -4,6 +4,8 @@ rewrites them, and a test checks they are fresh), and the reflection hook for Ra
 from __future__ import annotations
 
 SERVICE_NAME = "pagedserve.v1.PagedServe"
+# The environment variable that holds the API key(s): the server's (comma-separated) and the SDK's and CLI's.
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 def add_reflection_to_server(servicer: object, server: object) -> None:

@@ -27,14 +27,14 @@ class Request:
     forked: bool = False
     # The output budget: params.max_tokens, or what the context leaves (set on admission) when that is None.
     max_tokens: int | None = None
-    # Scored prompt tokens so far, when params.prompt_logprobs asks for them; the first token has none.
-    prompt_logprobs: list[Logprob | None] | None = None
+    # Scored prompt tokens so far, when params.prompt_logprobs asks for them; nothing scores the first.
+    prompt_logprobs: list[Logprob] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
             self.max_tokens = self.params.max_tokens
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs = [Logprob(self.prompt_token_ids[0], None)]
 
     @property
     def needs_prompt_logprobs(self) -> bool:

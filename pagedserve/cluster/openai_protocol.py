@@ -1,0 +1,190 @@
+"""The OpenAI-compatible request bodies as typed models (pydantic, strict, unknown fields refused), and their
+translation into `SamplingParams`, which checks every value's range (the one place for that).
+
+A field is either honoured or refused with 400 naming it: fields the server cannot honour yet are typed
+here so that their "ask for nothing" values (`response_format: {"type": "text"}`, `tools: []`, ...) pass
+and anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pagedserve.sampling_params import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat runs until the model stops or the context is full
+
+
+class _Body(BaseModel):
+    # strict: a string is not a number, a number not a string; forbid: an unknown field is an error, not a no-op
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False  # a last chunk with empty choices and the usage
+    continuous_usage_stats: bool = False  # the usage so far on every chunk
+
+
+class _Sampling(_Body):
+    """Fields the completions and chat routes share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # JSON object keys are strings: token ids as strings
+    user: str | None = None  # the end user's id, for the operator's records; it does not change the output
+    best_of: int | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    request_id: str | None = None  # the id to abort it by (gRPC Abort); one is made when absent
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """ValueError naming the field for a value out of range or a field that cannot be honoured."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of equal to n)")
+        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": self.n,
+                                  "prompt_logprobs": prompt_logprobs}
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
+                     "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+                     "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "stop"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.strip().isdigit():
+                    raise ValueError(f"logit_bias has key {key!r}: keys must be token ids")
+                bias[int(key)] = value
+            kwargs["logit_bias"] = bias
+        return SamplingParams(**kwargs)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(f"prompt: a list of {len(prompt)} prompts is not supported: send one request "
+                                 "per prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported (no model served here is trained for insertion)")
+        # echo with logprobs scores the prompt too: its tokens' logprobs come from prompt_logprobs
+        echo_scores = self.echo and self.logprobs is not None and self.prompt_logprobs is None
+        return self.sampling_params(self.max_tokens, self.logprobs, self.logprobs if echo_scores else None)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str  # which roles exist is the engine's to say (LLMEngine.chat_prompt), for every front end
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format={{'type': {self.response_format.type!r}}} is not supported yet "
+                             "(only 'text')")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported yet")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice={self.tool_choice!r} is not supported without tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree: give one")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """The body as `model`; ValueError naming the first wrong field."""
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in error["loc"] if _is_field(part)) or "body"
+        got = error.get("input")
+        shown = "" if error["type"] in ("missing", "json_invalid") else f", got {_short(got)}"
+        raise ValueError(f"{where}: {error['msg']}{shown}") from None
+
+
+def _is_field(part: str | int) -> bool:
+    # pydantic names the union member it tried ('str', 'list[int]', 'function-after[...]'): not a field
+    return isinstance(part, int) or (part.isidentifier() and part not in ("str", "int", "float", "bool"))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
