@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 from ray import serve
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -16,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedserve.async_engine import AsyncEngine
 from pagedserve.cluster.auth import ApiKeys
 from pagedserve.cluster.deltas import Delta, stream_deltas
+from pagedserve.cluster.errors import ClientError
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.sampling_params import SamplingParams
 
@@ -82,6 +84,11 @@ class EngineClient:
         self.api_keys.log_state("pagedserve ingress")
         self._info: dict[str, Any] | None = None
         self._running: dict[str, _Running] = {}
+
+    def authorize(self, credential: str | None, how: str) -> None:
+        """UNAUTHENTICATED / 401 unless `credential` (an Authorization value) carries a configured key."""
+        if not self.api_keys.allows(credential):
+            raise ClientError(grpc.StatusCode.UNAUTHENTICATED, 401, f"a valid API key is required: send {how}")
 
     async def model_info_dict(self) -> dict[str, Any]:
         if self._info is None:

@@ -31,15 +31,13 @@ _HEALTH_SERVICES = ("", SERVICE_NAME)  # "": the server as a whole
 
 
 class GrpcService(EngineClient):
-    def _authorize(self, grpc_context) -> None:
+    def _authorize_call(self, grpc_context) -> None:
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
-        if not self.api_keys.allows(metadata.get("authorization")):
-            raise ClientError(grpc.StatusCode.UNAUTHENTICATED, 401,
-                              "a valid API key is required: send the metadata ('authorization', 'Bearer <key>')")
+        self.authorize(metadata.get("authorization"), "the metadata ('authorization', 'Bearer <key>')")
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            self._authorize(grpc_context)
+            self._authorize_call(grpc_context)
             which = request.WhichOneof("prompt")
             if which is None:
                 raise ValueError("prompt is empty (set text or token_ids)")
@@ -52,7 +50,7 @@ class GrpcService(EngineClient):
 
     async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            self._authorize(grpc_context)
+            self._authorize_call(grpc_context)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             # A chat answer runs until the model stops or the context is full, unless max_tokens says otherwise.
             params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
@@ -64,7 +62,7 @@ class GrpcService(EngineClient):
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:
         try:
-            self._authorize(grpc_context)
+            self._authorize_call(grpc_context)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             ids, tokens = await self.engine.tokenize.remote(request.text, messages, request.add_special_tokens)
             return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
@@ -73,7 +71,7 @@ class GrpcService(EngineClient):
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, grpc_context=None) -> pb.ModelInfoResponse:
         try:
-            self._authorize(grpc_context)
+            self._authorize_call(grpc_context)
             info = await self.model_info_dict()
             return pb.ModelInfoResponse(
                 model=info["model"], max_model_len=info["max_model_len"], block_size=info["block_size"],
@@ -85,7 +83,7 @@ class GrpcService(EngineClient):
 
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
         try:
-            self._authorize(grpc_context)
+            self._authorize_call(grpc_context)
             if not request.request_id:
                 raise ValueError("request_id is empty")
             return pb.AbortResponse(aborted=self.abort(request.request_id))

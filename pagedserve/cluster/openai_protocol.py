@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -114,6 +114,15 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str  # which roles exist is the engine's to say (LLMEngine.chat_prompt), for every front end
     content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        return content
 
     def as_dict(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

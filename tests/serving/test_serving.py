@@ -1,89 +1,18 @@
-"""The Serve application from deploy/config.yaml (tiny random model by override) through real Ray Serve,
-real gRPC (the SDK) and real HTTP (the official openai client). Run inside `make test`'s loopback-only
-network namespace: Serve's gRPC proxy binds every interface."""
+"""The served application end to end: streams against the offline engine, chat, tokenize, model info,
+concurrency and preemption, cancellation, queue bounds, metrics, reflection, a lost engine."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-pytest.importorskip("grpc")
-yaml = pytest.importorskip("yaml")
-
-from pagedserve import LLM, SamplingParams  # noqa: E402
-
-CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "config.yaml"
-GRPC = "127.0.0.1:9000"
-HTTP = "http://127.0.0.1:8000"
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny_random: layers x (K, V) x block x kv heads x head dim x fp32
-MAX_MODEL_LEN = 512
-POOL_BLOCKS = 24  # 384 tokens: a request of 410 never fits; 50 concurrent streams must preempt
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-METRICS_PORT = free_port()
-
-
-@pytest.fixture(scope="module")
-def app(tiny_random):
-    from pagedserve.cluster.serve_app import build_app
-
-    config = yaml.safe_load(CONFIG.read_text())
-    ray.init(num_cpus=6, include_dashboard=False, _metrics_export_port=METRICS_PORT,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-    serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
-    spec = config["applications"][0]
-    args = dict(spec["args"], model=tiny_random, max_model_len=MAX_MODEL_LEN, kv_cache_memory=POOL_BLOCKS * BLOCK_BYTES)
-    serve.run(build_app(args), name=spec["name"], route_prefix=spec["route_prefix"])
-    # A second application with a tiny queue, for RESOURCE_EXHAUSTED.
-    serve.run(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
-              route_prefix="/bounded")
-    yield spec["name"]
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_random):
-    return LLM(tiny_random, max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture
-def client(app):
-    from pagedserve.client import Client
-
-    with Client(GRPC, application=app, timeout=120) as c:
-        yield c
-
-
-def engine_stats(app_name: str = "pagedserve") -> dict:
-    return serve.get_deployment_handle("EngineServer", app_name).stats.remote().result()
-
-
-def wait_idle(app_name: str = "pagedserve", timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine_stats(app_name)
-        if (stats["num_running"] == stats["num_waiting"] == 0
-                and stats["num_free_blocks"] == stats["num_total_blocks"]) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
-
-
-GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
+from pagedserve import SamplingParams
+from tests.serving.app import GREEDY, GRPC, HTTP, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, wait_idle
 
 
 def test_build_app_refuses_bad_settings_before_deploying():

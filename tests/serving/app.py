@@ -1,0 +1,42 @@
+"""Where the served test application lives and how to read its engines' state."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "config.yaml"
+GRPC = "127.0.0.1:9000"
+HTTP = "http://127.0.0.1:8000"
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny_random: layers x (K, V) x block x kv heads x head dim x fp32
+MAX_MODEL_LEN = 512
+POOL_BLOCKS = 24  # 384 tokens: a request of 410 never fits; 50 concurrent streams must preempt
+API_KEYS = ["key-one", "key-two"]  # of the "keyed" application
+GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS_PORT = free_port()
+
+
+def engine_stats(app_name: str = "pagedserve") -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("EngineServer", app_name).stats.remote().result()
+
+
+def wait_idle(app_name: str = "pagedserve", timeout: float = 30) -> dict:
+    """The engine's stats once it runs nothing and holds no blocks (or when `timeout` is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine_stats(app_name)
+        if (stats["num_running"] == stats["num_waiting"] == 0
+                and stats["num_free_blocks"] == stats["num_total_blocks"]) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)

@@ -1,0 +1,50 @@
+"""One Serve deployment of deploy/config.yaml (tiny random model by override) for every test of this
+package, through real Ray Serve, real gRPC and real HTTP. Three applications: "pagedserve" (open),
+"bounded" (a queue of one, for RESOURCE_EXHAUSTED) and "keyed" (API keys required). Run inside `make
+test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("grpc")
+yaml = pytest.importorskip("yaml")
+
+from pagedserve import LLM  # noqa: E402
+from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS  # noqa: E402
+
+
+@pytest.fixture(scope="package")
+def app(tiny_random):
+    from pagedserve.cluster.serve_app import build_app
+
+    config = yaml.safe_load(CONFIG.read_text())
+    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
+    spec = config["applications"][0]
+    args = dict(spec["args"], model=tiny_random, max_model_len=MAX_MODEL_LEN, kv_cache_memory=POOL_BLOCKS * BLOCK_BYTES)
+    serve.run(build_app(args), name=spec["name"], route_prefix=spec["route_prefix"])
+    serve.run(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
+              route_prefix="/bounded")
+    serve.run(build_app(dict(args, api_keys=API_KEYS)), name="keyed", route_prefix="/keyed")
+    yield spec["name"]
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def offline(tiny_random):
+    llm = LLM(tiny_random, max_model_len=MAX_MODEL_LEN)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def client(app):
+    from pagedserve.client import Client
+
+    with Client(GRPC, application=app, timeout=120) as c:
+        yield c

@@ -1,0 +1,185 @@
+"""A corpus of bad input over HTTP, gRPC and the offline API. Each case must be refused as the client's
+fault (4xx, INVALID_ARGUMENT, ValueError) with a message naming the field; none may be a 5xx; afterwards
+the server still serves and every KV block is back."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pagedserve import SamplingParams
+from tests.serving.app import HTTP, MAX_MODEL_LEN, wait_idle
+
+MSG = [{"role": "user", "content": "hi"}]
+HUGE = 10**12
+
+# (route, body: a dict, or raw bytes sent as they are, field the error must name)
+HTTP_CASES = [
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 0}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": HUGE}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "16"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "seed": 1.5}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**7]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, -2]}, "prompt"),
+    ("/v1/completions", {"prompt": [5] * (MAX_MODEL_LEN + 1)}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": 42}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "y"}}, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
+    ("/v1/completions", b'{"prompt": "hi",', "body"),
+    ("/v1/completions", b'[1, 2, 3]', "body"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [1]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ("/detokenize", {"tokens": [10**7]}, "tokens"),
+]
+
+
+def send(route: str, body: dict | bytes) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{HTTP}{route}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("route, body, field", HTTP_CASES, ids=[f"http-{i}" for i in range(len(HTTP_CASES))])
+def test_http_bad_input_is_4xx_naming_the_field(app, route, body, field):
+    status, reply = send(route, body)
+    assert 400 <= status < 500, reply
+    error = reply["error"]
+    assert field in error["message"], error
+    assert error["code"] == status and error["type"] != "server_error"
+
+
+GRPC_CASES = [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(top_p=math.inf), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2**31 - 1), "max_tokens"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(stop_token_ids=[10**7]), "stop_token_ids"),
+    (dict(logit_bias={10**7: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: -101.0}), "logit_bias"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", GRPC_CASES, ids=[f"grpc-{i}" for i in range(len(GRPC_CASES))])
+def test_grpc_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
+    from pagedserve.client import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as info:
+        client.generate("hi", **kwargs)
+    assert field in info.value.details and info.value.field_violations[0][0].startswith(field)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda c: c.generate(""), "prompt"),
+    (lambda c: c.generate([1, 10**7]), "prompt"),
+    (lambda c: c.chat([]), "messages"),
+    (lambda c: c.chat([{"role": "robot", "content": "x"}]), "messages[0].role"),
+    (lambda c: c.chat([{"role": "", "content": "x"}]), "messages[0].role"),
+    (lambda c: c.tokenize(text=""), "text"),
+    (lambda c: c.abort(""), "request_id"),
+], ids=[f"grpc-call-{i}" for i in range(7)])
+def test_grpc_bad_requests_name_the_field(client, call, field):
+    from pagedserve.client import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=field.replace("[", r"\[").replace("]", r"\]")):
+        call(client)
+
+
+OFFLINE_CASES = [
+    (dict(temperature=math.nan), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(n=2.0), "n"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=5), "stop"),
+    (dict(logit_bias={"a": 1.0}), "logit_bias"),
+    (dict(logit_bias={1: math.inf}), "logit_bias"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(min_tokens=3, max_tokens=2), "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", OFFLINE_CASES, ids=[f"offline-{i}" for i in range(len(OFFLINE_CASES))])
+def test_offline_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_offline_bad_requests_name_the_field(offline):
+    for prompt, params, field in [("hi", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+                                  ("hi", SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
+                                  ([1, 10**7], SamplingParams(), "prompt"),
+                                  ("hi", SamplingParams(max_tokens=10**6), "max_tokens")]:
+        with pytest.raises(ValueError, match=field):
+            offline.generate(prompt, params)
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        offline.chat([{"role": "robot", "content": "x"}])
+    assert offline.stats()["num_free_blocks"] == offline.stats()["num_total_blocks"]
+
+
+def test_after_the_corpus_the_server_serves_with_every_block_back(app, client):
+    assert len(client.generate("still serving", max_tokens=3, ignore_eos=True).token_ids) == 3
+    status, reply = send("/v1/completions", {"prompt": "still serving", "max_tokens": 3, "ignore_eos": True})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 3
+    stats = wait_idle()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]

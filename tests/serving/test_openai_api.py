@@ -1,0 +1,181 @@
+"""The OpenAI-compatible routes through the official `openai` client, sync and streaming, field by field,
+against the offline engine's answers."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pagedserve import SamplingParams
+from tests.serving.app import HTTP, POOL_BLOCKS, wait_idle
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "Once upon a time"
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def oai(app):
+    return openai.OpenAI(base_url=f"{HTTP}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+def post(path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{HTTP}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_chat_runs_until_the_context_is_full_by_default_and_completions_stop_at_16(oai, model, client):
+    chat = oai.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    context = POOL_BLOCKS * 16  # the pool is smaller than max_model_len here
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == context
+    assert len(client.chat(MESSAGES, temperature=0, ignore_eos=True).token_ids) == chat.usage.completion_tokens
+    done = oai.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 16
+    assert len(client.generate(PROMPT, temperature=0, ignore_eos=True).token_ids) == 16
+
+
+def test_min_tokens_logit_bias_stop_reason_include_stop_str(oai, model, offline):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    first = ref.token_ids[0]
+    # min_tokens holds back a stop token id that would otherwise end the output at once
+    out = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=12,
+                                 extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    assert out.usage.completion_tokens >= 3
+    stopped = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=12,
+                                     extra_body={"stop_token_ids": [first]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].model_extra["stop_reason"] == first
+    biased = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=5,
+                                    logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert biased.choices[0].model_extra["token_ids"] == [42] * 5
+    word = ref.text[3:6]
+    for stream in (False, True):
+        kw = dict(model=model, prompt=PROMPT, temperature=0, max_tokens=12, stop=[word], stream=stream,
+                  extra_body={"include_stop_str_in_output": True, "ignore_eos": True})
+        if stream:
+            chunks = list(oai.completions.create(**kw))
+            text, last = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0]
+        else:
+            last = oai.completions.create(**kw).choices[0]
+            text = last.text
+        assert text.endswith(word) and text == ref.text[:ref.text.index(word) + len(word)]
+        assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == word
+
+
+def test_echo_and_logprobs_in_openai_shape(oai, model, offline):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    ref = offline.generate(PROMPT, params)[0]
+    out = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=3, echo=True, logprobs=2,
+                                 extra_body={"ignore_eos": True}).choices[0]
+    assert out.text == PROMPT + ref.outputs[0].text
+    lp = out.logprobs
+    entries = ref.prompt_logprobs + ref.outputs[0].logprobs
+    assert lp.tokens == [e.token for e in entries]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in entries[1:]], abs=1e-4)
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert lp.text_offset[len(ref.prompt_token_ids)] == len("".join(e.token for e in ref.prompt_logprobs))
+    # streamed: the same tokens, offsets running on across chunks
+    chunks = list(oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=3, echo=True,
+                                         logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == out.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+    chat_ref = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2))
+    chat = oai.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=4, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    expected = chat_ref[0].outputs[0].logprobs
+    assert [c.token for c in content] == [e.token for e in expected]
+    assert [c.bytes for c in content] == [list(e.token.encode("utf-8", errors="replace")) for e in expected]
+    assert [[t.token for t in c.top_logprobs] for c in content] == [[t.token for t in e.top_logprobs]
+                                                                      for e in expected]
+    streamed = list(oai.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=4,
+                                                logprobs=True, top_logprobs=2, stream=True,
+                                                extra_body={"ignore_eos": True}))
+    assert [c.token for ch in streamed if ch.choices and ch.choices[0].logprobs
+            for c in ch.choices[0].logprobs.content] == [e.token for e in expected]
+
+
+def test_prompt_logprobs_extension(model):
+    status, body = post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1})
+    assert status == 200
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == body["usage"]["prompt_tokens"]
+    assert all(len(s) in (1, 2) for s in scored[1:])
+
+
+def test_stream_usage_only_when_asked(oai, model):
+    kw = dict(model=model, prompt=PROMPT, temperature=0, max_tokens=5, stream=True, extra_body={"ignore_eos": True})
+    plain = list(oai.completions.create(**kw))
+    assert all(c.usage is None for c in plain)
+    with_usage = list(oai.completions.create(**kw, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in with_usage[:-1])
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 5
+    continuous = list(oai.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=5, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in continuous)
+    assert [c.usage.completion_tokens for c in continuous[:-1]] == [1, 2, 3, 4, 5]
+    assert continuous[-1].choices == [] and continuous[-1].usage.completion_tokens == 5
+    status, body = post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2,
+                                            "stream_options": {"include_usage": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options"
+
+
+def test_tokenize_detokenize_and_model_routes(model, offline):
+    status, body = post("/tokenize", {"model": model, "prompt": "Hello world", "return_token_strs": True})
+    ids = offline.tokenizer.encode("Hello world")
+    assert status == 200 and body["tokens"] == ids and body["count"] == len(ids)
+    assert body["token_strs"] == offline.tokenizer.convert_ids_to_tokens(ids)
+    status, body = post("/tokenize", {"messages": MESSAGES})
+    assert status == 200 and body["tokens"] == offline.engine.chat_prompt(MESSAGES)
+    status, body = post("/detokenize", {"model": model, "tokens": ids})
+    assert status == 200 and body["prompt"] == offline.tokenizer.decode(ids)
+    status, body = post("/detokenize", {"tokens": [10**7]})
+    assert status == 400 and "vocabulary" in body["error"]["message"] and body["error"]["code"] == 400
+    with urllib.request.urlopen(f"{HTTP}/v1/models/{model}", timeout=10) as r:
+        assert json.loads(r.read())["id"] == model
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{HTTP}/v1/models/no-such-model", timeout=10)
+    assert info.value.code == 404
+    assert json.loads(info.value.read())["error"] == {
+        "message": f"model='no-such-model' is not served here (serving {model!r})", "type": "not_found_error",
+        "param": "model", "code": 404}
+
+
+def test_unsupported_fields_are_refused_by_name(oai, model):
+    for kwargs, field in [
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=field):
+            oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, **kwargs)
+    ok = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, response_format={"type": "text"},
+                                     tool_choice="none")
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, suffix="end")
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, best_of=3)
+    stats = wait_idle()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
