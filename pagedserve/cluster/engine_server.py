@@ -114,7 +114,10 @@ class EngineClient:
         earlier = self._running.get(rid)
         if earlier is not None:
             earlier.abort()
-            await earlier.done.wait()
+            try:  # bounded: should it not end, the engine refuses the id as in use rather than run it twice
+                await asyncio.wait_for(earlier.done.wait(), timeout=30)
+            except TimeoutError:
+                pass
         running = self._running[rid] = _Running()
         finished: set[int] = set()
         usage_so_far: dict[str, int] = {}
