@@ -4,13 +4,16 @@ completions logprobs (with text offsets) and chat logprobs (with bytes), and the
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from pagedserve.cluster.deltas import Delta
 from pagedserve.cluster.errors import classify
+from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.outputs import Logprob
+from pagedserve.sampling_params import SamplingParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 429: "rate_limit_error", 503: "service_unavailable"}
@@ -53,7 +56,8 @@ def _chat_logprobs(entries: list[Logprob]) -> dict[str, Any]:
 class ResponseFormatter:
     """One response's OpenAI shape: whole (`whole`) or as server-sent chunks (`sse`)."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, params, body, echo_text: str | None) -> None:
+    def __init__(self, rid: str, created: int, model: str, chat: bool, params: SamplingParams,
+                 body: CompletionRequest | ChatCompletionRequest, echo_text: str | None) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.with_logprobs = params.logprobs is not None
         self.with_prompt_logprobs = body.prompt_logprobs is not None
@@ -81,7 +85,7 @@ class ResponseFormatter:
             return _chat_logprobs(entries)
         return self.offsets.setdefault(index, _CompletionLogprobs()).render(entries)
 
-    async def whole(self, first: Delta | None, deltas) -> dict[str, Any]:
+    async def whole(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> dict[str, Any]:
         choices: dict[int, dict[str, Any]] = {}
         d = first
         usage: dict[str, int] = {}
@@ -123,7 +127,7 @@ class ResponseFormatter:
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk)}\n\n"
 
-    async def sse(self, first: Delta | None, deltas):
+    async def sse(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
         started: set[int] = set()
         self._prompt_logprobs = first.prompt_logprobs if first is not None else None
         d = first
