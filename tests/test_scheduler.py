@@ -30,6 +30,12 @@ def next_token(context: list[int], sample: int) -> int:
     return xxhash.xxh64_intdigest(data) % VOCAB
 
 
+def prompt_score(context: list[int], target: int) -> float:
+    """The oracle's logprob of `target` after `context`: a function of both, so a wrong position shows."""
+    data = b"".join(t.to_bytes(4, "little") for t in [*context, target])
+    return -(xxhash.xxh64_intdigest(data) % 1000) / 100
+
+
 def expected(prompt: list[int], max_tokens: int, sample: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
@@ -67,7 +73,14 @@ class SlotWorker:
         for spec in batch.samples:
             ctx = row_context[spec.row]
             samples.append(SampledTokens([next_token(ctx, spec.sample_index + i) for i in range(spec.num_samples)]))
-        return StepOutput(samples)
+        scored = []
+        for spec in batch.prompt_logprobs:
+            ctx = row_context[spec.row]
+            first = batch.context_lens[spec.row] - (batch.cu_seqlens_q[spec.row + 1] - batch.cu_seqlens_q[spec.row])
+            first += spec.start  # the position whose logits score target_token_ids[0]
+            scored.append(SampledTokens(list(spec.target_token_ids), [
+                prompt_score(ctx[:first + j + 1], t) for j, t in enumerate(spec.target_token_ids)], None))
+        return StepOutput(samples, scored)
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
@@ -87,8 +100,9 @@ def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000) -> int:
     return steps
 
 
-def add(sched, rid, prompt, max_tokens, n=1):
-    req = Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=0))
+def add(sched, rid, prompt, max_tokens, n=1, prompt_logprobs=None):
+    req = Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=0,
+                                              prompt_logprobs=prompt_logprobs))
     sched.add_request(req)
     return req
 
@@ -261,7 +275,8 @@ def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_block
         n = rng.choice([1, 1, 2, 3])
         if block_size * num_blocks < len(prompt) + max_tokens:
             continue
-        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n), prompt, max_tokens))
+        scored = rng.choice([None, None, 0])
+        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n, scored), prompt, max_tokens))
         if rng.random() < 0.3:  # arrivals between steps
             if (b := sched.schedule()) is not None:
                 sched.update(b, worker.execute(b))
@@ -271,6 +286,11 @@ def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_block
         assert len(outs) == req.params.n
         for i, toks in outs.items():
             assert toks == expected(prompt, max_tokens, i)
+        if req.params.prompt_logprobs is not None:  # every prompt token scored once, at its own position,
+            # through chunks, preemption and a cached prefix
+            assert [e.token_id for e in req.prompt_logprobs] == prompt
+            assert [e.logprob for e in req.prompt_logprobs] == [None] + [
+                prompt_score(prompt[:t], prompt[t]) for t in range(1, len(prompt))]
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
     bm.pool.check_invariants()
