@@ -23,6 +23,7 @@ from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.structured_output import GrammarManager
 from pagedserve.workers.loader import ModelSource, resolve_model
 from pagedserve.workers.models.config import ModelConfig
 
@@ -55,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.batched_tokens(config.torch_device()), self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self._grammars: GrammarManager | None = None  # made on the first constrained request
         self._ids = itertools.count()
         _freeze_startup_heap()
 
@@ -88,6 +90,8 @@ class LLMEngine:
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        if params.structured_outputs is not None:
+            self.grammars().compile(params.structured_outputs)  # ValueError now, not mid-generation
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
                           prompt=prompt if isinstance(prompt, str) else None)
@@ -146,6 +150,13 @@ class LLMEngine:
             raise ValueError("text is empty (give text or messages)")
         return ids, self.tokenizer.convert_ids_to_tokens(ids)
 
+    def grammars(self) -> GrammarManager:
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of `token_ids` (special tokens included); ValueError for an id outside the vocabulary."""
         if self.tokenizer is None:
@@ -163,7 +174,7 @@ class LLMEngine:
 
         Never raises for a failed step: the requests it ended come back with `error` set."""
         try:
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch is None:
                 return []
             return self._process(batch, self.executor.execute(batch))
@@ -177,7 +188,7 @@ class LLMEngine:
     async def step_async(self) -> list[RequestOutput]:
         """`step` for an event loop: requests can be added and aborted while the workers compute."""
         try:
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch is None:
                 return []
             return self._process(batch, await self.executor.execute_async(batch))
@@ -188,6 +199,12 @@ class LLMEngine:
             await asyncio.to_thread(self._restart_workers)
             self.block_manager.reset()
         return outputs
+
+    def _schedule(self) -> StepBatch | None:
+        batch = self.scheduler.schedule()
+        if batch is not None and self._grammars is not None:
+            self._grammars.fill_masks(batch, {s.seq_id: s for s in self.scheduler.running})
+        return batch
 
     def _fail_step(self, error: Exception) -> tuple[list[RequestOutput], bool]:
         """The one failure path of a step. Returns the outputs of the requests it ended, and whether the
@@ -233,6 +250,8 @@ class LLMEngine:
             if hit is not None and not seq.finished:
                 seq.stop_reason = hit
                 self.scheduler.finish(seq, "stop")
+            if params.structured_outputs is not None and self._grammars.advance(seq) and not seq.finished:
+                self.scheduler.finish(seq, "stop")  # the grammar is complete: nothing more may follow
             requests[seq.request.request_id] = seq.request
         return [self._output(r) for r in requests.values()]
 
@@ -274,6 +293,8 @@ class LLMEngine:
         if finished:
             for seq in request.sequences:
                 self.detokenizer.release(seq.seq_id)
+                if self._grammars is not None:
+                    self._grammars.release(seq.seq_id)
         # The request's prompt ids are never mutated (sequences copy them), so they are shared, not copied.
         prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,

@@ -6,11 +6,57 @@ service and the OpenAI routes all build a `SamplingParams`, so each gives the sa
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
+
+
+@dataclass
+class StructuredOutputs:
+    """A constraint on the output, as vLLM's `StructuredOutputsParams`: exactly one of a JSON schema, any
+    JSON object, a regular expression, a choice among strings, or an EBNF grammar (xgrammar's GBNF)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is True:
+            given.append("json_object")
+        elif self.json_object is not False:
+            raise ValueError(f"structured_outputs.json_object={self.json_object!r} must be true or false")
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
+                             f"(got {', '.join(given) or 'none'})")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object, or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what identifies the compiled grammar."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)  # order: the output's
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 @dataclass
@@ -42,10 +88,16 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's plus the top-k
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus the top-k
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # the output must match it; the sequence stops when done
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {"json", "json_object", "regex", "choice", "grammar"}
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}")
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         self.validate()
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
@@ -84,6 +136,10 @@ class SamplingParams:
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias[{token}]={bias!r} must be a number in "
                                  f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError("structured_outputs must be a StructuredOutputs (or a dict of its fields)")
+            self.structured_outputs.validate()
 
     def token_ids_named(self) -> dict[str, list[int]]:
         """The token ids this request names, by field: checked against the vocabulary by the engine."""

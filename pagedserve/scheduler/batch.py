@@ -24,6 +24,8 @@ class SampleSpec:
     output_token_ids: list[int] | None = None
     # Tokens that may not be drawn yet: EOS and stop_token_ids while fewer than min_tokens are out.
     banned_token_ids: list[int] | None = None
+    # Structured outputs: the tokens the grammar allows now, bit t % 32 of int32 word t // 32 (little-endian).
+    token_bitmask: bytes | None = None
 
 
 @dataclass

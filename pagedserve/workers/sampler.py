@@ -111,8 +111,10 @@ def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> Sample
 
 
 def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
-    """logit_bias added, then tokens banned by min_tokens masked (a bias cannot lift a ban)."""
+    """logit_bias added, then tokens banned by min_tokens or a grammar masked (a bias cannot lift a ban)."""
     for r, (spec, _) in enumerate(rows):
+        if spec.token_bitmask is not None:
+            logits[r].masked_fill_(~_allowed(spec.token_bitmask, logits.shape[-1], logits.device), float("-inf"))
         bias = spec.params.logit_bias
         if bias:
             ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
@@ -120,6 +122,13 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]
         if spec.banned_token_ids:
             logits[r, spec.banned_token_ids] = float("-inf")
     return logits
+
+
+def _allowed(bitmask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
+    """A token bitmask as a bool vector [vocab]."""
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).to(device)  # [ceil(V / 32)]
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1  # [W, 32]
+    return bits.flatten()[:vocab].bool()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

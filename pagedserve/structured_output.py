@@ -1,0 +1,94 @@
+"""Structured outputs: constraints compiled by xgrammar against the tokenizer's vocabulary, one matcher per
+constrained sequence, and each step's allowed-token bitmasks for the sampler.
+
+xgrammar over llguidance: on the embedded SmolLM2 tokenizer a nested JSON schema compiles in about 5 ms
+and a step's mask takes about 15 us with xgrammar, against about 7 ms and 190 us with llguidance 1.9.1
+(the same schema and tokens, 2-core CPU). Masks are made on the engine's side, where the sequences'
+tokens are, and travel in the step batch as plain bytes; the workers only apply them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from pagedserve.sampling_params import StructuredOutputs
+from pagedserve.scheduler.batch import StepBatch
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.request import Sequence
+
+_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+
+
+class GrammarManager:
+    """Compiles constraints (cached by constraint), keeps a matcher per constrained sequence, fills masks."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(eos_token_ids) or None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._matchers: dict[int, tuple[object, int]] = {}  # seq_id -> (matcher, output tokens accepted)
+        self.vocab_size = vocab_size
+
+    def compile(self, constraint: StructuredOutputs) -> object:
+        """The compiled grammar (cached); ValueError naming the field when it does not compile."""
+        key = constraint.key()
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        kind, text = key
+        try:
+            if kind == "json":
+                compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":
+                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(text)
+            elif kind == "choice":
+                alternatives = " | ".join(json.dumps(c) for c in json.loads(text))
+                compiled = self._compiler.compile_grammar(f"root ::= {alternatives}")
+            else:
+                compiled = self._compiler.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses of its own
+            raise ValueError(f"structured_outputs.{kind} does not compile: {str(e).strip()[:300]}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > _CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _matcher(self, seq: Sequence) -> object:
+        """The sequence's matcher, caught up with its output tokens (a fork's child starts its own)."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is None:
+            entry = (self._xgr.GrammarMatcher(self.compile(seq.request.params.structured_outputs)), 0)
+        matcher, accepted = entry
+        output = seq.output_token_ids
+        for token in output[accepted:]:
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"sequence {seq.seq_id}: token {token} breaks its grammar")
+        self._matchers[seq.seq_id] = (matcher, len(output))
+        return matcher
+
+    def fill_masks(self, batch: StepBatch, sequences: dict[int, Sequence]) -> None:
+        """Set `token_bitmask` on the batch's constrained samples (all draws of a spec share its state)."""
+        constrained = [s for s in batch.samples if s.params.structured_outputs is not None]
+        if not constrained:
+            return
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
+        for spec in constrained:
+            self._matcher(sequences[spec.seq_id]).fill_next_token_bitmask(bitmask, 0)
+            spec.token_bitmask = bitmask.numpy().tobytes()
+
+    def advance(self, seq: Sequence) -> bool:
+        """Take the sequence's new tokens; True when the grammar has reached its end."""
+        return self._matcher(seq).is_terminated()
+
+    def release(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)

@@ -1,0 +1,100 @@
+"""Structured outputs in the engine, with the embedded model: every constraint kind gives output that
+matches it, mixed into batches with unconstrained requests that stay token for token what they are alone,
+under n > 1 and preemption; constraints that cannot compile are refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import StructuredOutputs
+
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                               "minItems": 1, "maxItems": 3},
+                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["tags", "score"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "required": ["name", "zip"], "additionalProperties": False},
+        "ok": {"type": "boolean"}}, "required": ["city", "ok"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def smol(embedded_dir):
+    llm = LLM(str(embedded_dir))
+    yield llm
+    llm.shutdown()
+
+
+def constrained(so: StructuredOutputs, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.8, "seed": 7, "max_tokens": 120, **kw}, structured_outputs=so)
+
+
+def test_json_schemas_mixed_with_unconstrained_requests(smol):
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [smol.engine.chat_prompt(ASK)] * (len(SCHEMAS) + 2)
+    alone = smol.generate(prompts[:2], [plain, plain])
+    params = [plain, plain] + [constrained(StructuredOutputs(json=s)) for s in SCHEMAS]
+    mixed = smol.generate(prompts, params)
+    for a, m in zip(alone, mixed[:2], strict=True):
+        assert a.outputs[0].token_ids == m.outputs[0].token_ids  # the neighbours' masks touch nothing else
+    for schema, out in zip(SCHEMAS, mixed[2:], strict=True):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert smol.stats()["num_free_blocks"] == smol.stats()["num_total_blocks"]
+
+
+def test_choice_regex_grammar_and_json_object(smol):
+    out = smol.chat(ASK, constrained(StructuredOutputs(choice=["alpha", "beta", "gamma"])))[0].outputs[0]
+    assert out.text in ("alpha", "beta", "gamma") and out.finish_reason == "stop"
+    out = smol.generate("Phone:", constrained(StructuredOutputs(regex=r"[0-9]{3}-[0-9]{4}")))[0].outputs[0]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text) and out.finish_reason == "stop"
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-z]+'
+    out = smol.generate("A tuple:", constrained(StructuredOutputs(grammar=grammar), max_tokens=40))[0].outputs[0]
+    assert re.fullmatch(r"\([a-z]+(,[a-z]+)*\)", out.text), out.text
+    ask = [{"role": "user", "content": 'Give a JSON object with one key "a" whose value is 1.'}]
+    out = smol.chat(ask, constrained(StructuredOutputs(json_object=True), temperature=0))[0].outputs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+
+
+def test_n_samples_under_preemption_stay_valid(embedded_dir):
+    """A pool of 5 blocks for 3 samples of a 36-token prompt: preemption by recompute must not disturb the
+    grammar state."""
+    blocks = 5
+    llm = LLM(str(embedded_dir), kv_cache_memory=blocks * 16 * 30 * 2 * 3 * 64 * 4, block_size=16)  # SmolLM2's KV
+    try:
+        room = blocks * 16 - len(llm.engine.chat_prompt(ASK))
+        outs = llm.chat(ASK, constrained(StructuredOutputs(json=SCHEMAS[0]), n=3, max_tokens=room))[0].outputs
+        assert len(outs) == 3
+        for out in outs:
+            jsonschema.validate(json.loads(out.text), SCHEMAS[0])
+        assert llm.stats()["num_preemptions"] > 0
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+    finally:
+        llm.shutdown()
+
+
+def test_bad_constraints_are_refused_by_name(smol):
+    with pytest.raises(ValueError, match="structured_outputs.regex does not compile"):
+        smol.generate("x", SamplingParams(structured_outputs=StructuredOutputs(regex="(")))
+    with pytest.raises(ValueError, match="structured_outputs.grammar does not compile"):
+        smol.generate("x", SamplingParams(structured_outputs=StructuredOutputs(grammar="root ::= undefined_rule")))
+    with pytest.raises(ValueError, match="structured_outputs.json does not compile"):
+        smol.generate("x", SamplingParams(structured_outputs=StructuredOutputs(json="{not json")))
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="unknown keys"):
+        SamplingParams(structured_outputs={"jsonschema": {}})
+    assert smol.stats()["num_free_blocks"] == smol.stats()["num_total_blocks"]
