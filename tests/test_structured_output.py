@@ -54,6 +54,36 @@ def test_json_schemas_mixed_with_unconstrained_requests(smol):
     assert smol.stats()["num_free_blocks"] == smol.stats()["num_total_blocks"]
 
 
+def assorted_schema(i: int) -> dict:
+    """One of many bounded schemas: nested objects, arrays, enums, numbers with bounds (bounded strings and
+    arrays, so that a finished answer is always reachable within max_tokens)."""
+    word = {"type": "string", "maxLength": 8 + i % 5}
+    number = {"type": "number", "minimum": -i, "maximum": 10 + i}
+    integer = {"type": "integer", "minimum": i % 3, "maximum": 100 + i}
+    enum = {"enum": [f"v{j}" for j in range(1 + i % 4)]}
+    array = {"type": "array", "items": [word, integer, enum][i % 3], "minItems": i % 2, "maxItems": 1 + i % 3}
+    inner = {"type": "object", "properties": {"x": number, "flag": {"type": "boolean"}},
+             "required": ["x", "flag"] if i % 2 else ["x"], "additionalProperties": False}
+    fields = [("name", word), ("count", integer), ("kind", enum), ("items", array), ("inner", inner),
+              ("score", number)]
+    chosen = [fields[(i + k) % len(fields)] for k in range(2 + i % 4)]
+    return {"type": "object", "properties": dict(chosen), "required": [name for name, _ in chosen],
+            "additionalProperties": False}
+
+
+def test_fifty_assorted_schemas_in_one_batch(smol):
+    schemas = [assorted_schema(i) for i in range(50)]
+    prompt = smol.engine.chat_prompt(ASK)
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = [constrained(StructuredOutputs(json=s), seed=i, max_tokens=160) for i, s in enumerate(schemas)]
+    outs = smol.generate([prompt] * 52, [plain] + params + [plain])
+    alone = smol.generate([prompt], plain)[0].outputs[0].token_ids
+    assert outs[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids == alone
+    for schema, out in zip(schemas, outs[1:-1], strict=True):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
 def test_choice_regex_grammar_and_json_object(smol):
     out = smol.chat(ASK, constrained(StructuredOutputs(choice=["alpha", "beta", "gamma"])))[0].outputs[0]
     assert out.text in ("alpha", "beta", "gamma") and out.finish_reason == "stop"

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from pagedserve.cluster.errors import ClientError
+from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.cluster.grpc_service import GrpcService
 from pagedserve.cluster.openai_format import ResponseFormatter, error_response
 from pagedserve.cluster.openai_protocol import (
@@ -138,7 +138,15 @@ class Ingress(GrpcService):
         rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
         deltas = self.deltas(prompt, params, rid)
-        first = await anext(deltas, None)  # errors in validation surface here, as a JSON error
+        try:
+            first = await anext(deltas, None)  # errors in validation surface here, as a JSON error
+        except Exception as e:
+            err = classify(e)
+            field = body.constraint_field()
+            if err.param and err.param.startswith("structured_outputs") and field not in (None, "structured_outputs"):
+                # the engine names its own field; the client sent the constraint as `field`
+                raise ClientError(err.code, err.http_status, f"{field}: {err.message}", field) from None
+            raise
         form = ResponseFormatter(rid, created, model, chat, params, body, echo_text)
         if body.stream:
             return StreamingResponse(form.sse(first, deltas), media_type="text/event-stream")

@@ -2,17 +2,17 @@
 translation into `SamplingParams`, which checks every value's range (the one place for that).
 
 A field is either honoured or refused with 400 naming it: fields the server cannot honour yet are typed
-here so that their "ask for nothing" values (`response_format: {"type": "text"}`, `tools: []`, ...) pass
-and anything else is refused by name.
+here so that their "ask for nothing" values (`tools: []`, `tool_choice: "none"`, ...) pass and anything
+else is refused by name.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat runs until the model stops or the context is full
 
@@ -25,6 +25,28 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False  # a last chunk with empty choices and the usage
     continuous_usage_stats: bool = False  # the usage so far on every chunk
+
+
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema; strict or not, it is enforced
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` (extra_body): exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Sampling(_Body):
@@ -54,6 +76,45 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
     request_id: str | None = None  # the id to abort it by (gRPC Abort); one is made when absent
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint_field(self) -> str | None:
+        """The field the output constraint came in (errors about it name this field)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        names = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return next((name for name in names if getattr(self, name) is not None), None)
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The one output constraint the body asks for, if any; ValueError naming the fields otherwise."""
+        asked: dict[str, StructuredOutputs] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked["response_format"] = StructuredOutputs(json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required with type 'json_schema'")
+            asked["response_format"] = StructuredOutputs(json=fmt.json_schema.schema_)
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            try:
+                asked["structured_outputs"] = StructuredOutputs(json=so.json_, json_object=so.json_object,
+                                                                regex=so.regex, choice=so.choice, grammar=so.grammar)
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked[name] = StructuredOutputs(**{kind: getattr(self, name)})
+        if len(asked) > 1:
+            raise ValueError(f"{', '.join(asked)}: give one output constraint, not {len(asked)}")
+        return next(iter(asked.values()), None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -63,7 +124,7 @@ class _Sampling(_Body):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of equal to n)")
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": self.n,
-                                  "prompt_logprobs": prompt_logprobs}
+                                  "prompt_logprobs": prompt_logprobs, "structured_outputs": self.constraint()}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                      "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
                      "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "stop"):
@@ -129,10 +190,6 @@ class ChatMessage(_Body):
         return {"role": self.role, "content": content}
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
@@ -140,16 +197,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format={{'type': {self.response_format.type!r}}} is not supported yet "
-                             "(only 'text')")
         if self.tools:
             raise ValueError("tools: tool calling is not supported yet")
         if self.tool_choice not in (None, "none", "auto"):

@@ -1,6 +1,7 @@
 """One Serve deployment of deploy/config.yaml (tiny random model by override) for every test of this
-package, through real Ray Serve, real gRPC and real HTTP. Three applications: "pagedserve" (open),
-"bounded" (a queue of one, for RESOURCE_EXHAUSTED) and "keyed" (API keys required). Run inside `make
+package, through real Ray Serve, real gRPC and real HTTP. Four applications: "pagedserve" (open),
+"bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys required) and "smol" (the embedded
+SmolLM2 instead of the tiny random model). Run inside `make
 test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def app(tiny_random):
     from pagedserve.cluster.serve_app import build_app
 
     config = yaml.safe_load(CONFIG.read_text())
-    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+    ray.init(num_cpus=10, include_dashboard=False, _metrics_export_port=METRICS_PORT,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
     spec = config["applications"][0]
@@ -30,6 +31,9 @@ def app(tiny_random):
     serve.run(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
               route_prefix="/bounded")
     serve.run(build_app(dict(args, api_keys=API_KEYS)), name="keyed", route_prefix="/keyed")
+    # The embedded SmolLM2, for answers that must make sense (structured outputs)
+    serve.run(build_app(dict(spec["args"], max_model_len=2048, kv_cache_memory=256 << 20)), name="smol",
+              route_prefix="/smol")
     yield spec["name"]
     serve.shutdown()
     ray.shutdown()
