@@ -1,12 +1,11 @@
 """Structured outputs: constraints compiled by xgrammar against the tokenizer's vocabulary, one matcher per
 constrained sequence, and each step's allowed-token bitmasks for the sampler.
 
-xgrammar over llguidance, measured on the embedded SmolLM2 tokenizer with a nested JSON schema (2-core
-CPU): a step's mask takes about 15 us with xgrammar 0.2.8 against about 190 us with llguidance 1.9.1
-(4.9 ms at worst). xgrammar pays for that when it compiles (it precomputes token masks: 5 to 175 ms for a
-schema, see benchmarks/RESULTS.md), which the cache pays once per constraint; the mask is paid every
-step. Masks are made on the engine's side, where the sequences' tokens are, and travel in the step batch
-as plain bytes; the workers only apply them.
+xgrammar over llguidance (benchmarks/grammar_backends.py, figures in benchmarks/RESULTS.md): a step's
+mask takes 6-7 us with xgrammar 0.2.8 against 82-90 us with llguidance 1.9.1 on the embedded tokenizer
+and a nested schema; llguidance compiles faster (2.7 ms against 7.3 ms), but a compile is cached per
+constraint while the mask is paid every step. Masks are made on the engine's side, where the sequences'
+tokens are, and travel in the step batch as plain bytes; the workers only apply them.
 """
 
 from __future__ import annotations
