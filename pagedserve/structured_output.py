@@ -11,6 +11,7 @@ tokens are, and travel in the step batch as plain bytes; the workers only apply 
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ from pagedserve.scheduler.batch import StepBatch
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.request import Sequence
+
+log = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 
@@ -35,6 +38,7 @@ class GrammarManager:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._matchers: dict[int, tuple[object, int]] = {}  # seq_id -> (matcher, output tokens accepted)
+        self._broken: set[int] = set()  # sequences whose last token the grammar refused
         self.vocab_size = vocab_size
 
     def compile(self, constraint: StructuredOutputs) -> object:
@@ -72,8 +76,12 @@ class GrammarManager:
         matcher, accepted = entry
         output = seq.output_token_ids
         for token in output[accepted:]:
+            # The mask allows only what the matcher accepts, so this is a bug if it happens; should it, the
+            # sequence ends here (advance says complete) rather than failing every request of the step.
             if not matcher.accept_token(token):
-                raise RuntimeError(f"sequence {seq.seq_id}: token {token} breaks its grammar")
+                log.warning("sequence %d: token %d does not fit its grammar; ending it", seq.seq_id, token)
+                self._broken.add(seq.seq_id)
+                break
         self._matchers[seq.seq_id] = (matcher, len(output))
         return matcher
 
@@ -88,8 +96,9 @@ class GrammarManager:
             spec.token_bitmask = bitmask.numpy().tobytes()
 
     def advance(self, seq: Sequence) -> bool:
-        """Take the sequence's new tokens; True when the grammar has reached its end."""
-        return self._matcher(seq).is_terminated()
+        """Take the sequence's new tokens; True when the grammar has reached its end (or cannot go on)."""
+        return self._matcher(seq).is_terminated() or seq.seq_id in self._broken
 
     def release(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
+        self._broken.discard(seq_id)

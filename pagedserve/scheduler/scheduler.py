@@ -183,7 +183,8 @@ class Scheduler:
     @staticmethod
     def _banned_tokens(seq: Sequence) -> list[int] | None:
         params = seq.request.params
-        if seq.num_output_tokens >= params.min_tokens:
+        # A grammar says itself when the output may end; banning its ending could leave nothing to draw.
+        if seq.num_output_tokens >= params.min_tokens or params.structured_outputs is not None:
             return None
         eos = () if params.ignore_eos else seq.request.eos_token_ids
         return sorted({*eos, *params.stop_token_ids}) or None
