@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
@@ -30,13 +30,11 @@ class StructuredOutputs:
         self.validate()
 
     def validate(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if self.json_object is True:
-            given.append("json_object")
-        elif self.json_object is not False:
+        if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object={self.json_object!r} must be true or false")
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(CONSTRAINT_KINDS)} "
                              f"(got {', '.join(given) or 'none'})")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError("structured_outputs.json must be a JSON schema (an object, or its JSON text)")
@@ -57,6 +55,9 @@ class StructuredOutputs:
         if self.choice is not None:
             return "choice", json.dumps(list(self.choice))
         return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
+CONSTRAINT_KINDS = tuple(f.name for f in fields(StructuredOutputs))
 
 
 @dataclass
@@ -94,7 +95,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.structured_outputs, dict):
-            unknown = set(self.structured_outputs) - {"json", "json_object", "regex", "choice", "grammar"}
+            unknown = set(self.structured_outputs) - set(CONSTRAINT_KINDS)
             if unknown:
                 raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}")
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)

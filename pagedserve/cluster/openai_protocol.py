@@ -39,16 +39,6 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsBody(_Body):
-    """vLLM's `structured_outputs` (extra_body): exactly one constraint."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-
 class _Sampling(_Body):
     """Fields the completions and chat routes share."""
 
@@ -78,7 +68,7 @@ class _Sampling(_Body):
     request_id: str | None = None  # the id to abort it by (gRPC Abort); one is made when absent
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsBody | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: the engine's own type, checked as it is parsed
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -102,12 +92,7 @@ class _Sampling(_Body):
                 raise ValueError("response_format.json_schema.schema is required with type 'json_schema'")
             asked["response_format"] = StructuredOutputs(json=fmt.json_schema.schema_)
         if self.structured_outputs is not None:
-            so = self.structured_outputs
-            try:
-                asked["structured_outputs"] = StructuredOutputs(json=so.json_, json_object=so.json_object,
-                                                                regex=so.regex, choice=so.choice, grammar=so.grammar)
-            except ValueError as e:
-                raise ValueError(str(e)) from None
+            asked["structured_outputs"] = self.structured_outputs
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
