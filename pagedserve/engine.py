@@ -77,19 +77,13 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list | tuple):
             token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in token_ids:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt_token_ids contains {t!r}, outside the vocabulary [0, {vocab})")
+            self._check_token_ids("prompt_token_ids", token_ids)
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
-        vocab = self.model_config.vocab_size
         for name, ids in params.token_ids_named().items():
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+            self._check_token_ids(name, ids)
         if params.structured_outputs is not None:
             self.grammars().compile(params.structured_outputs)  # ValueError now, not mid-generation
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -150,6 +144,13 @@ class LLMEngine:
             raise ValueError("text is empty (give text or messages)")
         return ids, self.tokenizer.convert_ids_to_tokens(ids)
 
+    def _check_token_ids(self, name: str, token_ids: list[int]) -> None:
+        """ValueError naming `name` if any of `token_ids` is not a token id of this model."""
+        vocab = self.model_config.vocab_size
+        outside = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"{name} contains {outside[:5]!r}, outside the vocabulary [0, {vocab})")
+
     def grammars(self) -> GrammarManager:
         if self.tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer; this model has none")
@@ -161,10 +162,7 @@ class LLMEngine:
         """The text of `token_ids` (special tokens included); ValueError for an id outside the vocabulary."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        vocab = self.model_config.vocab_size
-        outside = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if outside:
-            raise ValueError(f"tokens contains ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        self._check_token_ids("tokens", token_ids)
         return self.tokenizer.decode(token_ids)
 
     # ---- the loop ------------------------------------------------------------------------
