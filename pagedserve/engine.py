@@ -201,7 +201,7 @@ class LLMEngine:
     def _schedule(self) -> StepBatch | None:
         batch = self.scheduler.schedule()
         if batch is not None and self._grammars is not None:
-            self._grammars.fill_masks(batch, {s.seq_id: s for s in self.scheduler.running})
+            self._grammars.fill_masks(batch, self.scheduler.running)
         return batch
 
     def _fail_step(self, error: Exception) -> tuple[list[RequestOutput], bool]:

@@ -85,11 +85,12 @@ class GrammarManager:
         self._matchers[seq.seq_id] = (matcher, len(output))
         return matcher
 
-    def fill_masks(self, batch: StepBatch, sequences: dict[int, Sequence]) -> None:
+    def fill_masks(self, batch: StepBatch, running: list[Sequence]) -> None:
         """Set `token_bitmask` on the batch's constrained samples (all draws of a spec share its state)."""
         constrained = [s for s in batch.samples if s.params.structured_outputs is not None]
         if not constrained:
             return
+        sequences = {seq.seq_id: seq for seq in running}  # only when a step has constrained rows
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
         for spec in constrained:
             self._matcher(sequences[spec.seq_id]).fill_next_token_bitmask(bitmask, 0)
