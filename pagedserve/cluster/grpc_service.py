@@ -51,7 +51,7 @@ class GrpcService(EngineClient):
     async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._authorize_call(grpc_context)
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            messages = _messages(request)
             # A chat answer runs until the model stops or the context is full, unless max_tokens says otherwise.
             params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
             prompt = await self.engine.chat_prompt.remote(messages)
@@ -63,7 +63,7 @@ class GrpcService(EngineClient):
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:
         try:
             self._authorize_call(grpc_context)
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            messages = _messages(request)
             ids, tokens = await self.engine.tokenize.remote(request.text, messages, request.add_special_tokens)
             return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
         except Exception as e:
@@ -127,6 +127,10 @@ class GrpcService(EngineClient):
             return health_pb2.HealthCheckResponse.SERVING
         except Exception:
             return health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _messages(request: pb.ChatRequest | pb.TokenizeRequest) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in request.messages]
 
 
 def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:

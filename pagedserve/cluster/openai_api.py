@@ -8,7 +8,7 @@ No `from __future__ import annotations` here: FastAPI must see real types (Reque
 
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -26,6 +26,8 @@ from pagedserve.cluster.openai_protocol import (
     parse,
 )
 
+BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
 api = FastAPI(title="pagedserve", description="OpenAI-compatible completions and chat over pagedserve")
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -39,6 +41,13 @@ class Ingress(GrpcService):
 
     def _authorize_request(self, request: Request) -> None:
         self.authorize(request.headers.get("authorization"), "the header 'Authorization: Bearer <key>'")
+
+    async def _read(self, request: Request, body_type: type[BodyT]) -> tuple[BodyT, str]:
+        """The request's body as `body_type` and the served model's name: the key checked first, then the
+        body, then the model it names."""
+        self._authorize_request(request)
+        body = parse(body_type, await request.body())
+        return body, await self._check_model(body.model)
 
     async def _check_model(self, asked: str | None) -> str:
         name = (await self.model_info_dict())["model"]
@@ -80,9 +89,7 @@ class Ingress(GrpcService):
     @api.post("/tokenize")
     async def tokenize_route(self, request: Request) -> JSONResponse:
         try:
-            self._authorize_request(request)
-            body = parse(TokenizeRequest, await request.body())
-            await self._check_model(body.model)
+            body, _ = await self._read(request, TokenizeRequest)
             if (body.prompt is None) == (body.messages is None):
                 raise ValueError("prompt: give exactly one of prompt and messages")
             messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
@@ -99,9 +106,7 @@ class Ingress(GrpcService):
     @api.post("/detokenize")
     async def detokenize_route(self, request: Request) -> JSONResponse:
         try:
-            self._authorize_request(request)
-            body = parse(DetokenizeRequest, await request.body())
-            await self._check_model(body.model)
+            body, _ = await self._read(request, DetokenizeRequest)
             return JSONResponse({"prompt": await self.engine.detokenize.remote(body.tokens)})
         except Exception as e:
             return error_response(e)
@@ -109,9 +114,7 @@ class Ingress(GrpcService):
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         try:
-            self._authorize_request(request)
-            body = parse(CompletionRequest, await request.body())
-            model = await self._check_model(body.model)
+            body, model = await self._read(request, CompletionRequest)
             prompt = body.single_prompt()
             params = body.to_sampling_params()
             echo_text = None
@@ -124,9 +127,7 @@ class Ingress(GrpcService):
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         try:
-            self._authorize_request(request)
-            body = parse(ChatCompletionRequest, await request.body())
-            model = await self._check_model(body.model)
+            body, model = await self._read(request, ChatCompletionRequest)
             params = body.to_sampling_params()
             prompt = await self.engine.chat_prompt.remote([m.as_dict() for m in body.messages],
                                                           body.add_generation_prompt)
