@@ -85,6 +85,21 @@ class ResponseFormatter:
             return _chat_logprobs(entries)
         return self.offsets.setdefault(index, _CompletionLogprobs()).render(entries)
 
+    def _choice(self, index: int, text: str, token_ids: list[int], entries: list[Logprob],
+                finish_reason: str | None, stop_reason: str | int | None, first: bool, whole: bool) -> dict[str, Any]:
+        """One choice of a response (`whole`) or of a chunk; `first`: the choice's first appearance."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                                  "token_ids": token_ids, "logprobs": self._choice_logprobs(index, entries)}
+        if not self.chat:
+            choice["text"] = text
+        elif whole:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        if first and index == 0 and self.with_prompt_logprobs:
+            choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs)
+        return choice
+
     async def whole(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> dict[str, Any]:
         choices: dict[int, dict[str, Any]] = {}
         d = first
@@ -105,18 +120,8 @@ class ResponseFormatter:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
             usage = d.usage
             d = await anext(deltas, None)
-        out = []
-        for i in sorted(choices):
-            c = choices[i]
-            choice: dict[str, Any] = {"index": i, "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
-                                      "token_ids": c["token_ids"], "logprobs": self._choice_logprobs(i, c["entries"])}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": c["text"]}
-            else:
-                choice["text"] = c["text"]
-            if self.with_prompt_logprobs and i == 0:
-                choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs)
-            out.append(choice)
+        out = [self._choice(i, c["text"], c["token_ids"], c["entries"], c["finish_reason"], c["stop_reason"],
+                            first=True, whole=True) for i, c in sorted(choices.items())]
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage}
 
@@ -137,15 +142,8 @@ class ResponseFormatter:
                 new = d.index not in started
                 started.add(d.index)
                 text, entries = self._head(d, new)
-                choice: dict[str, Any] = {"index": d.index, "finish_reason": d.finish_reason,
-                                          "stop_reason": d.stop_reason, "token_ids": d.token_ids,
-                                          "logprobs": self._choice_logprobs(d.index, entries)}
-                if self.chat:
-                    choice["delta"] = {"role": "assistant", "content": text} if new else {"content": text}
-                else:
-                    choice["text"] = text
-                if new and d.index == 0 and self.with_prompt_logprobs:
-                    choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs)
+                choice = self._choice(d.index, text, d.token_ids, entries, d.finish_reason, d.stop_reason,
+                                      first=new, whole=False)
                 usage = d.usage
                 yield self._chunk([choice], usage if self.continuous_usage else None)
                 d = await anext(deltas, None)
