@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import gc
 import itertools
 import json
 import logging
 from typing import Any
 
+from pagedserve.chat import ChatPlan, ChatTemplate
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
 from pagedserve.executor import Executor, WorkerFailure, make_executor
@@ -24,13 +26,14 @@ from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.structured_output import GrammarManager
+from pagedserve.tool_calls import parse_tool_choice, parse_tools
+from pagedserve.tool_calls import plan as plan_tool_calls
 from pagedserve.workers.loader import ModelSource, resolve_model
 from pagedserve.workers.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class RequestFailed(RuntimeError):
@@ -57,6 +60,7 @@ class LLMEngine:
                                    config.batched_tokens(config.torch_device()), self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._grammars: GrammarManager | None = None  # made on the first constrained request
+        self._template: ChatTemplate | None = None  # made on the first chat request
         self._ids = itertools.count()
         _freeze_startup_heap()
 
@@ -112,32 +116,57 @@ class LLMEngine:
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting_requests()
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The model's chat template applied to `messages`, as token ids; ValueError naming what is wrong."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages is empty")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise ValueError(f"messages[{i}] must be an object with role and content, got {m!r}")
-            if m.get("role") not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role={m.get('role')!r} must be one of {CHAT_ROLES}")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}].content must be a string")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The model's chat template applied to `messages` (and `tools`, OpenAI's shapes), as token ids;
+        ValueError naming what is wrong."""
+        return self._chat_template().render(messages, parse_tools(tools), add_generation_prompt)
 
-    def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None,
-                 add_special_tokens: bool = True, add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:
-        """Token ids and their string forms of `text`, or of `messages` through the chat template."""
+    def chat_plan(self, messages: list[dict[str, Any]], params: SamplingParams,
+                  tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+                  parallel_tool_calls: bool | None = None, add_generation_prompt: bool = True) -> ChatPlan:
+        """A chat request made ready to run: its prompt with the tools offered, `params` with the output
+        constraint that `tool_choice` "required" or a named function asks for, and how to parse its tool
+        calls. ValueError naming the field that is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        template = self._chat_template()
+        offered = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, offered)
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ValueError(f"parallel_tool_calls={parallel_tool_calls!r} must be true or false")
+        constraint, parsing = plan_tool_calls(offered, choice, parallel_tool_calls, template.tool_format)
+        if constraint is not None:
+            named = repr(choice.function) if choice.function else "'required'"
+            if params.structured_outputs is not None:
+                raise ValueError(f"tool_choice={named} constrains the output itself: it cannot be combined with "
+                                 "structured_outputs / response_format")
+            try:
+                self.grammars().compile(constraint)
+            except ValueError as e:
+                raise ValueError(f"tools: the parameters schema of tool_choice={named} does not compile: "
+                                 f"{str(e).split(': ', 1)[-1]}") from None
+            params = dataclasses.replace(params, structured_outputs=constraint)
+        shown = offered if choice.mode != "none" else []  # "none": the model is not told of tools it may not call
+        ids = template.render(messages, shown, add_generation_prompt)
+        return ChatPlan(ids, params, parsing, offered)
+
+    def _chat_template(self) -> ChatTemplate:
+        if self._template is None:
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("messages: this model has no chat template")
+            self._template = ChatTemplate(self.tokenizer)
+        return self._template
+
+    def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
+                 add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[str]]:
+        """Token ids and their string forms of `text`, or of `messages` (and `tools`) through the chat
+        template."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         if messages:
-            ids = self.chat_prompt(messages, add_generation_prompt)
+            ids = self.chat_prompt(messages, add_generation_prompt, tools)
         elif text:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:

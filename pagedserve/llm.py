@@ -10,6 +10,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tool_calls import ToolCallStream
 
 
 class LLM:
@@ -65,19 +66,34 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        `tools`, `tool_choice` and `parallel_tool_calls` as OpenAI's; with tools, each output's `tool_calls`
+        holds the calls parsed from its text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        plans = []
         for i, conv in enumerate(conversations):
             try:
-                prompts.append(self.engine.chat_prompt(conv, add_generation_prompt))
+                plans.append(self.engine.chat_plan(conv, params, tools, tool_choice, parallel_tool_calls,
+                                                   add_generation_prompt))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
-        return self.generate(prompts, sampling_params)
+        outputs = self.generate([p.prompt_token_ids for p in plans], [p.params for p in plans])
+        for plan, out in zip(plans, outputs, strict=True):
+            if plan.tool_parsing is not None:
+                for c in out.outputs:
+                    stream = ToolCallStream(plan.tool_parsing)
+                    stream.update(c.text, final=True)
+                    c.tool_calls = stream.calls
+        return outputs
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.tool_calls import ToolCall
+
 
 @dataclass
 class Logprob:
@@ -25,6 +27,9 @@ class CompletionOutput:
     # What stopped it when finish_reason is "stop": the stop string or stop token id; None for EOS.
     stop_reason: str | int | None = None
     logprobs: list[Logprob] | None = None  # one per token id, when asked for
+    # The calls parsed from `text` when a chat offered tools (`LLM.chat(..., tools=...)`); `text` stays
+    # what the model wrote.
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

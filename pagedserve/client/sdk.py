@@ -33,10 +33,12 @@ from pagedserve.client.errors import Cancelled, from_rpc_error
 from pagedserve.protos import API_KEY_ENV
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos import pagedserve_pb2_grpc as pb_grpc
+from pagedserve.protos.chat import messages_to_proto, tool_choice_to_proto, tools_to_proto
 from pagedserve.protos.sampling import sampling_to_proto
+from pagedserve.tool_calls import ToolCall, ToolCallDelta
 
-__all__ = ["Client", "AsyncClient", "Completion", "Choice", "StreamChunk", "TokenLogprob",
-           "ResponseStream", "AsyncResponseStream"]
+__all__ = ["Client", "AsyncClient", "Completion", "Choice", "StreamChunk", "TokenLogprob", "ToolCall",
+           "ToolCallDelta", "ResponseStream", "AsyncResponseStream"]
 
 
 class _Unset:
@@ -67,7 +69,9 @@ class StreamChunk:
     `finish_reason` is set on the sample's last chunk (stop | length | abort), with `stop_reason` the stop
     string or stop token id that ended it (None for EOS); `usage` on the request's last chunk. `logprobs`
     is None unless logprobs were asked for (then a list, possibly empty); `prompt_logprobs` is on the
-    request's first chunk when asked for (one per prompt token after the first).
+    request's first chunk when asked for (one per prompt token after the first). A chat with tools puts the
+    calls' new parts in `tool_calls` (and only the content in `text`); finish_reason is then "tool_calls"
+    where the model called tools.
     """
 
     index: int
@@ -79,6 +83,7 @@ class StreamChunk:
     request_id: str = ""
     stop_reason: str | int | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -91,11 +96,12 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
 class Completion:
-    """A finished request. `text`, `token_ids`, `finish_reason` and `logprobs` are choice 0's."""
+    """A finished request. `text`, `token_ids`, `finish_reason`, `logprobs` and `tool_calls` are choice 0's."""
 
     choices: list[Choice]
     usage: dict[str, int] = field(default_factory=dict)
@@ -118,6 +124,10 @@ class Completion:
     def logprobs(self) -> list[TokenLogprob] | None:
         return self.choices[0].logprobs if self.choices else None
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.choices[0].tool_calls if self.choices else []
+
 
 class _Accumulator:
     """Joins a request's chunks into a `Completion`, so `generate()` is exactly the joined `stream()`."""
@@ -134,6 +144,11 @@ class _Accumulator:
             choice = self._choices[chunk.index] = Choice(chunk.index)
         choice.text += chunk.text
         choice.token_ids.extend(chunk.token_ids)
+        for call in chunk.tool_calls:
+            if call.index == len(choice.tool_calls):
+                choice.tool_calls.append(ToolCall(call.id or "", call.name or "", call.arguments))
+            else:
+                choice.tool_calls[call.index].arguments += call.arguments
         if chunk.logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + chunk.logprobs
         if chunk.finish_reason:
@@ -157,6 +172,7 @@ def _usage_dict(usage: pb.Usage) -> dict[str, int]:
 
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                   pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
                    pb.FINISH_REASON_ABORT: "abort"}
 
 
@@ -179,6 +195,7 @@ def _to_chunk(response: pb.GenerateResponse, sampling: pb.SamplingParams) -> Str
         stop_reason=getattr(response, which) if which else None,
         prompt_logprobs=([_logprob(lp) for lp in response.prompt_logprobs]
                          if with_prompt_logprobs and response.prompt_logprobs else None),
+        tool_calls=[ToolCallDelta(t.index, t.arguments, t.id or None, t.name or None) for t in response.tool_calls],
     )
 
 
@@ -191,26 +208,22 @@ def _prompt_request(prompt: str | Sequence[int], request_id: str,
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling)
 
 
-def _chat_messages(messages: Sequence[dict[str, str]]) -> list[pb.ChatMessage]:
-    out = []
-    for i, message in enumerate(messages):
-        extra = set(message) - {"role", "content"}
-        if extra:
-            # The proto carries only role and content: dropping e.g. "name" silently would change the prompt.
-            raise ValueError(f"messages[{i}]: unsupported keys {sorted(extra)} (only role and content)")
-        if "role" not in message or "content" not in message:
-            raise ValueError(f"messages[{i}] needs both 'role' and 'content'")
-        out.append(pb.ChatMessage(role=message["role"], content=message["content"]))
-    return out
+def _chat_request(messages: Sequence[dict[str, Any]], request_id: str, sampling: pb.SamplingParams,
+                  tools: Sequence[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+                  parallel_tool_calls: bool | None) -> pb.ChatRequest:
+    return pb.ChatRequest(request_id=request_id, messages=messages_to_proto(messages), sampling=sampling,
+                          tools=tools_to_proto(tools), tool_choice=tool_choice_to_proto(tool_choice),
+                          parallel_tool_calls=parallel_tool_calls)
 
 
-def _tokenize_request(text: str | None, messages: Sequence[dict[str, str]] | None,
-                      add_special_tokens: bool) -> pb.TokenizeRequest:
+def _tokenize_request(text: str | None, messages: Sequence[dict[str, Any]] | None, add_special_tokens: bool,
+                      tools: Sequence[dict[str, Any]] | None) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("tokenize needs exactly one of text= or messages=")
     if text is not None:
         return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-    return pb.TokenizeRequest(messages=_chat_messages(messages or []), add_special_tokens=add_special_tokens)
+    return pb.TokenizeRequest(messages=messages_to_proto(messages or []), add_special_tokens=add_special_tokens,
+                              tools=tools_to_proto(tools))
 
 
 def _model_info_dict(response: pb.ModelInfoResponse) -> dict[str, Any]:
@@ -394,15 +407,18 @@ class Client(_Base):
         """Complete `prompt` (text or token ids); the whole `stream()`, joined."""
         return self._collect(self.stream(prompt, **sampling))
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> ResponseStream:
-        """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...])."""
+    def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+                    tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+                    **sampling: Any) -> ResponseStream:
+        """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]). `tools`,
+        `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes."""
         params, request_id, timeout = self._split(sampling)
-        request = pb.ChatRequest(request_id=request_id, messages=_chat_messages(messages), sampling=params)
+        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls)
         return ResponseStream(self, self._stub.Chat, request, timeout, params)
 
-    def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> Completion:
+    def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:
         """The assistant's reply to `messages`; the whole `stream_chat()`, joined."""
-        return self._collect(self.stream_chat(messages, **sampling))
+        return self._collect(self.stream_chat(messages, **kwargs))
 
     @staticmethod
     def _collect(stream: ResponseStream) -> Completion:
@@ -412,10 +428,11 @@ class Client(_Base):
                 acc.add(chunk)
         return acc.result()
 
-    def tokenize(self, text: str | None = None, messages: Sequence[dict[str, str]] | None = None, *,
-                 add_special_tokens: bool = False, timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
-        """Token ids of `text`, or of the chat-template prompt for `messages`."""
-        request = _tokenize_request(text, messages, add_special_tokens)
+    def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
+                 add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
+                 timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
+        """Token ids of `text`, or of the chat-template prompt for `messages` (offering `tools`)."""
+        request = _tokenize_request(text, messages, add_special_tokens, tools)
         return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
 
     def model_info(self, *, timeout: float | None = _CLIENT_DEFAULT) -> dict[str, Any]:
@@ -550,13 +567,15 @@ class AsyncClient(_Base):
     async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
         return await self._collect(self.stream(prompt, **sampling))
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> AsyncResponseStream:
+    def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+                    tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+                    **sampling: Any) -> AsyncResponseStream:
         params, request_id, timeout = self._split(sampling)
-        request = pb.ChatRequest(request_id=request_id, messages=_chat_messages(messages), sampling=params)
+        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls)
         return AsyncResponseStream(self, self._stub.Chat, request, timeout, params)
 
-    async def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> Completion:
-        return await self._collect(self.stream_chat(messages, **sampling))
+    async def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:
+        return await self._collect(self.stream_chat(messages, **kwargs))
 
     @staticmethod
     async def _collect(stream: AsyncResponseStream) -> Completion:
@@ -566,9 +585,10 @@ class AsyncClient(_Base):
                 acc.add(chunk)
         return acc.result()
 
-    async def tokenize(self, text: str | None = None, messages: Sequence[dict[str, str]] | None = None, *,
-                       add_special_tokens: bool = False, timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
-        request = _tokenize_request(text, messages, add_special_tokens)
+    async def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
+                       add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
+                       timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
+        request = _tokenize_request(text, messages, add_special_tokens, tools)
         return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
 
     async def model_info(self, *, timeout: float | None = _CLIENT_DEFAULT) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tool_calls import ToolCallDelta, ToolCallStream, ToolParsing
 
 
 @dataclass
@@ -21,6 +22,8 @@ class Delta:
     usage: dict[str, int] = field(default_factory=dict)  # the request's so far (every delta carries it)
     final: bool = False  # the request's last delta
     prompt_logprobs: list[Logprob] | None = None  # on the request's first delta, when asked for
+    # With tools in play: the calls' new parts (then `text` is the new content, what is not a call)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -60,3 +63,19 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
             batch[-1].final = True
         for d in batch:
             yield d
+
+
+async def with_tool_calls(deltas: AsyncIterator[Delta], parsing: ToolParsing) -> AsyncIterator[Delta]:
+    """The deltas with each sample's text split into content and tool-call deltas; finish_reason
+    "tool_calls" where the model chose to call tools."""
+    texts: dict[int, str] = {}
+    streams: dict[int, ToolCallStream] = {}
+    try:
+        async for d in deltas:
+            stream = streams.setdefault(d.index, ToolCallStream(parsing))
+            texts[d.index] = texts.get(d.index, "") + d.text
+            d.text, d.tool_calls = stream.update(texts[d.index], final=d.finish_reason is not None)
+            d.finish_reason = stream.finish_reason(d.finish_reason)
+            yield d
+    finally:
+        await deltas.aclose()  # now, not when collected: a client that left ends the request at once

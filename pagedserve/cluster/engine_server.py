@@ -15,8 +15,9 @@ from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.async_engine import AsyncEngine
+from pagedserve.chat import ChatPlan
 from pagedserve.cluster.auth import ApiKeys
-from pagedserve.cluster.deltas import Delta, stream_deltas
+from pagedserve.cluster.deltas import Delta, stream_deltas, with_tool_calls
 from pagedserve.cluster.errors import ClientError
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.sampling_params import SamplingParams
@@ -36,12 +37,16 @@ class EngineServer:
         async for d in stream_deltas(self.core.generate(prompt, params, request_id), params):
             yield d
 
-    async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        return self.core.engine.chat_prompt(messages, add_generation_prompt)
+    async def chat_plan(self, messages: list[dict[str, Any]], params: SamplingParams,
+                        tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+                        parallel_tool_calls: bool | None = None, add_generation_prompt: bool = True) -> ChatPlan:
+        return self.core.engine.chat_plan(messages, params, tools, tool_choice, parallel_tool_calls,
+                                          add_generation_prompt)
 
-    async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, add_special_tokens: bool,
-                       add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:
-        return self.core.engine.tokenize(text, messages, add_special_tokens, add_generation_prompt)
+    async def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool,
+                       add_generation_prompt: bool = True,
+                       tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[str]]:
+        return self.core.engine.tokenize(text, messages, add_special_tokens, add_generation_prompt, tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return self.core.engine.detokenize(token_ids)
@@ -103,6 +108,11 @@ class EngineClient:
             return False
         running.abort()
         return True
+
+    def chat_deltas(self, plan: ChatPlan, request_id: str | None) -> AsyncIterator[Delta]:
+        """A chat request's deltas, its tool calls parsed out when tools are in play."""
+        deltas = self.deltas(plan.prompt_token_ids, plan.params, request_id)
+        return deltas if plan.tool_parsing is None else with_tool_calls(deltas, plan.tool_parsing)
 
     async def deltas(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None) -> AsyncIterator[Delta]:

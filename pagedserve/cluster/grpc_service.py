@@ -23,10 +23,12 @@ from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.outputs import Logprob
 from pagedserve.protos import SERVICE_NAME
 from pagedserve.protos import pagedserve_pb2 as pb
+from pagedserve.protos.chat import messages_from_proto, tool_choice_from_proto, tools_from_proto
 from pagedserve.protos.sampling import sampling_from_proto
 from pagedserve.sampling_params import SamplingParams
 
-_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+                   "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 _HEALTH_SERVICES = ("", SERVICE_NAME)  # "": the server as a whole
 
 
@@ -51,11 +53,13 @@ class GrpcService(EngineClient):
     async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._authorize_call(grpc_context)
-            messages = _messages(request)
+            messages = messages_from_proto(request.messages)
             # A chat answer runs until the model stops or the context is full, unless max_tokens says otherwise.
             params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
-            prompt = await self.engine.chat_prompt.remote(messages)
-            async for d in self.deltas(prompt, params, request.request_id or None):
+            parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+            plan = await self.engine.chat_plan.remote(messages, params, tools_from_proto(request.tools),
+                                                      tool_choice_from_proto(request), parallel)
+            async for d in self.chat_deltas(plan, request.request_id or None):
                 yield _delta_to_proto(d)
         except Exception as e:
             yield _error(grpc_context, e, pb.GenerateResponse())
@@ -63,8 +67,9 @@ class GrpcService(EngineClient):
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:
         try:
             self._authorize_call(grpc_context)
-            messages = _messages(request)
-            ids, tokens = await self.engine.tokenize.remote(request.text, messages, request.add_special_tokens)
+            messages = messages_from_proto(request.messages)
+            ids, tokens = await self.engine.tokenize.remote(request.text, messages, request.add_special_tokens,
+                                                            True, tools_from_proto(request.tools))
             return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
         except Exception as e:
             return _error(grpc_context, e, pb.TokenizeResponse())
@@ -129,10 +134,6 @@ class GrpcService(EngineClient):
             return health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _messages(request: pb.ChatRequest | pb.TokenizeRequest) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in request.messages]
-
-
 def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=lp.token or "", top_logprobs=[
         pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token or "") for t in lp.top_logprobs])
@@ -141,7 +142,9 @@ def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:
 def _delta_to_proto(d: Delta) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=d.request_id, index=d.index, text=d.text, token_ids=d.token_ids,
                               finish_reason=_FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                              logprobs=[_logprob_to_proto(lp) for lp in d.logprobs])
+                              logprobs=[_logprob_to_proto(lp) for lp in d.logprobs],
+                              tool_calls=[pb.ToolCallDelta(index=t.index, id=t.id or "", name=t.name or "",
+                                                           arguments=t.arguments) for t in d.tool_calls])
     if isinstance(d.stop_reason, str):
         msg.stop_str = d.stop_reason
     elif isinstance(d.stop_reason, int):

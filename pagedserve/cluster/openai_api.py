@@ -94,7 +94,7 @@ class Ingress(GrpcService):
                 raise ValueError("prompt: give exactly one of prompt and messages")
             messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
             ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
-                                                            body.add_generation_prompt)
+                                                            body.add_generation_prompt, body.tools)
             info = await self.model_info_dict()
             out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
             if body.return_token_strs:
@@ -128,17 +128,18 @@ class Ingress(GrpcService):
     async def chat_completions(self, request: Request):
         try:
             body, model = await self._read(request, ChatCompletionRequest)
-            params = body.to_sampling_params()
-            prompt = await self.engine.chat_prompt.remote([m.as_dict() for m in body.messages],
-                                                          body.add_generation_prompt)
-            return await self._respond(prompt, params, body, model, chat=True)
+            plan = await self.engine.chat_plan.remote([m.as_dict() for m in body.messages], body.to_sampling_params(),
+                                                      body.tools, body.tool_choice, body.parallel_tool_calls,
+                                                      body.add_generation_prompt)
+            return await self._respond(plan, plan.params, body, model, chat=True)
         except Exception as e:
             return error_response(e)
 
     async def _respond(self, prompt, params, body, model: str, chat: bool, echo_text: str | None = None):
+        """`prompt`: a completion's text or ids, or a chat's `ChatPlan`."""
         rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
-        deltas = self.deltas(prompt, params, rid)
+        deltas = self.chat_deltas(prompt, rid) if chat else self.deltas(prompt, params, rid)
         try:
             first = await anext(deltas, None)  # errors in validation surface here, as a JSON error
         except Exception as e:

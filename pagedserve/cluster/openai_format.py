@@ -14,6 +14,7 @@ from pagedserve.cluster.errors import classify
 from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tool_calls import ToolCallDelta
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 429: "rate_limit_error", 503: "service_unavailable"}
@@ -86,16 +87,19 @@ class ResponseFormatter:
         return self.offsets.setdefault(index, _CompletionLogprobs()).render(entries)
 
     def _choice(self, index: int, text: str, token_ids: list[int], entries: list[Logprob],
-                finish_reason: str | None, stop_reason: str | int | None, first: bool, whole: bool) -> dict[str, Any]:
+                finish_reason: str | None, stop_reason: str | int | None, first: bool, whole: bool,
+                tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
         """One choice of a response (`whole`) or of a chunk; `first`: the choice's first appearance."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
                                   "token_ids": token_ids, "logprobs": self._choice_logprobs(index, entries)}
         if not self.chat:
             choice["text"] = text
-        elif whole:
-            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            message: dict[str, Any] = {"role": "assistant"} if first else {}
+            message["content"] = text if text or not tool_calls else None  # only calls: no content
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice["message" if whole else "delta"] = message
         if first and index == 0 and self.with_prompt_logprobs:
             choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs)
         return choice
@@ -109,19 +113,25 @@ class ResponseFormatter:
             c = choices.get(d.index)
             if c is None:
                 c = choices[d.index] = {"text": "", "entries": [], "token_ids": [], "finish_reason": None,
-                                        "stop_reason": None}
+                                        "stop_reason": None, "tool_calls": []}
                 text, entries = self._head(d, True)
             else:
                 text, entries = d.text, list(d.logprobs)
             c["text"] += text
             c["entries"] += entries
             c["token_ids"] += d.token_ids
+            for call in d.tool_calls:
+                if call.index == len(c["tool_calls"]):
+                    c["tool_calls"].append({"id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": call.arguments}})
+                else:
+                    c["tool_calls"][call.index]["function"]["arguments"] += call.arguments
             if d.finish_reason:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
             usage = d.usage
             d = await anext(deltas, None)
         out = [self._choice(i, c["text"], c["token_ids"], c["entries"], c["finish_reason"], c["stop_reason"],
-                            first=True, whole=True) for i, c in sorted(choices.items())]
+                            first=True, whole=True, tool_calls=c["tool_calls"]) for i, c in sorted(choices.items())]
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage}
 
@@ -143,7 +153,7 @@ class ResponseFormatter:
                 started.add(d.index)
                 text, entries = self._head(d, new)
                 choice = self._choice(d.index, text, d.token_ids, entries, d.finish_reason, d.stop_reason,
-                                      first=new, whole=False)
+                                      first=new, whole=False, tool_calls=[_tool_call_json(t) for t in d.tool_calls])
                 usage = d.usage
                 yield self._chunk([choice], usage if self.continuous_usage else None)
                 d = await anext(deltas, None)
@@ -153,6 +163,16 @@ class ResponseFormatter:
             err = classify(e)
             yield f"data: {json.dumps({'error': {'message': err.message, 'code': err.http_status}})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _tool_call_json(delta: ToolCallDelta) -> dict[str, Any]:
+    """OpenAI's tool call (a chunk's `tool_calls[i]` carries `index`; id, type and name only at first)."""
+    out: dict[str, Any] = {"index": delta.index}
+    if delta.id is not None:
+        out.update(id=delta.id, type="function", function={"name": delta.name, "arguments": delta.arguments})
+    else:
+        out["function"] = {"arguments": delta.arguments}
+    return out
 
 
 def _prompt_logprobs_json(entries: list[Logprob] | None) -> list[dict[str, Any] | None] | None:

@@ -1,9 +1,9 @@
 """The OpenAI-compatible request bodies as typed models (pydantic, strict, unknown fields refused), and their
 translation into `SamplingParams`, which checks every value's range (the one place for that).
 
-A field is either honoured or refused with 400 naming it: fields the server cannot honour yet are typed
-here so that their "ask for nothing" values (`tools: []`, `tool_choice: "none"`, ...) pass and anything
-else is refused by name.
+A field is either honoured or refused with 400 naming it: fields the server cannot honour (`suffix`,
+`best_of` other than n, ...) are typed here so that their "ask for nothing" values pass and anything else
+is refused by name.
 """
 
 from __future__ import annotations
@@ -157,9 +157,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: str  # which roles exist is the engine's to say (LLMEngine.chat_prompt), for every front end
-    content: str | list[TextPart]
+    role: str  # which roles exist, and what each may carry, is the engine's to say (pagedserve.chat)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -170,10 +184,11 @@ class ChatMessage(_Body):
                 raise ValueError(f"only text content parts are supported, got type {kind!r}")
         return content
 
-    def as_dict(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
-
+    def as_dict(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(p.text for p in self.content)
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -182,16 +197,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # checked by the engine (pagedserve.tool_calls), as for gRPC
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported yet")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(f"tool_choice={self.tool_choice!r} is not supported without tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -205,6 +216,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # with messages: the prompt offers them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

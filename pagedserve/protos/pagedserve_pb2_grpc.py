@@ -77,7 +77,8 @@ class PagedServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Chat(self, request, context):
-        """Chat completion: the server applies the model's chat template to the messages.
+        """Chat completion: the server applies the model's chat template to the messages (and tools). With
+        tools in play, text carries the content and tool_calls the calls, parsed from the model's output.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

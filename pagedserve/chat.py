@@ -1,0 +1,186 @@
+"""Conversations to prompts: messages checked in OpenAI's shape (one place for every front end), rendered
+through the model's chat template together with the tools offered, and the tool-call format the template
+teaches the model.
+
+A template that ignores `tools` (a model not trained for tool calling, such as the embedded SmolLM2) gets
+the Hermes instructions in its system message, and past calls and results written into the messages as
+Hermes text, so the model sees the tools and its history either way, and its calls are parsed as Hermes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tool_calls import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    LLAMA_PYTHON_TAG,
+    Tool,
+    ToolCallFormat,
+    ToolParsing,
+)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+
+_HERMES_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass
+class ChatPlan:
+    """What a chat request becomes: the prompt's token ids, the sampling parameters (with the output
+    constraint the tool choice asks for), and how to parse the samples' tool calls (None: no tools in play)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tool_parsing: ToolParsing | None = None
+    tools: list[Tool] = field(default_factory=list)
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the chat templates take them (a call's arguments as an object, not JSON
+    text); ValueError naming the message and field that is wrong."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages is empty")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} must be an object with role and content, got {m!r}")
+        unknown = set(m) - set(_MESSAGE_FIELDS)
+        if unknown:
+            raise ValueError(f"{where} has unknown fields {sorted(unknown)} (known: {', '.join(_MESSAGE_FIELDS)})")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where}.role={role!r} must be one of {CHAT_ROLES}")
+        message: dict[str, Any] = {"role": role}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise ValueError(f"{where}.tool_calls: only assistant messages carry tool calls")
+            message["tool_calls"] = [_check_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+        content = m.get("content")
+        if content is None and calls:
+            content = ""  # an answer that is only tool calls
+        if not isinstance(content, str):
+            raise ValueError(f"{where}.content must be a string")
+        message["content"] = content
+        for name in ("name", "tool_call_id"):
+            if m.get(name) is not None:
+                if not isinstance(m[name], str):
+                    raise ValueError(f"{where}.{name} must be a string")
+                message[name] = m[name]
+        if "tool_call_id" in message and role != "tool":
+            raise ValueError(f"{where}.tool_call_id: only tool messages answer a tool call")
+        out.append(message)
+    return out
+
+
+def _check_call(where: str, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise ValueError(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                         "'arguments': ...}}")
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise ValueError(f"{where}.function.name must be a non-empty string")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {arguments[:60]!r}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object")
+    out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if call.get("id") is not None:
+        out["id"] = call["id"]
+    return out
+
+
+class ChatTemplate:
+    """The tokenizer's chat template, and what it does with tools."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        source = tokenizer.chat_template
+        self._source = "\n".join(source.values()) if isinstance(source, dict) else source
+        self.renders_tools = self._renders_tools()
+        self.tool_format: ToolCallFormat | None = self._tool_format()
+
+    def render(self, messages: Any, tools: list[Tool], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation with `tools` offered, as token ids; ValueError naming what is wrong."""
+        checked = check_messages(messages)
+        if not self.renders_tools:
+            checked = _as_hermes_text(checked, tools)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                checked, tools=[t.as_openai() for t in tools] if tools and self.renders_tools else None,
+                add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as e:  # jinja's TemplateError, or raise_exception(...) in the template itself
+            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+
+    def _renders_tools(self) -> bool:
+        probe = [{"role": "user", "content": "hi"}]
+        tool = Tool("pagedserve_probe", {"type": "object", "properties": {}}).as_openai()
+        try:
+            return "pagedserve_probe" in self._apply(probe, [tool])
+        except Exception:  # a template that fails on tools does not take them
+            return False
+
+    def _tool_format(self) -> ToolCallFormat | None:
+        if not self.renders_tools or HERMES_OPEN in self._source:
+            return "hermes"  # ours (the instructions are injected) or the template's own
+        if LLAMA_PYTHON_TAG in self._source or "ipython" in self._source:
+            return "llama3_json"
+        return None
+
+
+def _as_hermes_text(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
+    """For a template that ignores tools: the tools as Hermes instructions in the system message, past calls
+    as `<tool_call>` text, and tool results as `<tool_response>` user turns (consecutive ones joined)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [HERMES_OPEN + "\n" + json.dumps({"name": c["function"]["name"],
+                                                      "arguments": c["function"]["arguments"]}) + "\n" + HERMES_CLOSE
+                     for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [m["content"], *calls]))})
+        elif m["role"] == "tool":
+            response = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "_tool_results": True})
+        else:
+            out.append({k: v for k, v in m.items() if k in ("role", "content")})
+    for m in out:
+        m.pop("_tool_results", None)
+    if tools:
+        prompt = _HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

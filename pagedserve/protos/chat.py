@@ -1,0 +1,102 @@
+"""Chat messages, tools and tool choices: OpenAI's dict shapes <-> the proto's messages, both ways, so the
+SDK and the gRPC service speak the shapes the engine (and every OpenAI client) uses. Values are checked
+by the engine (pagedserve.chat, pagedserve.tool_calls); here only what the wire cannot carry is refused."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pagedserve.protos import pagedserve_pb2 as pb
+
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}
+
+
+def messages_to_proto(messages: Sequence[dict[str, Any]]) -> list[pb.ChatMessage]:
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict with role and content, got {type(message).__name__}")
+        extra = set(message) - _MESSAGE_KEYS
+        if extra:  # dropped silently, they would change the prompt unseen
+            raise ValueError(f"messages[{i}]: unsupported keys {sorted(extra)} (known: {sorted(_MESSAGE_KEYS)})")
+        if "role" not in message or ("content" not in message and not message.get("tool_calls")):
+            raise ValueError(f"messages[{i}] needs both 'role' and 'content'")
+        msg = pb.ChatMessage(role=message["role"], content=message.get("content") or "",
+                             tool_call_id=message.get("tool_call_id") or "", name=message.get("name") or "")
+        for j, call in enumerate(message.get("tool_calls") or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{'id': ..., 'type': 'function', "
+                                 "'function': {'name': ..., 'arguments': ...}}")
+            arguments = function.get("arguments", "{}")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            msg.tool_calls.append(pb.ToolCall(id=call.get("id") or "", name=function.get("name", ""),
+                                              arguments=arguments))
+        out.append(msg)
+    return out
+
+
+def messages_from_proto(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments or "{}"}}
+                                     for c in m.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(m, name):
+                message[name] = getattr(m, name)
+        out.append(message)
+    return out
+
+
+def tools_to_proto(tools: Sequence[dict[str, Any]] | None) -> list[pb.Tool]:
+    out = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                             "'parameters': ...}}")
+        parameters = function.get("parameters")
+        out.append(pb.Tool(name=function.get("name", ""), description=function.get("description"),
+                           parameters=json.dumps(parameters) if parameters is not None else ""))
+    return out
+
+
+def tools_from_proto(tools: Sequence[pb.Tool]) -> list[dict[str, Any]]:
+    out = []
+    for i, t in enumerate(tools):
+        function: dict[str, Any] = {"name": t.name}
+        if t.HasField("description"):
+            function["description"] = t.description
+        if t.parameters:
+            try:
+                function["parameters"] = json.loads(t.parameters)
+            except ValueError:
+                raise ValueError(f"tools[{i}].parameters is not valid JSON: {t.parameters[:60]!r}") from None
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def tool_choice_to_proto(choice: str | dict[str, Any] | None) -> pb.ToolChoice | None:
+    """"none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}."""
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        return pb.ToolChoice(mode=choice)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"tool_choice={choice!r} must be 'none', 'auto', 'required' or "
+                         "{'type': 'function', 'function': {'name': ...}}")
+    return pb.ToolChoice(function=function["name"])
+
+
+def tool_choice_from_proto(request: pb.ChatRequest) -> str | dict[str, Any] | None:
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if which == "function":
+        return {"type": "function", "function": {"name": request.tool_choice.function}}
+    return request.tool_choice.mode if which == "mode" else None
