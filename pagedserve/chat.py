@@ -24,7 +24,7 @@ from pagedserve.tool_calls import (
 )
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")
 
 _HERMES_TOOLS_PROMPT = """# Tools
 
@@ -81,13 +81,12 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise ValueError(f"{where}.content must be a string")
         message["content"] = content
-        for name in ("name", "tool_call_id"):
-            if m.get(name) is not None:
-                if not isinstance(m[name], str):
-                    raise ValueError(f"{where}.{name} must be a string")
-                message[name] = m[name]
-        if "tool_call_id" in message and role != "tool":
-            raise ValueError(f"{where}.tool_call_id: only tool messages answer a tool call")
+        if m.get("tool_call_id") is not None:
+            if role != "tool":
+                raise ValueError(f"{where}.tool_call_id: only tool messages answer a tool call")
+            if not isinstance(m["tool_call_id"], str):
+                raise ValueError(f"{where}.tool_call_id must be a string")
+            message["tool_call_id"] = m["tool_call_id"]
         out.append(message)
     return out
 

@@ -171,7 +171,6 @@ class ToolCallParam(_Body):
 class ChatMessage(_Body):
     role: str  # which roles exist, and what each may carry, is the engine's to say (pagedserve.chat)
     content: str | list[TextPart] | None = None
-    name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedserve.protos import pagedserve_pb2 as pb
 
-_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
 
 
 def messages_to_proto(messages: Sequence[dict[str, Any]]) -> list[pb.ChatMessage]:
@@ -24,7 +24,7 @@ def messages_to_proto(messages: Sequence[dict[str, Any]]) -> list[pb.ChatMessage
         if "role" not in message or ("content" not in message and not message.get("tool_calls")):
             raise ValueError(f"messages[{i}] needs both 'role' and 'content'")
         msg = pb.ChatMessage(role=message["role"], content=message.get("content") or "",
-                             tool_call_id=message.get("tool_call_id") or "", name=message.get("name") or "")
+                             tool_call_id=message.get("tool_call_id") or "")
         for j, call in enumerate(message.get("tool_calls") or []):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
@@ -47,9 +47,8 @@ def messages_from_proto(messages: Sequence[pb.ChatMessage]) -> list[dict[str, An
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments or "{}"}}
                                      for c in m.tool_calls]
-        for name in ("tool_call_id", "name"):
-            if getattr(m, name):
-                message[name] = getattr(m, name)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 

@@ -15,6 +15,9 @@ from pagedserve import SamplingParams
 from tests.serving.app import HTTP, MAX_MODEL_LEN, wait_idle
 
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HUGE = 10**12
 
 # (route, body: a dict, or raw bytes sent as they are, field the error must name)
@@ -63,7 +66,7 @@ HTTP_CASES = [
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [1]}, "messages.0"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content"),
@@ -74,7 +77,23 @@ HTTP_CASES = [
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "("}, "guided_regex"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
-    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, "tools[0]"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL], "tool_choice": NAMED,
+                              "response_format": {"type": "json_object"}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "no-such-type"}}}], "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]},
+     "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {}, "prompt"),
@@ -138,7 +157,15 @@ def test_grpc_bad_input_is_invalid_argument_naming_the_field(client, kwargs, fie
     (lambda c: c.chat([{"role": "", "content": "x"}]), "messages[0].role"),
     (lambda c: c.tokenize(text=""), "text"),
     (lambda c: c.abort(""), "request_id"),
-], ids=[f"grpc-call-{i}" for i in range(7)])
+    (lambda c: c.chat(MSG, tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name"),
+    (lambda c: c.chat(MSG, tool_choice="required"), "tool_choice"),
+    (lambda c: c.chat(MSG, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "x"}}),
+     "tool_choice"),
+    (lambda c: c.chat(MSG, tools=[TOOL], tool_choice="required", structured_outputs={"json_object": True}),
+     "tool_choice"),
+    (lambda c: c.chat([{"role": "tool", "content": "1", "tool_calls": [{"function": {"name": "f"}}]}]),
+     "messages[0].tool_calls"),
+], ids=[f"grpc-call-{i}" for i in range(12)])
 def test_grpc_bad_requests_name_the_field(client, call, field):
     from pagedserve.client import InvalidArgument
 
