@@ -10,7 +10,7 @@ Hermes text, so the model sees the tools and its history either way, and its cal
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
@@ -50,7 +50,6 @@ class ChatPlan:
     prompt_token_ids: list[int]
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
-    tools: list[Tool] = field(default_factory=list)
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -125,8 +124,8 @@ class ChatTemplate:
     def render(self, messages: Any, tools: list[Tool], add_generation_prompt: bool = True) -> list[int]:
         """The conversation with `tools` offered, as token ids; ValueError naming what is wrong."""
         checked = check_messages(messages)
-        if not self.renders_tools:
-            checked = _as_hermes_text(checked, tools)
+        if not self.renders_tools and (tools or any("tool_calls" in m for m in checked)):
+            checked = _as_hermes_text(checked, tools)  # only where tools are in play: a plain chat stays as is
         try:
             ids = self.tokenizer.apply_chat_template(
                 checked, tools=[t.as_openai() for t in tools] if tools and self.renders_tools else None,

@@ -149,7 +149,7 @@ class LLMEngine:
             params = dataclasses.replace(params, structured_outputs=constraint)
         shown = offered if choice.mode != "none" else []  # "none": the model is not told of tools it may not call
         ids = template.render(messages, shown, add_generation_prompt)
-        return ChatPlan(ids, params, parsing, offered)
+        return ChatPlan(ids, params, parsing)
 
     def _chat_template(self) -> ChatTemplate:
         if self._template is None:

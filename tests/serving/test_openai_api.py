@@ -164,7 +164,7 @@ def test_tokenize_detokenize_and_model_routes(model, offline):
 def test_unsupported_fields_are_refused_by_name(oai, model):
     for kwargs, field in [
         (dict(response_format={"type": "xml"}), "response_format"),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+        (dict(tools=[{"type": "function", "function": {"name": "f g"}}]), r"tools\[0\]\.function\.name"),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(extra_body={"frobnicate": 1}), "frobnicate"),
     ]:
