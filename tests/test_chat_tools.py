@@ -4,6 +4,7 @@ and named calls enforced by the grammar, calls parsed from the output, and histo
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -13,18 +14,8 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.chat import ChatTemplate
 from pagedserve.tool_calls import parse_tools
+from tests.tools_data import ASK, HERMES_CALL, PARAMETERS, TOOLS
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 20},
-                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                                                "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"],
-    "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 HISTORY = ASK + [
     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
@@ -113,15 +104,10 @@ def tokenizer(embedded_dir):
 
 
 def template(tokenizer, source: str) -> ChatTemplate:
-    tokenizer = _copy(tokenizer)
+    """The embedded tokenizer under another chat template."""
+    tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = source
     return ChatTemplate(tokenizer)
-
-
-def _copy(tokenizer):
-    import copy
-
-    return copy.deepcopy(tokenizer)
 
 
 def text_of(t: ChatTemplate, messages, tools) -> str:
@@ -183,10 +169,7 @@ def test_required_and_named_calls_follow_the_parameters(smol):
 
 
 def test_auto_parses_the_models_calls(smol):
-    # The embedded model rarely calls on its own; a regex makes this answer a Hermes call to parse.
-    regex = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", ' \
-            r'"unit": "celsius"\}\}\n</tool_call>'
-    out = smol.chat(ASK, greedy(structured_outputs={"regex": regex}), tools=TOOLS)[0].outputs[0]
+    out = smol.chat(ASK, greedy(structured_outputs={"regex": HERMES_CALL}), tools=TOOLS)[0].outputs[0]
     check_calls(out.tool_calls, ["get_weather"])
     assert out.text.startswith("Checking.\n<tool_call>")  # the offline output keeps what the model wrote
     plain = smol.chat(ASK, greedy(max_tokens=12), tools=TOOLS)[0].outputs[0]

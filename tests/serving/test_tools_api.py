@@ -10,23 +10,10 @@ import jsonschema
 import pytest
 
 from tests.serving.app import GRPC, HTTP, wait_idle
+from tests.tools_data import ASK, HERMES_CALL, PARAMETERS, TOOLS
 
 openai = pytest.importorskip("openai")
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 20},
-                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                                                "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"],
-    "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# Makes the model's free answer a Hermes call, so tool_choice="auto" has one to parse.
-HERMES_CALL = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", ' \
-              r'"unit": "celsius"\}\}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
