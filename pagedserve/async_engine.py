@@ -107,6 +107,15 @@ class AsyncEngine:
     def model_info(self) -> dict[str, Any]:
         return self.engine.model_info()
 
+    async def check_health(self) -> None:
+        """RuntimeError naming what is gone: the step loop (it died of an error) or a worker."""
+        task = self._loop_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise RuntimeError(f"the engine's step loop died: {task.exception()!r}")
+        if self.engine.executor is None:
+            raise RuntimeError("the engine is shut down")
+        await self.engine.executor.check_health()
+
     async def worker_pids(self) -> list[int]:
         return await asyncio.to_thread(self.engine.worker_pids)
 

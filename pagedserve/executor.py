@@ -31,6 +31,9 @@ class Executor(Protocol):
 
     def shutdown(self) -> None: ...
 
+    async def check_health(self) -> None:
+        """RuntimeError naming what is gone when a worker is."""
+
     def worker_pids(self) -> list[int]:
         """Process id of each rank, in rank order."""
 
@@ -55,6 +58,9 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         pass
+
+    async def check_health(self) -> None:
+        pass  # the worker is this process
 
     def worker_pids(self) -> list[int]:
         return [os.getpid()]

@@ -54,6 +54,13 @@ class EngineServer:
     async def model_info(self) -> dict[str, Any]:
         return self.core.model_info()
 
+    async def check_health(self) -> None:
+        """Serve's health check: raising marks the replica unhealthy, and Serve replaces it."""
+        await self.core.check_health()
+
+    async def worker_pids(self) -> list[int]:
+        return await self.core.worker_pids()
+
     async def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
@@ -61,6 +68,57 @@ class EngineServer:
         core = getattr(self, "core", None)
         if core is not None:
             core.shutdown()  # the worker actors and their placement group go with the replica
+
+
+def engine_options(config: EngineConfig, num_replicas: int | None = None,
+                   autoscaling_config: dict[str, Any] | None = None,
+                   ray_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`EngineServer.options(...)` for a model replica: its placement group (one bundle for the engine, one
+    per worker, packed on one node) declared to Serve, so that Serve places a replica as a unit, or reports
+    that it cannot; the replica count or autoscaling; the engine actor's options. ValueError naming the
+    setting that is wrong, or saying that no node of the cluster could hold a replica."""
+    from pagedserve.cluster.ray_executor import worker_bundle
+
+    if autoscaling_config is not None and num_replicas is not None:
+        raise ValueError("num_replicas and autoscaling_config: give one (autoscaling sets the count itself)")
+    if num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
+        raise ValueError(f"num_replicas={num_replicas!r} must be an integer >= 1")
+    actor = {"num_cpus": 1, **(ray_actor_options or {})}
+    unknown = set(actor) - {"num_cpus", "num_gpus", "memory", "resources", "runtime_env", "accelerator_type"}
+    if unknown:
+        raise ValueError(f"ray_actor_options has unsupported keys {sorted(unknown)}")
+    if not isinstance(actor["num_cpus"], int | float) or actor["num_cpus"] <= 0:
+        raise ValueError(f"ray_actor_options.num_cpus={actor['num_cpus']!r} must be > 0 (the engine's own bundle)")
+    engine_bundle = {"CPU": actor["num_cpus"], "GPU": actor.get("num_gpus", 0), "memory": actor.get("memory", 0),
+                     **actor.get("resources", {})}
+    engine_bundle = {k: v for k, v in engine_bundle.items() if v}
+    bundles = [engine_bundle] + [worker_bundle(config) for _ in range(config.tensor_parallel_size)]
+    _check_fits(bundles, config.tensor_parallel_size)
+    options: dict[str, Any] = {"ray_actor_options": actor, "placement_group_bundles": bundles,
+                               "placement_group_strategy": "STRICT_PACK"}
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = autoscaling_config
+    else:
+        options["num_replicas"] = num_replicas or 1
+    return options
+
+
+def _check_fits(bundles: list[dict[str, float]], tp: int) -> None:
+    """ValueError if no alive node of the cluster (when connected to one) has what one replica needs."""
+    import ray
+
+    if not ray.is_initialized():
+        return  # `serve run` connects before it builds; a builder called alone cannot know the cluster
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            need[key] = need.get(key, 0) + value
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if not any(all(node.get(k, 0) >= v for k, v in need.items()) for node in nodes):
+        largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
+        raise ValueError(f"tensor_parallel_size={tp}: one replica needs {need} on one node (its engine and "
+                         f"{tp} worker(s), packed), and no node of this Ray cluster has that (the largest has "
+                         f"CPU={largest.get('CPU', 0)}, GPU={largest.get('GPU', 0)})")
 
 
 class _Running:

@@ -17,7 +17,7 @@ import socket
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.config import EngineConfig
@@ -29,6 +29,7 @@ from pagedserve.workers.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
+HEALTH_TIMEOUT_S = 10.0
 STEP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STEP_TIMEOUT_S", "600"))
 USE_COMPILED_GRAPH = os.environ.get("PAGEDSERVE_COMPILED_GRAPH", "0") == "1"
 
@@ -80,7 +81,28 @@ def ensure_ray(min_cpus: int = 1) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), runtime_env=env, include_dashboard=False)
 
 
+def uses_gpus(config: EngineConfig) -> bool:
+    """Whether the workers take GPUs: device "cuda", or "auto" where the cluster (else this machine) has
+    enough of them."""
+    if config.device != "auto":
+        return config.device == "cuda"
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= config.tensor_parallel_size
+    import torch
+
+    return torch.cuda.device_count() >= config.tensor_parallel_size
+
+
+def worker_bundle(config: EngineConfig) -> dict[str, float]:
+    """The resources of one worker actor (one rank): a GPU and a CPU, or a CPU."""
+    return {"GPU": 1, "CPU": 1} if uses_gpus(config) else {"CPU": 1}
+
+
 class RayExecutor:
+    """The workers of one model replica. Inside a placement group of `worker_bundle`s after one bundle of
+    its own (a Serve replica's, see `EngineServer`), the workers take those bundles; anywhere else it makes
+    a placement group of its own."""
+
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:
         self.config = config
@@ -88,29 +110,38 @@ class RayExecutor:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.world_size = config.tensor_parallel_size
-        self.use_gpu = config.device == "cuda" or (config.device == "auto" and _cluster_has_gpus(self.world_size))
+        ensure_ray(self.world_size + 1)
+        self.bundle = worker_bundle(config)
         self.workers: list = []
         self.placement_group = None
+        self._owns_placement_group = False
         self.compiled = None
         self.num_blocks = 0
         self._start()
 
-    def _start(self) -> None:
-        ensure_ray(self.world_size + 1)
-        bundle = {"GPU": 1, "CPU": 1} if self.use_gpu else {"CPU": 1}
-        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="STRICT_PACK")
-        self.placement_group = pg
+    def _placement_group(self):
+        """(placement group, bundle index of rank 0): the replica's own when it was placed with one bundle
+        per worker after its own, else a new one."""
+        current = get_current_placement_group()
+        if current is not None and current.bundle_specs[1:] == [self.bundle] * self.world_size:
+            return current, 1
+        pg = placement_group([dict(self.bundle) for _ in range(self.world_size)], strategy="STRICT_PACK")
+        self.placement_group, self._owns_placement_group = pg, True
         try:
             ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except GetTimeoutError:
             self.shutdown()
-            raise RuntimeError(f"the Ray cluster cannot place {self.world_size} workers of {bundle} on one node "
-                               f"within {PLACEMENT_TIMEOUT_S:.0f}s: not enough resources") from None
+            raise RuntimeError(f"the Ray cluster cannot place {self.world_size} workers of {self.bundle} on one "
+                               f"node within {PLACEMENT_TIMEOUT_S:.0f}s: not enough resources") from None
+        return pg, 0
+
+    def _start(self) -> None:
+        pg, first = self._placement_group()
         cpu_threads = max(1, (os.cpu_count() or 1) // self.world_size)
         actor_cls = ray.remote(WorkerActor)
         for rank in range(self.world_size):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
-            options = {"num_gpus": 1, "num_cpus": 1} if self.use_gpu else {"num_cpus": 1}
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=first + rank)
+            options = {"num_cpus": self.bundle["CPU"], "num_gpus": self.bundle.get("GPU", 0)}
             self.workers.append(actor_cls.options(scheduling_strategy=strategy, max_concurrency=2, **options)
                                 .remote(rank, self.world_size, cpu_threads))
         init_method = None
@@ -188,6 +219,15 @@ class RayExecutor:
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
 
+    async def check_health(self) -> None:
+        """RuntimeError when a worker is gone or does not answer (it answers between and during steps)."""
+        if not self.workers:
+            raise RuntimeError("no worker actors (an earlier restart failed)")
+        try:
+            await asyncio.wait_for(asyncio.gather(*[w.pid.remote() for w in self.workers]), HEALTH_TIMEOUT_S)
+        except (RayError, TimeoutError) as e:
+            raise RuntimeError(f"a worker actor is gone: {_cause(e)}") from None
+
     def restart(self) -> None:
         """Replace every worker (the survivors may be wedged in a collective) with the same pool size."""
         self.shutdown()
@@ -206,17 +246,12 @@ class RayExecutor:
             except Exception:  # already gone
                 pass
         self.workers = []
-        if self.placement_group is not None:
+        if self.placement_group is not None and self._owns_placement_group:
             try:
                 remove_placement_group(self.placement_group)
             except Exception:
                 pass
-            self.placement_group = None
-
-
-def _cluster_has_gpus(count: int) -> bool:
-    ensure_ray(count + 1)
-    return ray.cluster_resources().get("GPU", 0) >= count
+        self.placement_group, self._owns_placement_group = None, False
 
 
 def _cause(e: BaseException) -> str:

@@ -22,7 +22,7 @@ def app(tiny_random):
     from pagedserve.cluster.serve_app import build_app
 
     config = yaml.safe_load(CONFIG.read_text())
-    ray.init(num_cpus=10, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+    ray.init(num_cpus=16, include_dashboard=False, _metrics_export_port=METRICS_PORT,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
     spec = config["applications"][0]
