@@ -159,6 +159,7 @@ def _as_hermes_text(messages: list[dict[str, Any]], tools: list[Tool]) -> list[d
     """For a template that ignores tools: the tools as Hermes instructions in the system message, past calls
     as `<tool_call>` text, and tool results as `<tool_response>` user turns (consecutive ones joined)."""
     out: list[dict[str, Any]] = []
+    after_tool = False  # the previous message was a tool result: this one joins its user turn
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [HERMES_OPEN + "\n" + json.dumps({"name": c["function"]["name"],
@@ -167,14 +168,13 @@ def _as_hermes_text(messages: list[dict[str, Any]], tools: list[Tool]) -> list[d
             out.append({"role": "assistant", "content": "\n".join(filter(None, [m["content"], *calls]))})
         elif m["role"] == "tool":
             response = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("_tool_results"):
+            if after_tool:
                 out[-1]["content"] += "\n" + response
             else:
-                out.append({"role": "user", "content": response, "_tool_results": True})
+                out.append({"role": "user", "content": response})
         else:
             out.append({k: v for k, v in m.items() if k in ("role", "content")})
-    for m in out:
-        m.pop("_tool_results", None)
+        after_tool = m["role"] == "tool"
     if tools:
         prompt = _HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
         if out[0]["role"] == "system":

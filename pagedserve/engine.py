@@ -68,8 +68,7 @@ class LLMEngine:
 
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the bad field. Adds nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        _check_params(params)
         params.validate()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
@@ -128,8 +127,7 @@ class LLMEngine:
         """A chat request made ready to run: its prompt with the tools offered, `params` with the output
         constraint that `tool_choice` "required" or a named function asks for, and how to parse its tool
         calls. ValueError naming the field that is wrong."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        _check_params(params)
         template = self._chat_template()
         offered = parse_tools(tools)
         choice = parse_tool_choice(tool_choice, offered)
@@ -385,6 +383,11 @@ class LLMEngine:
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (eos,)
         return self.model_config.eos_token_ids
+
+
+def _check_params(params: object) -> None:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
 
 
 _live_engines = 0

@@ -245,14 +245,9 @@ def _llama_items(text: str, final: bool) -> list[_Item]:
             return items + [("text", text[pos:])]
         items.append(("call", *call))
         rest = text[end:].lstrip()
-        if rest.startswith(";"):
-            pos = end + text[end:].index(";") + 1
-        elif not rest and not final:
-            return items
-        elif rest:
-            return items + [("text", text[end:])]
-        else:
-            return items
+        if not rest.startswith(";"):
+            return items + [("text", text[end:])] if rest else items
+        pos = end + text[end:].index(";") + 1
 
 
 def _array_items(text: str, final: bool, args_key: str) -> list[_Item]:
@@ -315,6 +310,15 @@ def _content(items: list[_Item], final: bool) -> str:
         if text:
             parts.append(text)
     return "\n".join(parts)
+
+
+def join_deltas(calls: list[ToolCall], deltas: list[ToolCallDelta]) -> None:
+    """Add a stream's tool-call deltas to the calls they extend (a new index starts a call)."""
+    for delta in deltas:
+        if delta.index == len(calls):
+            calls.append(ToolCall(delta.id or "", delta.name or "", delta.arguments))
+        else:
+            calls[delta.index].arguments += delta.arguments
 
 
 class ToolCallStream:

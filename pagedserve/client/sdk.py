@@ -35,7 +35,7 @@ from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos import pagedserve_pb2_grpc as pb_grpc
 from pagedserve.protos.chat import messages_to_proto, tool_choice_to_proto, tools_to_proto
 from pagedserve.protos.sampling import sampling_to_proto
-from pagedserve.tool_calls import ToolCall, ToolCallDelta
+from pagedserve.tool_calls import ToolCall, ToolCallDelta, join_deltas
 
 __all__ = ["Client", "AsyncClient", "Completion", "Choice", "StreamChunk", "TokenLogprob", "ToolCall",
            "ToolCallDelta", "ResponseStream", "AsyncResponseStream"]
@@ -144,11 +144,7 @@ class _Accumulator:
             choice = self._choices[chunk.index] = Choice(chunk.index)
         choice.text += chunk.text
         choice.token_ids.extend(chunk.token_ids)
-        for call in chunk.tool_calls:
-            if call.index == len(choice.tool_calls):
-                choice.tool_calls.append(ToolCall(call.id or "", call.name or "", call.arguments))
-            else:
-                choice.tool_calls[call.index].arguments += call.arguments
+        join_deltas(choice.tool_calls, chunk.tool_calls)
         if chunk.logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + chunk.logprobs
         if chunk.finish_reason:

@@ -14,7 +14,7 @@ from pagedserve.cluster.errors import classify
 from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.tool_calls import ToolCallDelta
+from pagedserve.tool_calls import ToolCallDelta, join_deltas
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 429: "rate_limit_error", 503: "service_unavailable"}
@@ -120,18 +120,15 @@ class ResponseFormatter:
             c["text"] += text
             c["entries"] += entries
             c["token_ids"] += d.token_ids
-            for call in d.tool_calls:
-                if call.index == len(c["tool_calls"]):
-                    c["tool_calls"].append({"id": call.id, "type": "function",
-                                            "function": {"name": call.name, "arguments": call.arguments}})
-                else:
-                    c["tool_calls"][call.index]["function"]["arguments"] += call.arguments
+            join_deltas(c["tool_calls"], d.tool_calls)
             if d.finish_reason:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
             usage = d.usage
             d = await anext(deltas, None)
         out = [self._choice(i, c["text"], c["token_ids"], c["entries"], c["finish_reason"], c["stop_reason"],
-                            first=True, whole=True, tool_calls=c["tool_calls"]) for i, c in sorted(choices.items())]
+                            first=True, whole=True, tool_calls=[{"id": t.id, "type": "function", "function": {
+                                "name": t.name, "arguments": t.arguments}} for t in c["tool_calls"]])
+               for i, c in sorted(choices.items())]
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage}
 
