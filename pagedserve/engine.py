@@ -72,6 +72,20 @@ class LLMEngine:
         params.validate()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        token_ids = self.encode_prompt(prompt)
+        for name, ids in params.token_ids_named().items():
+            self._check_token_ids(name, ids)
+        if params.structured_outputs is not None:
+            self.grammars().compile(params.structured_outputs)  # ValueError now, not mid-generation
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
+                          prompt=prompt if isinstance(prompt, str) else None)
+        self.scheduler.check_admissible(request)
+        return request
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: text through the tokenizer, ids checked against the vocabulary. ValueError
+        naming what is wrong."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -85,15 +99,7 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
-        for name, ids in params.token_ids_named().items():
-            self._check_token_ids(name, ids)
-        if params.structured_outputs is not None:
-            self.grammars().compile(params.structured_outputs)  # ValueError now, not mid-generation
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
-                          prompt=prompt if isinstance(prompt, str) else None)
-        self.scheduler.check_admissible(request)
-        return request
+        return token_ids
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from `make_request`: validation and queueing are apart so that a caller can

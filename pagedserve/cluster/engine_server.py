@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
 from ray import serve
+from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
@@ -25,11 +27,13 @@ from pagedserve.sampling_params import SamplingParams
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, health_check_period_s=10)
 class EngineServer:
-    def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
+                 publish_cached_blocks: bool = False) -> None:
         from pagedserve.cluster.metrics import EngineMetrics
 
         self.core = AsyncEngine(ray_hosted_config(config), max_waiting_requests)
         self.core.metrics = EngineMetrics(self.core.model_info()["model"])
+        self.publish_cached_blocks = publish_cached_blocks
 
     async def generate_deltas(self, prompt: str | list[int], params: SamplingParams,
                               request_id: str | None = None) -> AsyncIterator[Delta]:
@@ -48,6 +52,9 @@ class EngineServer:
                        tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[str]]:
         return self.core.engine.tokenize(text, messages, add_special_tokens, add_generation_prompt, tools)
 
+    async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.core.engine.encode_prompt(prompt)
+
     async def detokenize(self, token_ids: list[int]) -> str:
         return self.core.engine.detokenize(token_ids)
 
@@ -61,6 +68,17 @@ class EngineServer:
     async def worker_pids(self) -> list[int]:
         return await self.core.worker_pids()
 
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve hands the request router every `request_routing_stats_period_s`: the engine's stats
+        (a few numbers: load, KV blocks, prefix-cache counters) and, for the prefix-aware router, the
+        blocks its prefix cache holds (`prefix_router.summarize`)."""
+        from pagedserve.cluster.prefix_router import summarize
+
+        stats = self.core.stats()
+        if self.publish_cached_blocks:
+            stats["cached_blocks"] = summarize(self.core.engine.block_manager.pool.cached_hashes())
+        return stats
+
     async def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
@@ -72,11 +90,16 @@ class EngineServer:
 
 def engine_options(config: EngineConfig, num_replicas: int | None = None,
                    autoscaling_config: dict[str, Any] | None = None,
-                   ray_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                   ray_actor_options: dict[str, Any] | None = None,
+                   prefix_routing: PrefixRouting | None = None) -> dict[str, Any]:
     """`EngineServer.options(...)` for a model replica: its placement group (one bundle for the engine, one
     per worker, packed on one node) declared to Serve, so that Serve places a replica as a unit, or reports
-    that it cannot; the replica count or autoscaling; the engine actor's options. ValueError naming the
-    setting that is wrong, or saying that no node of the cluster could hold a replica."""
+    that it cannot; the replica count or autoscaling; the engine actor's options; the request router
+    (`prefix_routing`, or Serve's default when None). ValueError naming the setting that is wrong, or
+    saying that no node of the cluster could hold a replica."""
+    from ray.serve.config import RequestRouterConfig
+
+    from pagedserve.cluster.prefix_router import PrefixAwareRouter
     from pagedserve.cluster.ray_executor import worker_bundle
 
     if autoscaling_config is not None and num_replicas is not None:
@@ -96,11 +119,45 @@ def engine_options(config: EngineConfig, num_replicas: int | None = None,
     _check_fits(bundles, config.tensor_parallel_size)
     options: dict[str, Any] = {"ray_actor_options": actor, "placement_group_bundles": bundles,
                                "placement_group_strategy": "STRICT_PACK"}
+    if prefix_routing is not None:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAwareRouter,
+            request_router_kwargs={"block_size": config.block_size,
+                                   "imbalance_threshold": prefix_routing.imbalance_threshold},
+            request_routing_stats_period_s=prefix_routing.stats_period_s)
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config
     else:
         options["num_replicas"] = num_replicas or 1
     return options
+
+
+@dataclass(frozen=True)
+class PrefixRouting:
+    """The prefix-aware router's settings (`prefix_routing` in deploy/config.yaml)."""
+
+    imbalance_threshold: int = 8  # route by prefix unless the queue is this much longer than the shortest
+    stats_period_s: float = 1.0  # how often each replica publishes its cached blocks
+
+    @classmethod
+    def parse(cls, setting: bool | dict[str, Any] | None) -> PrefixRouting | None:
+        """True / None: on with defaults; False: off (Serve's default router); a dict: on, with these."""
+        if setting is False:
+            return None
+        if setting is None or setting is True:
+            return cls()
+        if not isinstance(setting, dict):
+            raise ValueError(f"prefix_routing={setting!r} must be true, false or a mapping of settings")
+        unknown = set(setting) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"prefix_routing has unknown settings {sorted(unknown)}")
+        routing = cls(**setting)
+        if not isinstance(routing.imbalance_threshold, int) or routing.imbalance_threshold < 0:
+            raise ValueError(f"prefix_routing.imbalance_threshold={routing.imbalance_threshold!r} must be an "
+                             "integer >= 0")
+        if not isinstance(routing.stats_period_s, int | float) or routing.stats_period_s <= 0:
+            raise ValueError(f"prefix_routing.stats_period_s={routing.stats_period_s!r} must be > 0")
+        return routing
 
 
 def _check_fits(bundles: list[dict[str, float]], tp: int) -> None:
@@ -119,6 +176,9 @@ def _check_fits(bundles: list[dict[str, float]], tp: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp}: one replica needs {need} on one node (its engine and "
                          f"{tp} worker(s), packed), and no node of this Ray cluster has that (the largest has "
                          f"CPU={largest.get('CPU', 0)}, GPU={largest.get('GPU', 0)})")
+
+
+_RUNS_PER_REQUEST = 3  # a request whose replica died before its first output runs again, up to this often
 
 
 class _Running:
@@ -140,9 +200,12 @@ class EngineClient:
     to one of its replicas), the model's description, the API keys, and the requests this ingress is
     streaming, by id."""
 
-    def __init__(self, engine: DeploymentHandle, num_replicas: int = 1, api_keys: ApiKeys | None = None) -> None:
+    def __init__(self, engine: DeploymentHandle, num_replicas: int = 1, api_keys: ApiKeys | None = None,
+                 routes_on_token_ids: bool = False) -> None:
         self.engine = engine
         self.num_replicas = num_replicas
+        # the prefix-aware router hashes token ids: a text prompt is tokenized (once) before it is routed
+        self.routes_on_token_ids = routes_on_token_ids
         self.api_keys = api_keys or ApiKeys()
         self.api_keys.log_state("pagedserve ingress")
         self._info: dict[str, Any] | None = None
@@ -174,11 +237,15 @@ class EngineClient:
 
     async def deltas(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None) -> AsyncIterator[Delta]:
-        """The request's deltas (see `stream_deltas`) from whichever engine replica Serve picks.
+        """The request's deltas (see `stream_deltas`) from whichever engine replica the router picks.
 
         A request id that is still streaming here is a retry of it (a client that lost the first attempt's
-        connection): the earlier attempt is aborted first, so the request never runs twice."""
+        connection): the earlier attempt is aborted first, so the request never runs twice. A request whose
+        replica died before it produced anything runs again on another replica; one that had started ends
+        with the replica's death (UNAVAILABLE)."""
         rid = request_id or uuid.uuid4().hex
+        if self.routes_on_token_ids and isinstance(prompt, str):
+            prompt = await self.engine.encode_prompt.remote(prompt)
         earlier = self._running.get(rid)
         if earlier is not None:
             earlier.abort()
@@ -190,18 +257,26 @@ class EngineClient:
         finished: set[int] = set()
         usage_so_far: dict[str, int] = {}
         try:
-            running.stream = self.engine.options(stream=True).generate_deltas.remote(prompt, params, rid)
-            if running.aborted:  # aborted while the call was being made
-                running.stream.cancel()
-            try:
-                async for d in running.stream:
-                    usage_so_far = d.usage
-                    if d.finish_reason is not None:
-                        finished.add(d.index)
-                    yield d
-            except (RequestCancelledError, asyncio.CancelledError):
-                if not running.aborted:
-                    raise
+            for attempt in range(_RUNS_PER_REQUEST):
+                running.stream = self.engine.options(stream=True).generate_deltas.remote(prompt, params, rid)
+                if running.aborted:  # aborted while the call was being made
+                    running.stream.cancel()
+                started = False
+                try:
+                    async for d in running.stream:
+                        started = True
+                        usage_so_far = d.usage
+                        if d.finish_reason is not None:
+                            finished.add(d.index)
+                        yield d
+                except (RequestCancelledError, asyncio.CancelledError):
+                    if not running.aborted:
+                        raise
+                except ActorDiedError:
+                    if started or running.aborted or attempt + 1 == _RUNS_PER_REQUEST:
+                        raise
+                    continue  # nothing of it reached the client: the router has dropped the dead replica
+                break
             if running.aborted:
                 left = [i for i in range(params.n) if i not in finished]
                 for i in left:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.cluster.auth import ApiKeys
-from pagedserve.cluster.engine_server import EngineServer, engine_options
+from pagedserve.cluster.engine_server import EngineServer, PrefixRouting, engine_options
 from pagedserve.cluster.openai_api import Ingress
 from pagedserve.config import ray_hosted_config
 
@@ -17,16 +17,19 @@ from pagedserve.config import ray_hosted_config
 def build_app(args: dict[str, Any] | None = None):
     """Serve application builder (deploy/config.yaml `args`): engine settings of EngineConfig plus
     `num_replicas` (model replicas) or `autoscaling_config` (Serve's, on ongoing requests per replica),
-    `ray_actor_options` (the engine actor's), `max_waiting_requests` (queue bound before
-    RESOURCE_EXHAUSTED) and `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY environment variable,
-    else no key). Bad settings fail here, at deploy time, by name."""
+    `ray_actor_options` (the engine actor's), `prefix_routing` (true, false for Serve's default router, or
+    `PrefixRouting`'s settings), `max_waiting_requests` (queue bound before RESOURCE_EXHAUSTED) and
+    `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY environment variable, else no key). Bad
+    settings fail here, at deploy time, by name."""
     args = dict(args or {})
     num_replicas = args.pop("num_replicas", None)
     autoscaling = args.pop("autoscaling_config", None)
     actor_options = args.pop("ray_actor_options", None)
+    routing = PrefixRouting.parse(args.pop("prefix_routing", None))
     max_waiting = args.pop("max_waiting_requests", None)
     api_keys = ApiKeys.resolve(args.pop("api_keys", None))
     config = ray_hosted_config(args)
-    engine = EngineServer.options(**engine_options(config, num_replicas, autoscaling, actor_options))
+    engine = EngineServer.options(**engine_options(config, num_replicas, autoscaling, actor_options, routing))
     # ModelInfo's replica count: 0 when autoscaling decides it
-    return Ingress.bind(engine.bind(config, max_waiting), 0 if autoscaling else num_replicas or 1, api_keys)
+    return Ingress.bind(engine.bind(config, max_waiting, routing is not None),
+                        0 if autoscaling else num_replicas or 1, api_keys, routing is not None)

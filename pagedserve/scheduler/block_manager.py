@@ -19,6 +19,16 @@ def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
     return xxhash.xxh64_intdigest(prefix + array("q", token_ids).tobytes())
 
 
+def prefix_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of `token_ids`, as the prefix cache files them."""
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:

@@ -42,6 +42,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_hashes(self) -> list[int]:
+        """The hash of every block the prefix cache can still hand out (referenced or free)."""
+        return list(self._cached)
+
     def allocate(self) -> Block:
         """Take the least recently freed block; evict its cached hash only now."""
         if not self._free:

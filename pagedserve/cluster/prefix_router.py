@@ -1,0 +1,134 @@
+"""Routing by the exact cached prefix.
+
+Each `EngineServer` replica publishes which blocks its prefix cache holds through Serve's routing stats:
+the low 32 bits of every cached block's chained hash, sorted (4 bytes a block, `summarize`). The
+`PrefixAwareRouter` runs in each caller's deployment handle (the ingress); for a prompt given as token ids
+it computes the same chained hashes (`prefix_hashes`, the block manager's) and sends the request to the
+replica holding the longest cached prefix, unless that replica's queue is longer than the least loaded
+replica's by more than `imbalance_threshold`: then the request goes to the best match among the replicas
+within the threshold, so a flood of one prefix still spreads.
+
+Published summaries lag by up to Serve's stats period, so the router also remembers, for `memory_s`, the
+blocks of the prompts it sent to each replica: a conversation's next turn finds its replica at once."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from pagedserve.scheduler.block_manager import prefix_hashes
+
+ROUTED_METHOD = "generate_deltas"  # the one EngineServer method whose first argument is the prompt
+_MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
+
+
+def summarize(hashes: Iterable[int]) -> bytes:
+    """A replica's cached block hashes, compact: the low 32 bits of each, sorted, deduplicated."""
+    low = np.fromiter(hashes, dtype=np.uint64) & np.uint64(0xFFFFFFFF)  # (num_cached,)
+    return np.unique(low.astype(np.uint32)).tobytes()
+
+
+def cached_mask(summary: bytes, hashes: list[int]) -> np.ndarray:
+    """For each of `hashes`, whether `summary` (from `summarize`) holds it. A 32-bit match may be a
+    collision; at ~1e5 cached blocks that is one lookup in 40,000, and it costs only a worse choice."""
+    keys = np.frombuffer(summary, dtype=np.uint32)  # (num_cached,) sorted
+    if not hashes or keys.size == 0:
+        return np.zeros(len(hashes), dtype=bool)
+    wanted = (np.array(hashes, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)  # (num_blocks,)
+    at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
+    return keys[at] == wanted
+
+
+def leading(mask: Iterable[bool]) -> int:
+    """How many entries hold before the first that does not: a chained hash stands for its whole prefix."""
+    count = 0
+    for held in mask:
+        if not held:
+            break
+        count += 1
+    return count
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Serve request router for `EngineServer` (see the module's docstring). Calls other than
+    `generate_deltas` with token ids go to the less loaded of two random replicas, as Serve's default."""
+
+    def initialize_state(self, block_size: int = 16, imbalance_threshold: int = 8, memory_s: float = 30.0) -> None:
+        self.block_size = block_size
+        self.imbalance_threshold = imbalance_threshold
+        self.memory_s = memory_s
+        self._remembered: dict[ReplicaID, OrderedDict[int, float]] = {}  # block hash -> when sent
+        self._in_flight: dict[ReplicaID, set[str]] = {}  # this handle's requests on each replica
+
+    def prompt_hashes(self, request: PendingRequest | None) -> list[int]:
+        if request is None or request.metadata.call_method != ROUTED_METHOD or not request.args:
+            return []
+        prompt = request.args[0]
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            return []  # text: the engine tokenizes it; the ingress sends token ids when this router is on
+        return prefix_hashes(prompt, self.block_size)
+
+    def cached_blocks(self, replica: RunningReplica, hashes: list[int], now: float) -> int:
+        """Leading blocks of the prompt that `replica` holds: published, or sent there lately by us."""
+        published = cached_mask(replica.routing_stats.get("cached_blocks", b""), hashes)
+        remembered = self._remembered.get(replica.replica_id, {})
+        cutoff = now - self.memory_s
+        return leading(bool(p) or remembered.get(h, 0.0) > cutoff for p, h in zip(published, hashes, strict=True))
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # one call weighs every replica
+        hashes = self.prompt_hashes(pending_request)
+        if not hashes or len(candidate_replicas) == 1:
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        queue: dict[ReplicaID, int] = {}
+        for replica, length in await self._probe_queue_lens(candidate_replicas, 0):
+            if length is not None and length < replica.max_ongoing_requests:
+                # a probe can miss the requests this handle sent a moment ago; our own count cannot
+                queue[replica.replica_id] = max(length, len(self._in_flight.get(replica.replica_id, ())))
+        replicas = [r for r in candidate_replicas if r.replica_id in queue]
+        if not replicas:
+            return [candidate_replicas]  # none answered: Serve probes again with backoff
+        least = min(queue.values())
+        now = time.monotonic()
+        balanced = [r for r in replicas if queue[r.replica_id] - least <= self.imbalance_threshold]
+        ranked = sorted(balanced, key=lambda r: (-self.cached_blocks(r, hashes, now), queue[r.replica_id],
+                                                 random.random()))
+        rest = sorted((r for r in replicas if r not in balanced), key=lambda r: queue[r.replica_id])
+        return [[ranked[0]], ranked[1:] + rest]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        hashes = self.prompt_hashes(pending_request)
+        if not hashes:
+            return
+        self._in_flight.setdefault(replica_id, set()).add(pending_request.metadata.internal_request_id)
+        remembered = self._remembered.setdefault(replica_id, OrderedDict())
+        now = time.monotonic()
+        for h in hashes:
+            remembered[h] = now
+            remembered.move_to_end(h)
+        while len(remembered) > _MAX_REMEMBERED:
+            remembered.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.get(replica_id, set()).discard(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        for gone in (set(self._remembered) | set(self._in_flight)) - set(self.curr_replicas):
+            self._remembered.pop(gone, None)
+            self._in_flight.pop(gone, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._remembered.pop(replica_id, None)
+        self._in_flight.pop(replica_id, None)

@@ -1,0 +1,133 @@
+"""Two engine replicas behind the prefix-aware router, on the real local Ray cluster: a conversation's next
+turn goes to the replica holding its prefix (from what the router sent there, and from what replicas
+publish), a flood of one prefix still spreads once one replica's queue is long, and killing a replica
+under load loses no request that had not started."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+from ray import serve
+
+from pagedserve.client import AsyncClient, Client
+from pagedserve.client.errors import Unavailable
+from pagedserve.sampling_params import SamplingParams
+from tests.serving.app import BLOCK_BYTES, GRPC, MAX_MODEL_LEN, replica_stats
+
+ROUTED = "routed"
+BS = 16  # deploy/config.yaml's block_size
+PROMPT = 4 * BS + 3  # four full blocks and a partial one
+VOCAB = range(100, 49_000)  # tiny_random shares SmolLM2's vocabulary
+
+
+@pytest.fixture(scope="module")
+def routed(app, tiny_random):
+    from pagedserve.cluster.serve_app import build_app
+
+    serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN, "num_replicas": 2, "max_num_seqs": 4,
+                         "kv_cache_memory": 160 * BLOCK_BYTES, "prefix_routing": {"imbalance_threshold": 2}}),
+              name=ROUTED, route_prefix=f"/{ROUTED}")
+    yield ROUTED
+    serve.delete(ROUTED)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.choice(VOCAB) for _ in range(n)]
+
+
+def _gained(before: dict[str, dict], key: str) -> dict[str, int]:
+    return {name: stats[key] - before.get(name, {}).get(key, 0) for name, stats in replica_stats(ROUTED).items()}
+
+
+def test_the_next_turn_goes_to_the_replica_holding_the_conversation(routed):
+    rng = random.Random(1)
+    with Client(GRPC, application=routed, timeout=120) as c:
+        for _ in range(6):  # by chance (Serve's default router), all six would find their prefix 1 time in 64
+            turn1 = _tokens(rng, PROMPT)
+            answer = c.generate(turn1, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+            before = replica_stats(routed)
+            c.generate(turn1 + answer + _tokens(rng, 5), max_tokens=2, ignore_eos=True)
+            gained = _gained(before, "prefix_cache_hits")
+            # turn 1 and its answer filled 4 blocks (the answer's last token has no K/V yet)
+            assert sorted(gained.values()) == [0, 4 * BS], gained
+
+
+def test_a_new_caller_routes_by_what_the_replicas_publish(routed):
+    """A handle made now (its router has sent nothing anywhere) finds each conversation's replica from the
+    cached blocks the replicas publish every second (by chance: 1 time in 256)."""
+    rng = random.Random(2)
+    with Client(GRPC, application=routed, timeout=120) as c:
+        turns = [_tokens(rng, PROMPT) for _ in range(8)]
+        for turn in turns:
+            c.generate(turn, max_tokens=1)
+    time.sleep(3)  # a stats period or two, and Serve's broadcast of them
+    handle = serve.get_deployment_handle("EngineServer", routed)
+    for turn in turns:
+        before = replica_stats(routed)
+        prompt = turn + _tokens(rng, 3)
+        deltas = list(handle.options(stream=True).generate_deltas.remote(prompt, SamplingParams(max_tokens=1)))
+        assert deltas[-1].finish_reason == "length"
+        assert sorted(_gained(before, "prefix_cache_hits").values()) == [0, 4 * BS]
+
+
+def test_a_flood_of_one_prefix_spreads_once_one_queue_is_long(routed):
+    rng = random.Random(3)
+    prefix = _tokens(rng, 4 * BS)
+    with Client(GRPC, application=routed, timeout=120) as c:
+        c.generate(prefix + _tokens(rng, 1), max_tokens=1)  # one replica holds the prefix now
+        before = replica_stats(routed)
+        prompts = [prefix + _tokens(rng, 3) for _ in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(lambda p: c.generate(p, max_tokens=24, ignore_eos=True), prompts))
+    assert all(len(o.token_ids) == 24 for o in outs)
+    per_replica = {name: q // len(prompts[0]) for name, q in _gained(before, "prefix_cache_queries").items()}
+    assert sum(per_replica.values()) == 16
+    # without the threshold all sixteen would queue on the replica holding the prefix (4 running at a time)
+    assert min(per_replica.values()) >= 3, per_replica
+
+
+def test_killing_a_replica_under_load(routed):
+    """Requests that had not started when their replica died run on the other; streams that had started end
+    UNAVAILABLE; nothing hangs; the survivor ends holding no blocks. The client does not retry: what is
+    checked is the server's doing."""
+    rng = random.Random(4)
+    received: list[int] = [0] * 24
+    outcome: list[str] = [""] * 24
+
+    async def one(c: AsyncClient, i: int) -> None:
+        try:
+            async for chunk in c.stream(_tokens(rng, 20), max_tokens=48, ignore_eos=True):
+                received[i] += len(chunk.token_ids)
+            outcome[i] = "ok" if received[i] == 48 else f"short: {received[i]}"
+        except Unavailable:
+            outcome[i] = "unavailable"
+
+    async def load() -> tuple[list[int], str]:
+        names = sorted(replica_stats(ROUTED))
+        async with AsyncClient(GRPC, application=ROUTED, timeout=120, max_retries=0) as c:
+            tasks = [asyncio.create_task(one(c, i)) for i in range(24)]
+            while sum(1 for r in received if r) < 4:  # both replicas are decoding (4 at a time), 16 wait
+                await asyncio.sleep(0.05)
+            ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+            waiting_at_kill = [i for i, r in enumerate(received) if r == 0]
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)  # nothing hangs
+            return waiting_at_kill, names[1]
+
+    waiting_at_kill, survivor = asyncio.run(load())
+    assert set(outcome) <= {"ok", "unavailable"}, outcome
+    assert "unavailable" in outcome  # the killed replica had streams under way
+    # whatever ended UNAVAILABLE had started (a request that fails before its first token is run again)
+    assert all(received[i] > 0 for i, o in enumerate(outcome) if o == "unavailable"), (received, outcome)
+    assert len(waiting_at_kill) >= 8 and all(outcome[i] == "ok" for i in waiting_at_kill)
+    deadline = time.monotonic() + 30
+    while True:
+        stats = replica_stats(ROUTED, [survivor])[survivor]  # (Serve is starting a replacement meanwhile)
+        if stats["num_running"] == stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)

@@ -1,0 +1,71 @@
+"""What a replica publishes of its prefix cache, and how the router reads it: the chained hashes the router
+computes from a prompt are the ones the block manager files its blocks under."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from pagedserve.cluster.engine_server import PrefixRouting  # noqa: E402
+from pagedserve.cluster.prefix_router import cached_mask, leading, summarize  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.scheduler.block_manager import BlockManager, prefix_hashes  # noqa: E402
+from pagedserve.scheduler.request import Request, Sequence  # noqa: E402
+
+BS = 4
+
+
+def _cache(bm: BlockManager, token_ids: list[int]) -> None:
+    """Run a prompt through the block manager as the scheduler would, computing it whole, then free it."""
+    seq = Sequence(0, Request("r", token_ids, SamplingParams()), list(token_ids), sample_index=0)
+    blocks, hashes = bm.get_computed_blocks(seq)
+    assert bm.allocate_slots(seq, len(token_ids) - len(blocks) * BS, blocks, hashes) is not None
+    seq.num_computed_tokens = len(token_ids)
+    bm.cache_full_blocks(seq)
+    bm.free(seq)
+
+
+def test_the_router_finds_the_blocks_the_block_manager_cached():
+    rng = random.Random(0)
+    bm = BlockManager(64, BS)
+    conversation = [rng.randrange(50_000) for _ in range(5 * BS + 2)]  # 5 full blocks and 2 tokens
+    _cache(bm, conversation)
+    summary = summarize(bm.pool.cached_hashes())
+    assert len(summary) == 4 * 5  # 4 bytes a block
+
+    next_turn = conversation + [rng.randrange(50_000) for _ in range(3 * BS)]
+    assert leading(cached_mask(summary, prefix_hashes(next_turn, BS))) == 5
+    # the same tokens after a different first block share nothing: the hashes are chained
+    other = [conversation[0] + 1] + conversation[1:]
+    assert leading(cached_mask(summary, prefix_hashes(other, BS))) == 0
+    # a prompt diverging in its third block shares two
+    diverged = conversation[:2 * BS] + [t + 1 for t in conversation[2 * BS:]]
+    assert leading(cached_mask(summary, prefix_hashes(diverged, BS))) == 2
+    # a block the pool evicted (allocated to something else) is no longer published
+    for _ in range(64):
+        bm.pool.allocate()
+    assert leading(cached_mask(summarize(bm.pool.cached_hashes()), prefix_hashes(next_turn, BS))) == 0
+
+
+def test_prefix_hashes_cover_full_blocks_only():
+    assert prefix_hashes(list(range(BS - 1)), BS) == []
+    hashes = prefix_hashes(list(range(2 * BS + 1)), BS)
+    assert len(hashes) == 2 and hashes == prefix_hashes(list(range(2 * BS)), BS)
+    assert cached_mask(b"", hashes).tolist() == [False, False]
+
+
+def test_prefix_routing_settings():
+    assert PrefixRouting.parse(None) == PrefixRouting.parse(True) == PrefixRouting()
+    assert PrefixRouting.parse(False) is None
+    assert PrefixRouting.parse({"imbalance_threshold": 2}).imbalance_threshold == 2
+    with pytest.raises(ValueError, match=r"prefix_routing has unknown settings \['threshold'\]"):
+        PrefixRouting.parse({"threshold": 2})
+    with pytest.raises(ValueError, match="prefix_routing.imbalance_threshold=-1 must be"):
+        PrefixRouting.parse({"imbalance_threshold": -1})
+    with pytest.raises(ValueError, match="prefix_routing.stats_period_s=0 must be > 0"):
+        PrefixRouting.parse({"stats_period_s": 0})
+    with pytest.raises(ValueError, match="prefix_routing='yes' must be true, false or a mapping"):
+        PrefixRouting.parse("yes")
