@@ -88,6 +88,19 @@ class EngineServer:
             core.shutdown()  # the worker actors and their placement group go with the replica
 
 
+def replica_stats(app_name: str, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each EngineServer replica's stats in the Serve application `app_name` (or those of the replica actors
+    `names`), by replica actor name: what each publishes to the router, asked of every replica directly.
+    For operators and benchmarks; a deployment handle would reach one replica, not each."""
+    import ray
+
+    if names is None:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(f"SERVE_REPLICA::{app_name}#EngineServer#")]
+    refs = [ray.get_actor(name, namespace="serve").record_routing_stats.remote() for name in names]
+    return dict(zip(names, ray.get(refs, timeout=30), strict=True))
+
+
 def engine_options(config: EngineConfig, num_replicas: int | None = None,
                    autoscaling_config: dict[str, Any] | None = None,
                    ray_actor_options: dict[str, Any] | None = None,

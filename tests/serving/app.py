@@ -31,18 +31,6 @@ def engine_stats(app_name: str = "pagedserve") -> dict:
     return serve.get_deployment_handle("EngineServer", app_name).stats.remote().result()
 
 
-def replica_stats(app_name: str, names: list[str] | None = None) -> dict[str, dict]:
-    """Each EngineServer replica's stats (its routing stats, asked of every replica actor, or of those
-    named), by actor name."""
-    import ray
-
-    if names is None:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith(f"SERVE_REPLICA::{app_name}#EngineServer#")]
-    refs = [ray.get_actor(name, namespace="serve").record_routing_stats.remote() for name in names]
-    return dict(zip(names, ray.get(refs, timeout=30), strict=True))
-
-
 def wait_idle(app_name: str = "pagedserve", timeout: float = 30) -> dict:
     """The engine's stats once it runs nothing and holds no blocks (or when `timeout` is up)."""
     deadline = time.monotonic() + timeout

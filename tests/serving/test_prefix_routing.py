@@ -16,8 +16,9 @@ from ray import serve
 
 from pagedserve.client import AsyncClient, Client
 from pagedserve.client.errors import Unavailable
+from pagedserve.cluster.engine_server import replica_stats
 from pagedserve.sampling_params import SamplingParams
-from tests.serving.app import BLOCK_BYTES, GRPC, MAX_MODEL_LEN, replica_stats
+from tests.serving.app import BLOCK_BYTES, GRPC, MAX_MODEL_LEN
 
 ROUTED = "routed"
 BS = 16  # deploy/config.yaml's block_size
