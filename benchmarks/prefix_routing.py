@@ -3,10 +3,11 @@ replica, in one run, on the embedded SmolLM2-135M-Instruct, through the OpenAI c
 
   scripts/loopback-netns.sh .venv/bin/python benchmarks/prefix_routing.py
   scripts/loopback-netns.sh .venv/bin/python benchmarks/prefix_routing.py --conversations 32 --turns 6 \\
-      --system-words 400 --user-words 40 --output-tokens 24 --out /tmp/prefix_routing.json
+      --system-words 150 --user-words 120 --output-tokens 32 --think-s 20 --out /tmp/prefix_routing.json
 
 Every conversation shares one system prompt; they run at once, each sending its next turn (the whole
-history: system, user and assistant messages) as soon as the last answer is complete. Reported per setup:
+history: system, user and assistant messages) after a pause (its user reading and typing: exponential, mean
+--think-s, also before the first turn, so conversations start spread out). Reported per setup:
 the prefix-cache hit rate over all replicas (prompt tokens found cached / prompt tokens looked up), time to
 first token p50/p99 (client side, to the first streamed content), and output tokens/s over the whole
 workload. Each setup is a fresh Serve application, so every cache starts empty.
@@ -48,6 +49,7 @@ async def conversation(client, model: str, system: str, index: int, args) -> tup
     ttfts: list[float] = []
     output_tokens = prompt_tokens = 0
     for _ in range(args.turns):
+        await asyncio.sleep(rng.expovariate(1 / args.think_s) if args.think_s else 0)  # the user reads, types
         messages.append({"role": "user", "content": f"Conversation {index}. " + words(rng, args.user_words)})
         start = time.perf_counter()
         first = None
@@ -110,10 +112,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--system-words", type=int, default=400)
-    p.add_argument("--user-words", type=int, default=40)
-    p.add_argument("--output-tokens", type=int, default=24)
+    p.add_argument("--system-words", type=int, default=150)
+    p.add_argument("--user-words", type=int, default=120)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--think-s", type=float, default=20.0,
+                   help="mean pause before each turn (exponential; 0: each turn right after the last answer)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV pool per replica")
+    p.add_argument("--imbalance-threshold", type=int, help="the prefix-aware router's (default: its own)")
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -126,7 +131,10 @@ def main() -> None:
     rows = []
     try:
         for name in args.setups:
-            rows.append(run_setup(name, SETUPS[name], args))
+            settings = dict(SETUPS[name])
+            if settings["prefix_routing"] and args.imbalance_threshold is not None:
+                settings["prefix_routing"] = {"imbalance_threshold": args.imbalance_threshold}
+            rows.append(run_setup(name, settings, args))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         serve.shutdown()

@@ -149,7 +149,7 @@ def engine_options(config: EngineConfig, num_replicas: int | None = None,
 class PrefixRouting:
     """The prefix-aware router's settings (`prefix_routing` in deploy/config.yaml)."""
 
-    imbalance_threshold: int = 8  # route by prefix unless the queue is this much longer than the shortest
+    imbalance_threshold: int = 4  # route by prefix unless its queue is this many requests longer than the shortest
     stats_period_s: float = 1.0  # how often each replica publishes its cached blocks
 
     @classmethod

@@ -79,7 +79,7 @@ class PrefixAwareRouter(RequestRouter):
         published = cached_mask(replica.routing_stats.get("cached_blocks", b""), hashes)
         remembered = self._remembered.get(replica.replica_id, {})
         cutoff = now - self.memory_s
-        return leading(bool(p) or remembered.get(h, 0.0) > cutoff for p, h in zip(published, hashes, strict=True))
+        return leading(bool(p) or remembered.get(h, cutoff) > cutoff for p, h in zip(published, hashes, strict=True))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
