@@ -9,8 +9,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from pagedserve.cluster.engine_server import PrefixRouting  # noqa: E402
-from pagedserve.cluster.prefix_router import cached_mask, leading, summarize  # noqa: E402
+from pagedserve.cluster.prefix_router import PrefixRouting, cached_mask, leading, summarize  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler.block_manager import BlockManager, prefix_hashes  # noqa: E402
 from pagedserve.scheduler.request import Request, Sequence  # noqa: E402
@@ -67,5 +66,7 @@ def test_prefix_routing_settings():
         PrefixRouting.parse({"imbalance_threshold": -1})
     with pytest.raises(ValueError, match="prefix_routing.stats_period_s=0 must be > 0"):
         PrefixRouting.parse({"stats_period_s": 0})
+    with pytest.raises(ValueError, match="prefix_routing.memory_s='30' must be > 0"):
+        PrefixRouting.parse({"memory_s": "30"})
     with pytest.raises(ValueError, match="prefix_routing='yes' must be true, false or a mapping"):
         PrefixRouting.parse("yes")

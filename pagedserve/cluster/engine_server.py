@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
@@ -21,6 +20,7 @@ from pagedserve.chat import ChatPlan
 from pagedserve.cluster.auth import ApiKeys
 from pagedserve.cluster.deltas import Delta, stream_deltas, with_tool_calls
 from pagedserve.cluster.errors import ClientError
+from pagedserve.cluster.prefix_router import PrefixAwareRouter, PrefixRouting, summarize
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.sampling_params import SamplingParams
 
@@ -72,8 +72,6 @@ class EngineServer:
         """What Serve hands the request router every `request_routing_stats_period_s`: the engine's stats
         (a few numbers: load, KV blocks, prefix-cache counters) and, for the prefix-aware router, the
         blocks its prefix cache holds (`prefix_router.summarize`)."""
-        from pagedserve.cluster.prefix_router import summarize
-
         stats = self.core.stats()
         if self.publish_cached_blocks:
             stats["cached_blocks"] = summarize(self.core.engine.block_manager.pool.cached_hashes())
@@ -112,7 +110,6 @@ def engine_options(config: EngineConfig, num_replicas: int | None = None,
     saying that no node of the cluster could hold a replica."""
     from ray.serve.config import RequestRouterConfig
 
-    from pagedserve.cluster.prefix_router import PrefixAwareRouter
     from pagedserve.cluster.ray_executor import worker_bundle
 
     if autoscaling_config is not None and num_replicas is not None:
@@ -136,41 +133,14 @@ def engine_options(config: EngineConfig, num_replicas: int | None = None,
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAwareRouter,
             request_router_kwargs={"block_size": config.block_size,
-                                   "imbalance_threshold": prefix_routing.imbalance_threshold},
+                                   "imbalance_threshold": prefix_routing.imbalance_threshold,
+                                   "memory_s": prefix_routing.memory_s},
             request_routing_stats_period_s=prefix_routing.stats_period_s)
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config
     else:
         options["num_replicas"] = num_replicas or 1
     return options
-
-
-@dataclass(frozen=True)
-class PrefixRouting:
-    """The prefix-aware router's settings (`prefix_routing` in deploy/config.yaml)."""
-
-    imbalance_threshold: int = 4  # route by prefix unless its queue is this many requests longer than the shortest
-    stats_period_s: float = 1.0  # how often each replica publishes its cached blocks
-
-    @classmethod
-    def parse(cls, setting: bool | dict[str, Any] | None) -> PrefixRouting | None:
-        """True / None: on with defaults; False: off (Serve's default router); a dict: on, with these."""
-        if setting is False:
-            return None
-        if setting is None or setting is True:
-            return cls()
-        if not isinstance(setting, dict):
-            raise ValueError(f"prefix_routing={setting!r} must be true, false or a mapping of settings")
-        unknown = set(setting) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"prefix_routing has unknown settings {sorted(unknown)}")
-        routing = cls(**setting)
-        if not isinstance(routing.imbalance_threshold, int) or routing.imbalance_threshold < 0:
-            raise ValueError(f"prefix_routing.imbalance_threshold={routing.imbalance_threshold!r} must be an "
-                             "integer >= 0")
-        if not isinstance(routing.stats_period_s, int | float) or routing.stats_period_s <= 0:
-            raise ValueError(f"prefix_routing.stats_period_s={routing.stats_period_s!r} must be > 0")
-        return routing
 
 
 def _check_fits(bundles: list[dict[str, float]], tp: int) -> None:

@@ -9,7 +9,8 @@ replica's by more than `imbalance_threshold`: then the request goes to the best 
 within the threshold, so a flood of one prefix still spreads.
 
 Published summaries lag by up to Serve's stats period, so the router also remembers, for `memory_s`, the
-blocks of the prompts it sent to each replica: a conversation's next turn finds its replica at once."""
+blocks of the prompts it sent to each replica: a conversation's next turn finds its replica at once. The
+settings are `PrefixRouting`'s (`prefix_routing` in deploy/config.yaml)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -55,11 +57,43 @@ def leading(mask: Iterable[bool]) -> int:
     return count
 
 
+@dataclass(frozen=True)
+class PrefixRouting:
+    """The prefix-aware router's settings (`prefix_routing` in deploy/config.yaml)."""
+
+    imbalance_threshold: int = 4  # route by prefix unless that queue is this many requests over the shortest
+    stats_period_s: float = 1.0  # how often each replica publishes its cached blocks
+    memory_s: float = 30.0  # how long the router counts the blocks of what it sent a replica as cached there
+
+    @classmethod
+    def parse(cls, setting: bool | dict[str, Any] | None) -> PrefixRouting | None:
+        """True / None: on with defaults; False: off (Serve's default router); a dict: on, with these."""
+        if setting is False:
+            return None
+        if setting is None or setting is True:
+            return cls()
+        if not isinstance(setting, dict):
+            raise ValueError(f"prefix_routing={setting!r} must be true, false or a mapping of settings")
+        unknown = set(setting) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"prefix_routing has unknown settings {sorted(unknown)}")
+        routing = cls(**setting)
+        if not isinstance(routing.imbalance_threshold, int) or routing.imbalance_threshold < 0:
+            raise ValueError(f"prefix_routing.imbalance_threshold={routing.imbalance_threshold!r} must be an "
+                             "integer >= 0")
+        for name in ("stats_period_s", "memory_s"):
+            value = getattr(routing, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"prefix_routing.{name}={value!r} must be > 0")
+        return routing
+
+
 class PrefixAwareRouter(RequestRouter):
     """Serve request router for `EngineServer` (see the module's docstring). Calls other than
     `generate_deltas` with token ids go to the less loaded of two random replicas, as Serve's default."""
 
-    def initialize_state(self, block_size: int = 16, imbalance_threshold: int = 8, memory_s: float = 30.0) -> None:
+    def initialize_state(self, block_size: int, imbalance_threshold: int, memory_s: float) -> None:
+        """Serve calls this with `request_router_kwargs` (`engine_options` sets them from `PrefixRouting`)."""
         self.block_size = block_size
         self.imbalance_threshold = imbalance_threshold
         self.memory_s = memory_s

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.cluster.auth import ApiKeys
-from pagedserve.cluster.engine_server import EngineServer, PrefixRouting, engine_options
+from pagedserve.cluster.engine_server import EngineServer, engine_options
 from pagedserve.cluster.openai_api import Ingress
+from pagedserve.cluster.prefix_router import PrefixRouting
 from pagedserve.config import ray_hosted_config
 
 
