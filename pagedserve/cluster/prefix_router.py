@@ -30,10 +30,14 @@ ROUTED_METHOD = "generate_deltas"  # the one EngineServer method whose first arg
 _MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
 
 
+def _low32(hashes: Iterable[int]) -> np.ndarray:
+    """The key a block hash is published and looked up under: its low 32 bits."""
+    return (np.fromiter(hashes, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
 def summarize(hashes: Iterable[int]) -> bytes:
-    """A replica's cached block hashes, compact: the low 32 bits of each, sorted, deduplicated."""
-    low = np.fromiter(hashes, dtype=np.uint64) & np.uint64(0xFFFFFFFF)  # (num_cached,)
-    return np.unique(low.astype(np.uint32)).tobytes()
+    """A replica's cached block hashes, compact: their keys (`_low32`), sorted, deduplicated."""
+    return np.unique(_low32(hashes)).tobytes()
 
 
 def cached_mask(summary: bytes, hashes: list[int]) -> np.ndarray:
@@ -42,7 +46,7 @@ def cached_mask(summary: bytes, hashes: list[int]) -> np.ndarray:
     keys = np.frombuffer(summary, dtype=np.uint32)  # (num_cached,) sorted
     if not hashes or keys.size == 0:
         return np.zeros(len(hashes), dtype=bool)
-    wanted = (np.array(hashes, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)  # (num_blocks,)
+    wanted = _low32(hashes)  # (num_blocks,)
     at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
     return keys[at] == wanted
 

@@ -113,8 +113,7 @@ class RayExecutor:
         ensure_ray(self.world_size + 1)
         self.bundle = worker_bundle(config)
         self.workers: list = []
-        self.placement_group = None
-        self._owns_placement_group = False
+        self.placement_group = None  # one this executor made (and removes); never the Serve replica's
         self.compiled = None
         self.num_blocks = 0
         self._start()
@@ -126,7 +125,7 @@ class RayExecutor:
         if current is not None and current.bundle_specs[1:] == [self.bundle] * self.world_size:
             return current, 1
         pg = placement_group([dict(self.bundle) for _ in range(self.world_size)], strategy="STRICT_PACK")
-        self.placement_group, self._owns_placement_group = pg, True
+        self.placement_group = pg
         try:
             ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except GetTimeoutError:
@@ -246,12 +245,12 @@ class RayExecutor:
             except Exception:  # already gone
                 pass
         self.workers = []
-        if self.placement_group is not None and self._owns_placement_group:
+        if self.placement_group is not None:
             try:
                 remove_placement_group(self.placement_group)
             except Exception:
                 pass
-        self.placement_group, self._owns_placement_group = None, False
+        self.placement_group = None
 
 
 def _cause(e: BaseException) -> str:
