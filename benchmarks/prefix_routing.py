@@ -33,7 +33,7 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
 SETUPS = {
     "2 replicas, prefix-aware router": {"num_replicas": 2, "prefix_routing": True},
     "2 replicas, Serve's default router": {"num_replicas": 2, "prefix_routing": False},
-    "1 replica": {"num_replicas": 1, "prefix_routing": True},
+    "1 replica": {"num_replicas": 1},
 }
 HTTP_PORT = 8000
 
@@ -132,7 +132,7 @@ def main() -> None:
     try:
         for name in args.setups:
             settings = dict(SETUPS[name])
-            if settings["prefix_routing"] and args.imbalance_threshold is not None:
+            if settings.get("prefix_routing") and args.imbalance_threshold is not None:
                 settings["prefix_routing"] = {"imbalance_threshold": args.imbalance_threshold}
             rows.append(run_setup(name, settings, args))
             print(json.dumps(rows[-1]), flush=True)

@@ -19,14 +19,16 @@ def build_app(args: dict[str, Any] | None = None):
     """Serve application builder (deploy/config.yaml `args`): engine settings of EngineConfig plus
     `num_replicas` (model replicas) or `autoscaling_config` (Serve's, on ongoing requests per replica),
     `ray_actor_options` (the engine actor's), `prefix_routing` (true, false for Serve's default router, or
-    `PrefixRouting`'s settings), `max_waiting_requests` (queue bound before RESOURCE_EXHAUSTED) and
-    `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY environment variable, else no key). Bad
-    settings fail here, at deploy time, by name."""
+    `PrefixRouting`'s settings; used with more than one replica or autoscaling), `max_waiting_requests`
+    (queue bound before RESOURCE_EXHAUSTED) and `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY
+    environment variable, else no key). Bad settings fail here, at deploy time, by name."""
     args = dict(args or {})
     num_replicas = args.pop("num_replicas", None)
     autoscaling = args.pop("autoscaling_config", None)
     actor_options = args.pop("ray_actor_options", None)
     routing = PrefixRouting.parse(args.pop("prefix_routing", None))
+    if autoscaling is None and (num_replicas or 1) == 1:
+        routing = None  # one replica: no choice to make, and a text prompt then needs no tokenizing call first
     max_waiting = args.pop("max_waiting_requests", None)
     api_keys = ApiKeys.resolve(args.pop("api_keys", None))
     config = ray_hosted_config(args)
