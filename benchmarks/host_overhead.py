@@ -59,7 +59,8 @@ def main() -> None:
     torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
 
     engine = LLMEngine(EngineConfig(model=tiny_model_config(), max_num_seqs=args.num_seqs,
-                                    max_num_batched_tokens=8192, kv_cache_memory="2GiB"))
+                                    max_num_batched_tokens=8192, kv_cache_memory="2GiB",
+                                    async_scheduling=False))  # the phases one after another
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
     for _ in range(args.num_seqs):
@@ -75,7 +76,7 @@ def main() -> None:
         t1 = time.perf_counter()
         runner.prepare(batch)
         t2 = time.perf_counter()
-        output = engine.executor.execute(batch)
+        output = engine.executor.collect(engine.executor.launch(batch))
         t3 = time.perf_counter()
         engine._process(batch, output)
         t4 = time.perf_counter()

@@ -15,6 +15,7 @@ llama-server gets all N requests at once over HTTP with N slots (`-np N`, contin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -75,13 +76,13 @@ def sync(device: str) -> None:
 
 
 def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool = False,
-                     gguf_linears: bool = True) -> dict:
+                     gguf_linears: bool = True, async_scheduling: bool = True) -> dict:
     from pagedserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              cuda_graphs=cuda_graphs, gguf_linears=gguf_linears)
+              cuda_graphs=cuda_graphs, gguf_linears=gguf_linears, async_scheduling=async_scheduling)
     load = time.perf_counter() - t0
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -93,11 +94,67 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), "every request must produce exactly max_tokens tokens"
     stats = llm.stats()
+    timeline = profile_decode(llm, prompts, outputs, args.profile_steps) if args.profile_steps else None
+    llm.shutdown()
     del llm
     name = "pagedserve" + (" (decode CUDA graphs)" if cuda_graphs else "") + (
-        "" if gguf_linears else " (gguf_linears=False: fp32 linear layers)")
-    return {"name": name, "seconds": elapsed, "tokens": produced, "load_s": load,
-            "note": f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"}
+        "" if gguf_linears else " (gguf_linears=False: fp32 linear layers)") + (
+        "" if async_scheduling else " (async_scheduling=False)")
+    note = f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"
+    if timeline:
+        note += (f"; {timeline['steps']} decode steps of {timeline['rows']} rows: device busy "
+                 f"{timeline['busy_fraction']:.0%}, largest idle gaps {timeline['largest_gaps_us']} µs")
+    return {"name": name, "seconds": elapsed, "tokens": produced, "load_s": load, "note": note,
+            "timeline": timeline}
+
+
+def device_timeline(kernels: list[tuple[float, float]], span: tuple[float, float]) -> dict:
+    """How busy a device was over `span`: its kernels' (start, end) in µs, overlaps merged. The busy
+    fraction, and the largest idle gaps between kernels (where the device waited for the host)."""
+    merged: list[list[float]] = []
+    for start, end in sorted(kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    busy = sum(end - start for start, end in merged)
+    gaps = sorted((b[0] - a[1] for a, b in itertools.pairwise(merged)), reverse=True)
+    return {"busy_fraction": busy / max(span[1] - span[0], 1e-9), "largest_gaps_us": [round(g) for g in gaps[:5]],
+            "kernels": len(kernels), "span_us": round(span[1] - span[0])}
+
+
+def profile_decode(llm, prompts, outputs, steps: int) -> dict | None:
+    """Profile `steps` engine steps once every request decodes (CUDA): the device's busy fraction and its
+    largest idle gaps. The requests are aborted after."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedserve import SamplingParams
+
+    if not torch.cuda.is_available():
+        return None
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n + steps + 64, ignore_eos=True))
+           for p, n in zip(prompts, outputs, strict=True)]
+    while engine.scheduler.waiting or any(
+            s.num_computed_tokens < s.num_tokens_with_pending - 1 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    span = (min(e.time_range.start for e in host), max(e.time_range.end for e in host))
+    rows = len(engine.scheduler.running)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()  # processes the step still in flight
+    return device_timeline(kernels, span) | {"steps": steps, "rows": rows}
 
 
 def bench_llama_server(gguf: Path, prompts, outputs, args) -> dict:
@@ -185,6 +242,10 @@ def main() -> None:
     p.add_argument("--llama-server", action="store_true",
                    help="also time llama.cpp's llama-server on the same GGUF (the embedded model or --model x.gguf)")
     p.add_argument("--cuda-graphs", action="store_true", help="also time pagedserve with cuda_graphs=True")
+    p.add_argument("--sync-scheduling", action="store_true",
+                   help="also time pagedserve with async_scheduling=False (each step scheduled after the last)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: after each pagedserve run, profile this many decode steps (device busy fraction)")
     p.add_argument("--fp32-linears", action="store_true",
                    help="also time pagedserve with gguf_linears=False (a GGUF model's linear layers on fp32)")
     p.add_argument("--json", type=Path, default=None, help="write results here too")
@@ -209,6 +270,9 @@ def main() -> None:
     results = [] if args.skip_pagedserve else [bench_pagedserve(model_dir, prompts, outputs, args)]
     if args.cuda_graphs:
         results.append(bench_pagedserve(model_dir, prompts, outputs, args, cuda_graphs=True))
+    if args.sync_scheduling:
+        results.append(bench_pagedserve(model_dir, prompts, outputs, args, cuda_graphs=args.cuda_graphs,
+                                        async_scheduling=False))
     if args.fp32_linears:
         results.append(bench_pagedserve(model_dir, prompts, outputs, args, gguf_linears=False))
     if not args.skip_hf:

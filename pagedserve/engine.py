@@ -62,6 +62,9 @@ class LLMEngine:
         self._grammars: GrammarManager | None = None  # made on the first constrained request
         self._template: ChatTemplate | None = None  # made on the first chat request
         self._ids = itertools.count()
+        # Async scheduling: the next step is scheduled and launched before this one's output is processed.
+        self.schedules_ahead = config.async_scheduling and self.executor.fills_deferred_inputs
+        self._in_flight: tuple[StepBatch, Any] | None = None  # a launched step not yet processed
         _freeze_startup_heap()
 
     # ---- requests ------------------------------------------------------------------------
@@ -116,6 +119,7 @@ class LLMEngine:
         return self._output(request) if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight for requests that all ended is processed by the next step, not waited for.
         return self.scheduler.has_unfinished()
 
     def num_waiting_requests(self) -> int:
@@ -203,12 +207,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs of the requests that got tokens (finished ones last time).
 
-        Never raises for a failed step: the requests it ended come back with `error` set."""
+        With async scheduling the step after it is launched first, to run while this one's output is
+        processed. Never raises for a failed step: the requests it ended come back with `error` set."""
         try:
-            batch = self._schedule()
-            if batch is None:
+            launched = self._launch()
+            if launched is None:
                 return []
-            return self._process(batch, self.executor.execute(batch))
+            batch, handle = launched
+            return self._process(batch, self.executor.collect(handle))
         except Exception as e:
             outputs, restart = self._fail_step(e)
         if restart:
@@ -219,10 +225,11 @@ class LLMEngine:
     async def step_async(self) -> list[RequestOutput]:
         """`step` for an event loop: requests can be added and aborted while the workers compute."""
         try:
-            batch = self._schedule()
-            if batch is None:
+            launched = self._launch()
+            if launched is None:
                 return []
-            return self._process(batch, await self.executor.execute_async(batch))
+            batch, handle = launched
+            return self._process(batch, await self.executor.collect_async(handle))
         except Exception as e:
             outputs, restart = self._fail_step(e)
         if restart:
@@ -230,6 +237,21 @@ class LLMEngine:
             await asyncio.to_thread(self._restart_workers)
             self.block_manager.reset()
         return outputs
+
+    def _launch(self) -> tuple[StepBatch, Any] | None:
+        """The step to process now (launched here if none is in flight), with the step after it launched
+        behind it where the scheduler allows: the device then has work queued while the host processes."""
+        if self._in_flight is None:
+            batch = self._schedule()
+            if batch is None:
+                return None
+            self._in_flight = (batch, self.executor.launch(batch))
+        current, self._in_flight = self._in_flight, None
+        if self.schedules_ahead and self.scheduler.can_schedule_ahead(current[0]):
+            ahead = self._schedule()
+            if ahead is not None:
+                self._in_flight = (ahead, self.executor.launch(ahead))
+        return current
 
     def _schedule(self) -> StepBatch | None:
         batch = self.scheduler.schedule()
@@ -244,6 +266,8 @@ class LLMEngine:
         A worker failure loses the KV of every request that holds blocks: those end with the error, and
         queued ones wait for new workers. Any other error is a bug of the engine, and nothing says which
         request caused it, so every request ends with it."""
+        self._in_flight = None  # its output, if it comes, is for requests ended here
+        self.scheduler.discard_pending()
         lost_workers = isinstance(error, WorkerFailure)
         if lost_workers:
             log.error("step failed, failing in-flight requests and restarting workers: %s", error)
@@ -363,6 +387,7 @@ class LLMEngine:
         """Stop the workers and let go of them. Idempotent."""
         if self.executor is None:
             return
+        self._in_flight = None
         self.executor.shutdown()
         # Dropped, not kept: the model and the KV pool are freed by reference counting now, even while
         # the start-up heap stays frozen for another engine of this process.

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler.batch import StepBatch, StepOutput
@@ -19,12 +22,18 @@ class WorkerFailure(RuntimeError):
 
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds (the minimum over ranks)
+    # Whether its workers fill a step's deferred inputs from the step before (StepBatch.deferred_inputs),
+    # so that the engine may schedule a step while the one before it runs.
+    fills_deferred_inputs: bool
 
-    def execute(self, batch: StepBatch) -> StepOutput:
-        """Run one step on every rank; rank 0's sampled tokens. WorkerFailure if a worker died or hung."""
+    def launch(self, batch: StepBatch) -> Any:
+        """Start one step on every rank, behind the steps launched before it; a handle for `collect`."""
 
-    async def execute_async(self, batch: StepBatch) -> StepOutput:
-        """`execute` without blocking the event loop."""
+    def collect(self, handle: Any) -> StepOutput:
+        """Wait for a launched step; rank 0's draws. WorkerFailure if a worker died or hung."""
+
+    async def collect_async(self, handle: Any) -> StepOutput:
+        """`collect` without blocking the event loop."""
 
     def restart(self) -> None:
         """Replace the workers after a failure: same pool size, empty pools."""
@@ -39,6 +48,13 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
+    """The worker in this process. Its steps run in order on a thread of their own, so the engine's host
+    work (scheduling the next step, detokenizing the last) goes on meanwhile: on a CPU the forward pass
+    computes outside the GIL, on CUDA the thread only queues kernels and the draws are waited for in
+    `collect`."""
+
+    fills_deferred_inputs = True
+
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:
         from pagedserve.workers.worker import Worker
@@ -46,18 +62,28 @@ class LocalExecutor:
         self.worker = Worker(config, source, model_config, max_model_len)
         self.num_blocks = self.worker.available_blocks
         self.worker.init_kv_pool(self.num_blocks)
+        device = self.worker.device
+        self._steps = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step", initializer=(
+            (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None))
 
-    def execute(self, batch: StepBatch) -> StepOutput:
-        return self.worker.execute(batch)
+    def launch(self, batch: StepBatch) -> Future:
+        return self._steps.submit(self.worker.launch, batch)
 
-    async def execute_async(self, batch: StepBatch) -> StepOutput:
-        return await asyncio.to_thread(self.worker.execute, batch)
+    def collect(self, handle: Future) -> StepOutput:
+        return self.worker.collect(handle.result())
+
+    async def collect_async(self, handle: Future) -> StepOutput:
+        launched = await asyncio.wrap_future(handle)
+        if self.worker.device.type == "cpu":  # computed already: nothing to wait for
+            return self.worker.collect(launched)
+        return await asyncio.to_thread(self.worker.collect, launched)
 
     def restart(self) -> None:
-        self.worker.init_kv_pool(self.num_blocks)  # a fresh pool: nothing cached survives a failure
+        # On the step thread, behind any step still queued there: none runs on the pool being replaced.
+        self._steps.submit(self.worker.init_kv_pool, self.num_blocks).result()  # a fresh, empty pool
 
     def shutdown(self) -> None:
-        pass
+        self._steps.shutdown(wait=True)
 
     async def check_health(self) -> None:
         pass  # the worker is this process

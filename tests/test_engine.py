@@ -25,15 +25,27 @@ def reference(tiny_random):
 
 
 def fail_next_step(engine: LLMEngine, error: Exception) -> None:
-    """The next step's worker raises `error` (as a dying worker or a bug would), later ones run."""
+    """The next step launched on the worker raises `error` (as a dying worker or a bug would), later ones
+    run."""
     worker = engine.executor.worker
-    execute = worker.execute
+    launch = worker.launch
 
     def failing(batch):
-        worker.execute = execute
+        worker.launch = launch
         raise error
 
-    worker.execute = failing
+    worker.launch = failing
+
+
+def step_until_failed(engine: LLMEngine) -> list:
+    """Step until a step reports the failure: the step after it, when one was launched ahead of the
+    failing one, first reports as usual."""
+    for _ in range(2):
+        outputs = engine.step()
+        if any(o.error for o in outputs):
+            return outputs
+        assert outputs and engine.schedules_ahead, "only a step launched ahead of the failing one reports"
+    raise AssertionError("no step failed")
 
 
 def drain(engine: LLMEngine) -> dict[str, object]:
@@ -45,14 +57,17 @@ def drain(engine: LLMEngine) -> dict[str, object]:
     return finished
 
 
-def test_worker_failure_fails_running_requests_keeps_queued_ones_and_recovers(tiny_random, reference):
-    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_seqs=1))
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_worker_failure_fails_running_requests_keeps_queued_ones_and_recovers(tiny_random, reference,
+                                                                              async_scheduling):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_seqs=1,
+                                    async_scheduling=async_scheduling))
     try:
         running = engine.add_request([9, 8, 7], greedy(12))
         engine.step()  # prefill: `running` holds blocks; with max_num_seqs=1 the next one waits
         queued = engine.add_request([5, 6, 7, 8], greedy(12))
         fail_next_step(engine, WorkerFailure("worker 0 died"))
-        failed = engine.step()
+        failed = step_until_failed(engine)
         assert [(o.request_id, o.finished, o.error) for o in failed] == [(running, True, "worker 0 died")]
         assert failed[0].outputs[0].finish_reason == "error"
         stats = engine.stats()
@@ -67,14 +82,16 @@ def test_worker_failure_fails_running_requests_keeps_queued_ones_and_recovers(ti
         engine.shutdown()
 
 
-def test_an_engine_bug_fails_every_request_and_the_engine_serves_on(tiny_random, reference):
-    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_seqs=1))
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_engine_bug_fails_every_request_and_the_engine_serves_on(tiny_random, reference, async_scheduling):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_seqs=1,
+                                    async_scheduling=async_scheduling))
     try:
         first = engine.add_request([9, 8, 7], greedy(12))
         engine.step()
         second = engine.add_request([5, 6, 7, 8], greedy(12))
         fail_next_step(engine, IndexError("list index out of range"))
-        failed = engine.step()
+        failed = step_until_failed(engine)
         assert sorted(o.request_id for o in failed) == sorted([first, second])
         assert all(o.finished and o.error == "internal engine error: IndexError: list index out of range"
                    for o in failed)

@@ -4,6 +4,10 @@ The fake worker writes each new token (and its position) into the slot its block
 then reads the whole context back through the block table and derives the next token from it.
 A wrong block table, position, copy-on-write or prefix-cache hit changes what it reads, and
 so the output; the expected output is computed without any paging at all.
+
+`run(..., ahead=True)` drives the scheduler as the engine does with async scheduling: the next step is
+scheduled and run before the output of the step before it is applied, its tokens drawn by that step
+filled in by the worker (`deferred_inputs`).
 """
 
 from __future__ import annotations
@@ -48,15 +52,20 @@ class SlotWorker:
         self.block_size = block_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)  # (position, token)
         self.batches: list[StepBatch] = []
+        self.last_draws: list[int] = []  # the first draw of each sample spec of the last step
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self.batches.append(batch)
+        input_ids = list(batch.input_ids)
+        assert [i for i, t in enumerate(input_ids) if t == -1] == sorted(i for i, _ in batch.deferred_inputs)
+        for index, sample in batch.deferred_inputs:
+            input_ids[index] = self.last_draws[sample]
         bs = self.block_size
         for src, dst in batch.block_copies:
             self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
         row_context: list[list[int]] = []
         for r in range(batch.num_rows):
-            q = batch.input_ids[batch.cu_seqlens_q[r]:batch.cu_seqlens_q[r + 1]]
+            q = input_ids[batch.cu_seqlens_q[r]:batch.cu_seqlens_q[r + 1]]
             length = batch.context_lens[r]
             table = batch.block_tables[r]
             assert len(table) == -(-length // bs), "block table must cover exactly the context"
@@ -80,6 +89,7 @@ class SlotWorker:
             first += spec.start  # the position whose logits score target_token_ids[0]
             scored.append(SampledTokens(list(spec.target_token_ids), [
                 prompt_score(ctx[:first + j + 1], t) for j, t in enumerate(spec.target_token_ids)], None))
+        self.last_draws = [s.token_ids[0] for s in samples]
         return StepOutput(samples, scored)
 
 
@@ -89,20 +99,29 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
     return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len), SlotWorker(num_blocks, block_size)
 
 
-def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000) -> int:
+def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000, ahead: bool = False) -> int:
+    """Step until every request ends; `ahead`: schedule each step before the previous one's output is
+    applied, wherever `can_schedule_ahead` allows."""
     steps = 0
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        assert batch is not None, "unfinished requests but nothing scheduled: deadlock"
-        sched.update(batch, worker.execute(batch))
+    in_flight: tuple[StepBatch, StepOutput] | None = None
+    while sched.has_unfinished() or in_flight is not None:
+        if in_flight is None:
+            batch = sched.schedule()
+            assert batch is not None, "unfinished requests but nothing scheduled: deadlock"
+            in_flight = (batch, worker.execute(batch))
+        batch, out = in_flight
+        in_flight = None
+        if ahead and sched.can_schedule_ahead(batch) and (next_batch := sched.schedule()) is not None:
+            in_flight = (next_batch, worker.execute(next_batch))
+        sched.update(batch, out)
         steps += 1
         assert steps < max_steps
     return steps
 
 
-def add(sched, rid, prompt, max_tokens, n=1, prompt_logprobs=None):
+def add(sched, rid, prompt, max_tokens, n=1, prompt_logprobs=None, stop_token_ids=None):
     req = Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=0,
-                                              prompt_logprobs=prompt_logprobs))
+                                              prompt_logprobs=prompt_logprobs, stop_token_ids=stop_token_ids or []))
     sched.add_request(req)
     return req
 
@@ -125,12 +144,13 @@ def test_decode_feeds_last_sampled_token_at_its_position():
     assert req.sequences[0].finish_reason == "length"
 
 
-def test_chunked_prefill_respects_budget_and_mixes_with_decode():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_chunked_prefill_respects_budget_and_mixes_with_decode(ahead):
     sched, worker = make(max_num_batched_tokens=8)
     a = add(sched, "a", list(range(3)), max_tokens=6)
     sched.update(b := sched.schedule(), worker.execute(b))
     b_req = add(sched, "b", list(range(10, 30)), max_tokens=2)
-    run(sched, worker)
+    run(sched, worker, ahead=ahead)
     assert all(b.num_tokens <= 8 for b in worker.batches)
     mixed = [b for b in worker.batches if b.num_rows == 2]
     assert mixed, "a decode row and a prefill chunk should share a step"
@@ -138,35 +158,38 @@ def test_chunked_prefill_respects_budget_and_mixes_with_decode():
     assert outputs(b_req)[0] == expected(list(range(10, 30)), 2, 0)
 
 
-def test_preemption_by_recompute_gives_same_tokens():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_preemption_by_recompute_gives_same_tokens(ahead):
     sched, worker = make(num_blocks=10, block_size=4, max_num_batched_tokens=64)
     prompts = {f"r{i}": [i] * (5 + i) for i in range(4)}
     reqs = {rid: add(sched, rid, p, max_tokens=12) for rid, p in prompts.items()}
-    run(sched, worker)
+    run(sched, worker, ahead=ahead)
     assert sched.num_preemptions > 0
     for rid, req in reqs.items():
         assert outputs(req)[0] == expected(prompts[rid], 12, 0)
     assert sched.block_manager.num_free_blocks == 10
 
 
-def test_prefix_cache_hits_reuse_blocks_with_same_result():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_prefix_cache_hits_reuse_blocks_with_same_result(ahead):
     sched, worker = make()
     shared = list(range(1, 21))
     first = add(sched, "a", shared + [30], max_tokens=4)
-    run(sched, worker)
+    run(sched, worker, ahead=ahead)
     second = add(sched, "b", shared + [31, 32], max_tokens=4)
-    run(sched, worker)
+    run(sched, worker, ahead=ahead)
     assert sched.block_manager.prefix_cache_hits == 20
     assert worker.batches[-4].input_ids == [31, 32]  # only the new tokens were computed
     assert outputs(first)[0] == expected(shared + [30], 4, 0)
     assert outputs(second)[0] == expected(shared + [31, 32], 4, 0)
 
 
-def test_n_samples_fork_and_copy_on_write():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_n_samples_fork_and_copy_on_write(ahead):
     sched, worker = make()
     prompt = [7, 8, 9, 10, 11, 12]  # ends mid-block: the forks share a partial block
     req = add(sched, "a", prompt, max_tokens=5, n=3)
-    run(sched, worker)
+    run(sched, worker, ahead=ahead)
     assert any(b.block_copies for b in worker.batches)
     assert worker.batches[0].samples[0].num_samples == 3
     for i in range(3):
@@ -234,7 +257,8 @@ def test_max_num_seqs_caps_rows_per_step():
     assert max(b.num_rows for b in worker.batches) == 2
 
 
-def test_stop_token_and_eos():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_stop_token_and_eos(ahead):
     sched, worker = make()
     prompt = [3, 4, 5]
     full = expected(prompt, 10, 0)
@@ -247,7 +271,7 @@ def test_stop_token_and_eos():
     ignore = Request("c", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
                      eos_token_ids=frozenset({stop_at}))
     sched.add_request(ignore)
-    run(sched, worker)
+    run(sched, worker, ahead=ahead)
     assert outputs(req)[0] == full[:cut] and req.sequences[0].finish_reason == "stop"
     assert outputs(eos)[0] == full[:cut] and eos.sequences[0].finish_reason == "stop"
     assert outputs(ignore)[0] == full and ignore.sequences[0].finish_reason == "length"
@@ -261,9 +285,10 @@ def test_stop_token_and_eos():
     budget=st.integers(1, 40),
     max_num_seqs=st.integers(1, 6),
     caching=st.booleans(),
+    ahead=st.booleans(),
 )
 def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_blocks, block_size, budget,
-                                                                 max_num_seqs, caching):
+                                                                 max_num_seqs, caching, ahead):
     sched, worker = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=num_blocks * block_size,
                          caching=caching)
     rng = random.Random(data.draw(st.integers(0, 2**16)))
@@ -276,16 +301,19 @@ def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_block
         if block_size * num_blocks < len(prompt) + max_tokens:
             continue
         scored = rng.choice([None, None, 0])
-        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n, scored), prompt, max_tokens))
+        stop = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 3]))]  # ends some outputs early
+        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n, scored, stop), prompt, max_tokens))
         if rng.random() < 0.3:  # arrivals between steps
             if (b := sched.schedule()) is not None:
                 sched.update(b, worker.execute(b))
-    run(sched, worker)
+    run(sched, worker, ahead=ahead)
     for req, prompt, max_tokens in reqs:
         outs = outputs(req)
         assert len(outs) == req.params.n
         for i, toks in outs.items():
-            assert toks == expected(prompt, max_tokens, i)
+            want = expected(prompt, max_tokens, i)
+            ends = [j for j, t in enumerate(want) if t in req.params.stop_token_ids]
+            assert toks == (want[:ends[0] + 1] if ends else want)
         if req.params.prompt_logprobs is not None:  # every prompt token scored once, at its own position,
             # through chunks, preemption and a cached prefix
             assert [e.token_id for e in req.prompt_logprobs] == prompt

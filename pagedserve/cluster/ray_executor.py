@@ -103,6 +103,10 @@ class RayExecutor:
     its own (a Serve replica's, see `EngineServer`), the workers take those bundles; anywhere else it makes
     a placement group of its own."""
 
+    # Each step runs whole inside its actors (launch to draws), and only rank 0 draws: a step's inputs must
+    # be known when it is sent.
+    fills_deferred_inputs = False
+
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:
         self.config = config
@@ -171,20 +175,25 @@ class RayExecutor:
             dag = MultiOutputNode([w.execute.bind(batch) for w in self.workers])
         return dag.experimental_compile()
 
-    def _dispatch(self, batch: StepBatch) -> list:
+    def launch(self, batch: StepBatch):
+        """The step's refs: a compiled graph's one, or each rank's."""
+        if self.compiled is not None:
+            try:
+                return self.compiled.execute(batch)
+            except RayError as e:
+                raise WorkerFailure(f"worker failed during a step: {_cause(e)}") from e
         if not self.workers:
             raise WorkerFailure("no worker actors (an earlier restart failed)")
         ref = ray.put(batch)  # one copy in the object store; every rank reads the same ref
         return [w.execute.remote(ref) for w in self.workers]
 
-    def execute(self, batch: StepBatch) -> StepOutput:
+    def collect(self, refs) -> StepOutput:
         if self.compiled is not None:
             try:
                 # The graph is torn down when any of its actors dies, so a dead rank fails this at once.
-                return ray.get(self.compiled.execute(batch), timeout=STEP_TIMEOUT_S)[0]
+                return ray.get(refs, timeout=STEP_TIMEOUT_S)[0]
             except (RayError, GetTimeoutError) as e:
                 raise WorkerFailure(f"worker failed during a step: {_cause(e)}") from e
-        refs = self._dispatch(batch)
         pending = list(refs)
         try:
             # Wait for every rank, but fail as soon as any one fails: the others may be stuck in a
@@ -198,10 +207,9 @@ class RayExecutor:
         except RayError as e:
             raise WorkerFailure(f"worker failed during a step: {_cause(e)}") from e
 
-    async def execute_async(self, batch: StepBatch) -> StepOutput:
+    async def collect_async(self, refs) -> StepOutput:
         if self.compiled is not None:
-            return await asyncio.to_thread(self.execute, batch)
-        refs = self._dispatch(batch)
+            return await asyncio.to_thread(self.collect, refs)
         futures = [asyncio.wrap_future(r.future()) for r in refs]
         done, pending = await asyncio.wait(futures, timeout=STEP_TIMEOUT_S, return_when=asyncio.FIRST_EXCEPTION)
         for f in done:

@@ -45,7 +45,11 @@ class StepBatch:
     the last of which sits at position context_lens[i] - 1 of its sequence, seq_ids[i].
 
     It is also the scheduler's record of the step: `Scheduler.update` reads which sequences ran and
-    how many tokens each computed from it, and keeps no state of its own between the two calls."""
+    what each drew from it.
+
+    A step scheduled before the output of the step ahead of it arrived computes tokens not yet known
+    here: `deferred_inputs` holds (index into input_ids, index into the previous step's samples) for
+    each, and the worker puts the previous step's draw there (input_ids holds -1 meanwhile)."""
 
     input_ids: list[int]
     cu_seqlens_q: list[int]  # [num_rows + 1]
@@ -55,6 +59,7 @@ class StepBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
     samples: list[SampleSpec] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
+    deferred_inputs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -125,9 +125,10 @@ class BlockManager:
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full and computed in the last step."""
+        """Register blocks that became full and computed. A block whose last token is still pending (a
+        step scheduled ahead computes it) waits: its hash needs that token."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_tokens) // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)

@@ -49,7 +49,11 @@ class Request:
 
 class Sequence:
     """One token stream. `num_computed_tokens` catches up with `token_ids` step by step:
-    prefill, chunked prefill, recompute after preemption and decode are the same path."""
+    prefill, chunked prefill, recompute after preemption and decode are the same path.
+
+    A token drawn by a step still in flight is pending: the scheduler counts it (a step scheduled ahead
+    computes it, its id taken on the worker from the step before), `token_ids` gains it when the step's
+    output arrives. At most one is pending: steps are scheduled at most one ahead."""
 
     def __init__(self, seq_id: int, request: Request, token_ids: list[int], sample_index: int) -> None:
         self.seq_id = seq_id
@@ -58,6 +62,8 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.sample_index = sample_index
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
+        self.pending_sample = 0  # the pending token's index among its step's samples
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, chained
         self.status = SequenceStatus.WAITING
@@ -68,6 +74,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -83,4 +93,4 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, status={self.status.value})")
+                f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, status={self.status.value})")

@@ -30,6 +30,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self.num_preemptions = 0
         self._seq_ids = itertools.count()
 
@@ -41,6 +42,7 @@ class Scheduler:
         seq = Sequence(next(self._seq_ids), request, list(request.prompt_token_ids), sample_index=0)
         request.sequences.append(seq)
         self.requests[request.request_id] = request
+        self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def check_admissible(self, request: Request) -> None:
@@ -88,6 +90,7 @@ class Scheduler:
         else:
             return
         self.block_manager.free(seq)
+        del self.seqs[seq.seq_id]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.request.finished:
@@ -99,7 +102,10 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> StepBatch | None:
-        """Pick this step's rows and blocks. None when there is nothing to run."""
+        """Pick this step's rows and blocks, and count them computed. None when there is nothing to run.
+
+        May run while the previous step is in flight (see `can_schedule_ahead`): its draws are then
+        pending tokens, computed by this step from ids the worker fills in."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -109,7 +115,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_pending_tokens and self._ends_by_length(seq):
+                i += 1  # its pending token is its last: computing that one would be wasted
+                continue
+            num_new = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget)
             while (seq_copies := bm.allocate_slots(seq, num_new)) is None:
                 # Out of blocks: recompute the newest request later (never deadlocks, since
                 # admission guarantees a lone sequence fits).
@@ -128,6 +137,8 @@ class Scheduler:
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs and len(scheduled) < self.max_num_seqs):
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted while its last token was in flight: it waits for that token
             hit_blocks, hit_hashes = (([], []) if seq.request.needs_prompt_logprobs
                                       else bm.get_computed_blocks(seq))
             num_new = min(seq.num_tokens - len(hit_blocks) * bm.block_size, budget)
@@ -150,7 +161,15 @@ class Scheduler:
         for row, (seq, num_new) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + num_new
-            batch.input_ids.extend(seq.token_ids[start:end])
+            known = seq.token_ids[start:end]
+            batch.input_ids.extend(known)
+            if len(known) < num_new:  # the pending token, drawn by the step in flight
+                if num_new - len(known) > 1:
+                    raise RuntimeError(f"sequence {seq.seq_id} has {num_new - len(known)} pending tokens: "
+                                       "steps may be scheduled only one ahead")
+                batch.deferred_inputs.append((len(batch.input_ids), seq.pending_sample))
+                batch.input_ids.append(-1)
+            seq.num_computed_tokens = end
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + num_new)
             batch.context_lens.append(end)
             batch.block_tables.append(list(seq.block_table))
@@ -164,45 +183,66 @@ class Scheduler:
                     batch.prompt_logprobs.append(PromptLogprobSpec(
                         row=row, start=first - start, target_token_ids=request.prompt_token_ids[first + 1:last + 1],
                         k=request.params.prompt_logprobs))
-            if end == seq.num_tokens:  # caught up: this row's last logits give the next token
+            if end == seq.num_tokens_with_pending:  # caught up: this row's last logits give the next token
                 params = request.params
                 with_penalties = params.needs_penalties
+                seq.pending_sample = len(batch.samples)
+                seq.num_pending_tokens += 1
                 batch.samples.append(SampleSpec(
                     seq_id=seq.seq_id,
                     row=row,
                     num_samples=1 if request.forked else params.n,
                     sample_index=seq.sample_index,
-                    output_len=seq.num_output_tokens,
+                    output_len=end - seq.num_prompt_tokens,
                     params=params,
                     prompt_token_ids=request.prompt_token_ids if with_penalties else None,
                     output_token_ids=seq.output_token_ids if with_penalties else None,
-                    banned_token_ids=self._banned_tokens(seq),
+                    banned_token_ids=self._banned_tokens(seq, end - seq.num_prompt_tokens),
                 ))
         return batch
 
+    def can_schedule_ahead(self, batch: StepBatch) -> bool:
+        """Whether the next step may be scheduled before `batch`'s output arrives: not when a draw of it
+        must be known first (a request forking into its n samples, penalties over the whole output, a
+        grammar's next mask)."""
+        return all(s.num_samples == 1 and not s.params.needs_penalties and s.params.structured_outputs is None
+                   for s in batch.samples)
+
+    def discard_pending(self) -> None:
+        """Forget the draws of steps that will never report (their step failed): those tokens are drawn
+        again when the sequences run next."""
+        for seq in self.seqs.values():
+            seq.num_pending_tokens = 0
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the sequence ends by length once its pending token arrives."""
+        return (seq.num_tokens_with_pending - seq.num_prompt_tokens >= seq.request.max_tokens
+                or seq.num_tokens_with_pending >= self.max_model_len)
+
     @staticmethod
-    def _banned_tokens(seq: Sequence) -> list[int] | None:
+    def _banned_tokens(seq: Sequence, num_output: int) -> list[int] | None:
+        """What this draw may not be, `num_output` tokens being out before it."""
         params = seq.request.params
         # A grammar says itself when the output may end; banning its ending could leave nothing to draw.
-        if seq.num_output_tokens >= params.min_tokens or params.structured_outputs is not None:
+        if num_output >= params.min_tokens or params.structured_outputs is not None:
             return None
         eos = () if params.ignore_eos else seq.request.eos_token_ids
         return sorted({*eos, *params.stop_token_ids}) or None
 
     def update(self, batch: StepBatch, output: StepOutput) -> list[Sequence]:
-        """Apply a finished step: advance computed tokens, append samples, end finished ones.
+        """Apply a finished step: file its full blocks in the prefix cache, append its draws, end the
+        sequences that finished.
 
         Returns the sequences that received a token (children of a fork included).
         """
         bm = self.block_manager
-        running = {seq.seq_id: seq for seq in self.running}  # a row's sequence is gone if aborted meanwhile
         by_id: dict[int, Sequence] = {}
-        for row, seq_id in enumerate(batch.seq_ids):
-            seq = running.get(seq_id)
+        for seq_id in batch.seq_ids:
+            seq = self.seqs.get(seq_id)  # gone if it finished or was aborted meanwhile
             if seq is None:
                 continue
-            seq.num_computed_tokens += batch.cu_seqlens_q[row + 1] - batch.cu_seqlens_q[row]
-            bm.cache_full_blocks(seq)
+            if seq.status == SequenceStatus.RUNNING:  # not preempted by a step scheduled ahead
+                bm.cache_full_blocks(seq)
             by_id[seq_id] = seq
         for spec, scored in zip(batch.prompt_logprobs, output.prompt_logprobs, strict=True):
             seq = by_id.get(batch.seq_ids[spec.row])
@@ -214,6 +254,7 @@ class Scheduler:
             seq = by_id.get(spec.seq_id)
             if seq is None:
                 continue
+            seq.num_pending_tokens -= 1
             targets = [seq]
             request = seq.request
             if not request.forked:
@@ -222,6 +263,7 @@ class Scheduler:
                     child = Sequence(next(self._seq_ids), request, list(seq.token_ids), sample_index=i)
                     bm.fork(seq, child)
                     child.status = SequenceStatus.RUNNING
+                    self.seqs[child.seq_id] = child
                     self.running.append(child)
                     request.sequences.append(child)
                     targets.append(child)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -11,11 +12,19 @@ from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, StepBatch, StepOutput
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.sampler import Sampler, score_tokens
+from pagedserve.workers.sampler import Draws, Sampler, on_device, score_tokens
 
 log = logging.getLogger(__name__)
 
 _PROMPT_LOGITS_CHUNK = 256  # prompt positions whose [n, vocab] logits are held at once
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; `ModelRunner.collect` reads its result."""
+
+    draws: Draws | None
+    prompt_logprobs: list[SampledTokens]
 
 
 class ModelRunner:
@@ -29,6 +38,7 @@ class ModelRunner:
         self.device = kv_pool.device
         self.dynamic_rope = model.model.rope.dynamic
         self.decode_graphs: DecodeGraphs | None = None
+        self.last_tokens: torch.Tensor | None = None  # [D] the last step's draws, for the next one's deferred inputs
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -38,11 +48,16 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.backend, self.block_size, max_num_seqs,
                                           max_model_len, capture)
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput | None:
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> LaunchedStep:
+        """Queue the step's work on the device without waiting for it (but for prompt logprobs, which
+        are read back here), so that the host can go on while it runs, and queue the next step behind it."""
         if batch.block_copies:
-            src = torch.tensor([s for s, _ in batch.block_copies], dtype=torch.long, device=self.device)
-            dst = torch.tensor([d for _, d in batch.block_copies], dtype=torch.long, device=self.device)
+            src = on_device(self.device, [s for s, _ in batch.block_copies])
+            dst = on_device(self.device, [d for _, d in batch.block_copies])
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
         input_ids, positions, ctx = self.prepare(batch)
         if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
@@ -50,14 +65,25 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
         prompt_logprobs = [self._score_prompt(hidden, batch, spec) for spec in batch.prompt_logprobs]
+        self.last_tokens = None
         if not batch.samples:
-            return StepOutput(samples=[], prompt_logprobs=prompt_logprobs) if self.sampler else None
+            return LaunchedStep(None, prompt_logprobs)
         last_token = ctx.cu_seqlens_q[1:] - 1  # [R]
-        rows = torch.tensor([s.row for s in batch.samples], dtype=torch.long, device=self.device)
+        rows = on_device(self.device, [s.row for s in batch.samples])  # [S]
         logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32, a collective under TP
         if self.sampler is None:
+            return LaunchedStep(None, prompt_logprobs)
+        draws = self.sampler.draw(logits, batch.samples)
+        self.last_tokens = draws.tokens
+        draws.to_host()
+        return LaunchedStep(draws, prompt_logprobs)
+
+    def collect(self, step: LaunchedStep) -> StepOutput | None:
+        """Wait for a launched step; its draws (None on tensor-parallel ranks other than 0)."""
+        if self.sampler is None:
             return None
-        return StepOutput(samples=self.sampler(logits, batch.samples), prompt_logprobs=prompt_logprobs)
+        return StepOutput(samples=step.draws.outputs() if step.draws is not None else [],
+                          prompt_logprobs=step.prompt_logprobs)
 
     def _score_prompt(self, hidden: torch.Tensor, batch: StepBatch, spec: PromptLogprobSpec) -> SampledTokens:
         """Logprobs of the prompt tokens that `spec` names, a bounded slice of logits at a time."""
@@ -69,7 +95,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[first + c:first + c + n])  # [n, V]; a collective under TP
             if self.sampler is None:
                 continue
-            targets = torch.tensor(spec.target_token_ids[c:c + n], dtype=torch.long, device=self.device)
+            targets = on_device(self.device, spec.target_token_ids[c:c + n])
             part = score_tokens(torch.log_softmax(logits, dim=-1), targets, spec.k)
             scored.token_ids += part.token_ids
             scored.logprobs += part.logprobs
@@ -104,7 +130,12 @@ class ModelRunner:
             block_tables=block_tables.to(dev, non_blocking=True),
             max_query_len=int(q_lens.max()),
             max_context_len=max(batch.context_lens),
-            token_seq_lens=context_lens[row_of_token].to(dev) if self.dynamic_rope else None,
+            token_seq_lens=context_lens[row_of_token].to(dev, non_blocking=True) if self.dynamic_rope else None,
         )
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)  # [T]
+        if batch.deferred_inputs:
+            if self.last_tokens is None:
+                raise RuntimeError("the step has deferred inputs but the step before it drew no tokens")
+            index, source = zip(*batch.deferred_inputs, strict=True)
+            input_ids[on_device(dev, list(index))] = self.last_tokens[on_device(dev, list(source))]
         return input_ids, positions.to(dev, non_blocking=True), ctx

@@ -3,6 +3,8 @@ greedy or seeded sampling, and logprobs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import xxhash
 
@@ -16,6 +18,53 @@ def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
     return xxhash.xxh64_intdigest(data) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+@dataclass
+class Draws:
+    """One step's draws, still on the device. Made without waiting for the device, so that the next
+    step can be launched behind them; `outputs` waits and reads them."""
+
+    specs: list[SampleSpec]
+    tokens: torch.Tensor  # [D] one per draw: specs' num_samples in order
+    logprobs: torch.Tensor | None = None  # [D] each draw's logprob, when a spec asks for logprobs
+    top_ids: torch.Tensor | None = None  # [D, K], K the most top logprobs a spec asks for (K > 0)
+    top_logprobs: torch.Tensor | None = None  # [D, K]
+    ready: torch.cuda.Event | None = None
+
+    def to_host(self) -> None:
+        """Start copying the draws to host memory without waiting (CUDA); `outputs` waits for the copy."""
+        if self.tokens.device.type != "cuda":
+            return
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            t = getattr(self, name)
+            if t is not None:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                setattr(self, name, host.copy_(t, non_blocking=True))
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def outputs(self) -> list[SampledTokens]:
+        """Per spec, its tokens (and logprobs when it asked for them)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.tokens.tolist()
+        logprobs = self.logprobs.tolist() if self.logprobs is not None else None
+        top = (list(zip(self.top_ids.tolist(), self.top_logprobs.tolist(), strict=True))
+               if self.top_ids is not None else None)
+        out: list[SampledTokens] = []
+        pos = 0
+        for spec in self.specs:
+            rows = slice(pos, pos + spec.num_samples)
+            k = spec.params.logprobs
+            if k is None:
+                out.append(SampledTokens(token_ids=tokens[rows]))
+            else:
+                out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=[
+                    list(zip(ids[:k], values[:k], strict=True)) for ids, values in top[rows]] if k > 0 else [
+                    [] for _ in range(spec.num_samples)]))
+            pos += spec.num_samples
+        return out
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
         self.generator = torch.Generator(device=device)
@@ -26,46 +75,44 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledTokens]:
         """logits [len(specs), V] fp32, one row per spec; a spec with num_samples=k draws k tokens."""
-        if not specs:
-            return []
+        return self.draw(logits, specs).outputs()
+
+    def draw(self, logits: torch.Tensor, specs: list[SampleSpec]) -> Draws:
+        """`__call__` without reading the draws back: nothing here waits for the device."""
+        dev = logits.device
         rows = [(s, i) for s in specs for i in range(s.num_samples)]
         if len(rows) > len(specs):  # a request's first step draws its n samples from one row
-            counts = torch.tensor([s.num_samples for s in specs], device=logits.device)
-            logits = logits.repeat_interleave(counts, dim=0)  # [S, V], one row per draw
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None
-                                                                 for s in specs) else None
+            counts = on_device(dev, [s.num_samples for s in specs], torch.long)
+            logits = logits.repeat_interleave(counts, dim=0, output_size=len(rows))  # [D, V], one row per draw
+        k = [s.params.logprobs for s in specs if s.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if k else None  # [D, V]
         logits = self._apply_penalties(logits, rows)
         logits = _apply_bias_and_bans(logits, rows)
-        tokens = self._pick(logits, rows)
-
-        token_list = tokens.tolist()  # one device sync for the whole batch
-        out: list[SampledTokens] = []
-        pos = 0
-        for spec in specs:
-            rows_of_spec = slice(pos, pos + spec.num_samples)
-            k = spec.params.logprobs
-            if k is None:
-                out.append(SampledTokens(token_ids=token_list[rows_of_spec]))
-            else:
-                out.append(score_tokens(raw_logprobs[rows_of_spec], tokens[rows_of_spec], k))
-            pos += spec.num_samples
-        return out
+        tokens = self._pick(logits, rows)  # [D]
+        draws = Draws(specs, tokens)
+        if raw_logprobs is not None:
+            draws.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)  # [D]
+            if max(k) > 0:
+                draws.top_logprobs, draws.top_ids = raw_logprobs.topk(max(k), dim=-1)  # [D, K]
+        return draws
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
         for r, (spec, _) in enumerate(rows):
             p = spec.params
             if not p.needs_penalties:
                 continue
-            row = logits[r]
-            output = torch.tensor(spec.output_token_ids or [], dtype=torch.long, device=row.device)
+            row = logits[r]  # [V]
+            # Masks and counts by scatter, not unique() or bincount(): those wait for the device.
+            output = on_device(row.device, spec.output_token_ids or [], torch.long)
             if p.repetition_penalty != 1.0:
-                seen = torch.cat([torch.tensor(spec.prompt_token_ids, dtype=torch.long, device=row.device),
-                                  output]).unique()
-                values = row[seen]
-                row[seen] = torch.where(values > 0, values / p.repetition_penalty,
-                                        values * p.repetition_penalty)
-            if output.numel() and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
-                counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+                seen = torch.zeros(row.shape, dtype=torch.bool, device=row.device)  # [V]
+                seen[on_device(row.device, spec.prompt_token_ids, torch.long)] = True
+                seen[output] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            if spec.output_token_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+                counts = torch.zeros_like(row).index_add_(0, output, torch.ones(output.shape, dtype=row.dtype,
+                                                                                device=row.device))  # [V]
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
@@ -74,15 +121,15 @@ class Sampler:
         if all(s.params.greedy for s, _ in rows):
             return greedy_tokens
         dev = logits.device
-        temperature = torch.tensor([s.params.temperature or 1.0 for s, _ in rows], device=dev)
+        temperature = on_device(dev, [s.params.temperature or 1.0 for s, _ in rows], logits.dtype)
         logits = logits / temperature[:, None]
         top_k = [s.params.top_k for s, _ in rows]
         top_p = [s.params.top_p for s, _ in rows]
         if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([s.params.min_p for s, _ in rows], device=dev)
-        if bool((min_p > 0).any()):
+        if any(s.params.min_p > 0 for s, _ in rows):
+            min_p = on_device(dev, [s.params.min_p for s, _ in rows], probs.dtype)
             keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))
         # Exponential race (Gumbel-max in disguise): argmax(p / E), E ~ Exp(1), samples from p.
@@ -93,8 +140,14 @@ class Sampler:
                 g.manual_seed(draw_seed(spec.params.seed, spec.sample_index + i, spec.output_len))
                 noise[r].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([s.params.greedy for s, _ in rows], device=dev)
+        is_greedy = on_device(dev, [s.params.greedy for s, _ in rows], torch.bool)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def on_device(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device (torch.tensor(...,
+    device=cuda) waits for every kernel queued before it)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledTokens:
@@ -117,16 +170,16 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]
             logits[r].masked_fill_(~_allowed(spec.token_bitmask, logits.shape[-1], logits.device), float("-inf"))
         bias = spec.params.logit_bias
         if bias:
-            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            logits[r, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            ids = on_device(logits.device, list(bias), torch.long)
+            logits[r, ids] += on_device(logits.device, list(bias.values()), logits.dtype)
         if spec.banned_token_ids:
-            logits[r, spec.banned_token_ids] = float("-inf")
+            logits[r, on_device(logits.device, spec.banned_token_ids, torch.long)] = float("-inf")
     return logits
 
 
 def _allowed(bitmask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
     """A token bitmask as a bool vector [vocab]."""
-    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).to(device)  # [ceil(V / 32)]
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).to(device, non_blocking=True)  # [ceil(V / 32)]
     bits = (words[:, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1  # [W, 32]
     return bits.flatten()[:vocab].bool()
 
@@ -136,11 +189,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = logits.shape[-1]
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
-    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=dev)
+    k = on_device(dev, [vocab if k == -1 else min(k, vocab) for k in top_k], torch.long)
     ranks = torch.arange(vocab, device=dev)[None, :]
     drop = ranks >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    p = torch.tensor(top_p, device=dev, dtype=logits.dtype)
+    p = on_device(dev, top_p, logits.dtype)
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep a token if the mass before it is below top_p: the first token always stays.
     mass_before = probs.cumsum(dim=-1) - probs

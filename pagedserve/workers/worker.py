@@ -1,4 +1,5 @@
-"""One device: the model (shard), its KV pool, and `execute(StepBatch) -> StepOutput`."""
+"""One device: the model (shard), its KV pool, and `execute(StepBatch) -> StepOutput` (or `launch`, then
+`collect`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_memory
 from pagedserve.workers.loader import ModelSource, build_model
-from pagedserve.workers.model_runner import ModelRunner
+from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models import quant_linear
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import can_pack, pack_linears
@@ -75,6 +76,13 @@ class Worker:
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Every rank runs the step; rank 0 returns the sampled tokens, the others None."""
         return self.runner.execute(batch)
+
+    def launch(self, batch: StepBatch) -> LaunchedStep:
+        """Queue the step on the device; `collect` waits for it."""
+        return self.runner.launch(batch)
+
+    def collect(self, step: LaunchedStep) -> StepOutput | None:
+        return self.runner.collect(step)
 
     def _count_blocks(self) -> int:
         per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp.num_kv_heads)

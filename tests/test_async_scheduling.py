@@ -1,0 +1,117 @@
+"""Async scheduling: each step is scheduled and launched while the one before it runs, the tokens that step
+draws filled in on the worker. The outputs must be exactly those of stepping one at a time, through
+everything that reads a step's draws: stop strings, stop tokens and EOS found one step late, min_tokens,
+seeded sampling, the fork into n samples, penalties, logprobs, prompt logprobs, a grammar, chunked
+prefill, preemption while a token is in flight, and an abort between steps.
+
+The scheduler's side (placeholders, preemption, prefix caching) is checked against a model-free oracle in
+test_scheduler.py; this runs the embedded SmolLM2 on the in-process worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, LLMEngine, SamplingParams
+from pagedserve.config import EngineConfig
+from pagedserve.sampling_params import StructuredOutputs
+
+STORY = "A short note, written for a reader who is in no hurry at all and likes details: "  # ~20 tokens
+PROMPTS = [f"{STORY}{i}. {p}" for i, p in enumerate([
+    "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
+    "List three colors:", "The quick brown fox", "Water boils at", "My favourite book is", "In 1969, astronauts"])]
+# A pool of 14 blocks of 16 tokens and chunks of 32 tokens: the eight requests preempt one another.
+SMALL = dict(kv_cache_memory=14 * 16 * 30 * 2 * 3 * 64 * 4, max_num_batched_tokens=32, max_num_seqs=8)
+
+
+def params_mix(stop_text: str, stop_token: int) -> list[SamplingParams]:
+    # Steps with a draw that the next step must know first (the fork into n samples, penalties, a
+    # grammar) are not scheduled ahead: those requests are short, so that most steps are.
+    return [
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32, stop=[stop_text]),
+        SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=24),
+        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=12, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=24, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=10,
+                       structured_outputs=StructuredOutputs(choice=["alpha", "beta", "gamma delta"])),
+    ]
+
+
+def summary(out) -> tuple[list, list]:
+    """(what must match exactly, logprobs): a batch made of other rows may change a logit's last bits."""
+    def entries(logprobs):
+        return [] if logprobs is None else [
+            (e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top_logprobs]) for e in logprobs]
+    exact = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+    scored = entries(out.prompt_logprobs) + [e for c in out.outputs for e in entries(c.logprobs)]
+    exact.append([(token, [t for t, _ in top]) for token, _, top in scored])
+    values = [v for _, value, top in scored for v in [value, *(x for _, x in top)] if v is not None]
+    return exact, values
+
+
+def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams]) -> tuple[list, dict, int]:
+    with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL) as llm:
+        ahead = 0
+        launch = llm.engine.executor.launch
+
+        def counting(batch):
+            nonlocal ahead
+            ahead += bool(batch.deferred_inputs)
+            return launch(batch)
+
+        llm.engine.executor.launch = counting
+        outs = llm.generate(PROMPTS, params)
+        return [summary(o) for o in outs], llm.stats(), ahead
+
+
+def test_outputs_match_stepping_one_at_a_time(embedded_dir):
+    with LLM(str(embedded_dir)) as llm:
+        sampled, greedy = [o.outputs[0] for o in llm.generate(
+            [PROMPTS[1], PROMPTS[4]], [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32),
+                                       SamplingParams(temperature=0, max_tokens=40)])]
+    stop_text = sampled.text[len(sampled.text) // 2:][:4]  # found midway through request 1's text
+    assert stop_text.strip(), sampled.text
+    stop_token = greedy.token_ids[16]  # ends request 4 early (and request 5, if at all, after min_tokens)
+    params = params_mix(stop_text, stop_token)
+
+    sync, sync_stats, sync_ahead = run(embedded_dir, False, params)
+    ahead, stats, num_ahead = run(embedded_dir, True, params)
+    assert sync_ahead == 0 and num_ahead > 20, "steps must have been scheduled ahead"
+    assert stats["num_preemptions"] > 0, "the pool must be small enough to preempt"
+    for i, ((want, want_values), (got, got_values)) in enumerate(zip(sync, ahead, strict=True)):
+        assert got == want, f"request {i} ({params[i]})"
+        assert got_values == pytest.approx(want_values, abs=1e-3), f"request {i} ({params[i]})"
+    assert len(ahead[6][1]) > 24 * 4  # scored prompt and output tokens, with their top alternatives
+    assert ahead[1][0][0][2] == "stop" and ahead[4][0][0][2] == "stop"  # stops found one step late
+    assert len(ahead[5][0][0][0]) >= 12
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_between_steps_frees_everything(embedded_dir, async_scheduling):
+    engine = LLMEngine(EngineConfig(model=str(embedded_dir), async_scheduling=async_scheduling, **SMALL))
+    try:
+        ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+               for p in PROMPTS[:4]]
+        outputs: dict[str, list[int]] = {}
+        for _ in range(6):
+            for out in engine.step():
+                outputs[out.request_id] = out.outputs[0].token_ids
+        aborted = engine.abort_request(ids[0])
+        assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+        assert aborted.outputs[0].token_ids == outputs[ids[0]]  # what was reported, nothing drawn since
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert sorted(finished) == sorted(ids[1:])
+        assert all(len(o.outputs[0].token_ids) == 30 for o in finished.values())
+        engine.step()  # a step launched ahead for requests that all ended is processed, and nothing breaks
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert not engine.scheduler.seqs
+    finally:
+        engine.shutdown()
