@@ -9,7 +9,11 @@ small that its compute barely counts (2 layers, hidden 64, SmolLM2's 49k vocabul
   execute   the worker's whole step (prepare again, forward, logits, sampling)
   process   Scheduler.update, detokenization, RequestOutputs
 
-  python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50]
+Then whole `LLMEngine.step` calls, with async scheduling off (the phases one after another) and on (the
+next step launched first, so the host work of one step overlaps the model's work of the next), on fresh
+engines, alternately, `--rounds` times.
+
+  python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -55,19 +59,12 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(100, 1024))
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
+    model = tiny_model_config()
 
-    engine = LLMEngine(EngineConfig(model=tiny_model_config(), max_num_seqs=args.num_seqs,
-                                    max_num_batched_tokens=8192, kv_cache_memory="2GiB",
-                                    async_scheduling=False))  # the phases one after another
-    rng = random.Random(args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
-    for _ in range(args.num_seqs):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))], params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
-        engine.step()  # prefill until every sequence decodes
-
+    engine = decoding_engine(model, args, async_scheduling=False)  # the phases one after another
     runner = engine.executor.worker.runner
     times: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "process": []}
     for _ in range(args.steps):
@@ -89,6 +86,33 @@ def main() -> None:
         print(f"  {name:9s} {statistics.median(values):7.2f}")
     host = sum(statistics.median(times[k]) for k in ("schedule", "prepare", "process"))
     print(f"  host work outside the model (schedule + prepare + process): {host:.2f} ms/step")
+    engine.shutdown()
+
+    print(f"whole steps, median of {args.steps} (ms):")
+    for _ in range(args.rounds):
+        for async_scheduling in (False, True):
+            engine = decoding_engine(model, args, async_scheduling)
+            step_times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                engine.step()
+                step_times.append((time.perf_counter() - t0) * 1e3)
+            print(f"  async_scheduling={async_scheduling!s:5s} {statistics.median(step_times):7.2f}")
+            engine.shutdown()
+
+
+def decoding_engine(model: str, args: argparse.Namespace, async_scheduling: bool) -> LLMEngine:
+    """An engine whose `num_seqs` sequences have all been prefilled and decode from here on."""
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
+                                    kv_cache_memory="2GiB", async_scheduling=async_scheduling))
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
+    for _ in range(args.num_seqs):
+        engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))], params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens_with_pending - 1
+                                          for s in engine.scheduler.running):
+        engine.step()  # prefill until every sequence decodes
+    return engine
 
 
 if __name__ == "__main__":
