@@ -2,8 +2,8 @@
 # The checks that need a GPU, in two parts of about ten minutes each (not yet timed; no ray, no gguf needed):
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
-#   bash benchmarks/gpu_check.sh throughput    # launches that wait for the GPU; 256 requests vs HF generate and
-#                                              # generate_batch, async scheduling on and off, device busy fraction
+#   bash benchmarks/gpu_check.sh throughput    # launches that wait for the GPU; host work per step; 256 requests
+#                                              # vs HF generate and generate_batch, async scheduling on and off
 #
 # Logs and JSON land in $GPU_CHECK_OUT (default /tmp/gpu_check).
 set -uo pipefail
@@ -42,6 +42,7 @@ correctness)
     ;;
 throughput)
     step syncs python3 benchmarks/gpu_syncs.py
+    step host_overhead python3 benchmarks/host_overhead.py
     step throughput python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
         --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs \
         --sync-scheduling --profile-steps 8 --json "$out/throughput.json"

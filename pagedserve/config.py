@@ -33,9 +33,10 @@ class EngineConfig:
     # On a CPU in fp32, linear layers of a GGUF checkpoint compute from its own Q4_0/Q4_1/Q8_0 blocks (the
     # same weights as the fp32 conversion, a sixth to a quarter of the bytes per decode step); False: from fp32.
     gguf_linears: bool = True
-    # Schedule and launch each step while the one before it runs, its inputs drawn by that step filled in
-    # on the worker, so that the device need not wait for the host between steps (an in-process worker).
-    async_scheduling: bool = True
+    # Schedule and launch each step while the one before it runs, its inputs drawn by that step filled in on
+    # the worker, so that the device need not wait for the host between steps (an in-process worker). None:
+    # on CUDA; off on a CPU, where a step computes when it runs, so scheduling ahead would only delay outputs.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -50,7 +51,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
         if self.tensor_parallel_size > 1 and self.executor != "ray":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs executor='ray'")
-        for name in ("cuda_graphs", "gguf_linears", "async_scheduling"):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be true, false or null (auto)")
+        for name in ("cuda_graphs", "gguf_linears"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

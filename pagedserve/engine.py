@@ -63,7 +63,10 @@ class LLMEngine:
         self._template: ChatTemplate | None = None  # made on the first chat request
         self._ids = itertools.count()
         # Async scheduling: the next step is scheduled and launched before this one's output is processed.
-        self.schedules_ahead = config.async_scheduling and self.executor.fills_deferred_inputs
+        wanted = config.async_scheduling
+        if wanted is None:
+            wanted = config.torch_device().type == "cuda"
+        self.schedules_ahead = wanted and self.executor.fills_deferred_inputs
         self._in_flight: tuple[StepBatch, Any] | None = None  # a launched step not yet processed
         _freeze_startup_heap()
 

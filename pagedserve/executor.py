@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
-
-import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.loader import ModelSource
+from pagedserve.workers.model_runner import LaunchedStep
 from pagedserve.workers.models.config import ModelConfig
 
 
@@ -48,10 +46,9 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """The worker in this process. Its steps run in order on a thread of their own, so the engine's host
-    work (scheduling the next step, detokenizing the last) goes on meanwhile: on a CPU the forward pass
-    computes outside the GIL, on CUDA the thread only queues kernels and the draws are waited for in
-    `collect`."""
+    """The worker in this process. On CUDA `launch` queues the step's kernels, which run while the host goes
+    on, and `collect` waits for its draws. On a CPU a step computes where it is run, so it runs in
+    `collect` (off the event loop in `collect_async`), launched steps in the order they were launched."""
 
     fills_deferred_inputs = True
 
@@ -62,28 +59,22 @@ class LocalExecutor:
         self.worker = Worker(config, source, model_config, max_model_len)
         self.num_blocks = self.worker.available_blocks
         self.worker.init_kv_pool(self.num_blocks)
-        device = self.worker.device
-        self._steps = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step", initializer=(
-            (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None))
+        self.queues_on_device = self.worker.device.type == "cuda"
 
-    def launch(self, batch: StepBatch) -> Future:
-        return self._steps.submit(self.worker.launch, batch)
+    def launch(self, batch: StepBatch) -> LaunchedStep | StepBatch:
+        return self.worker.launch(batch) if self.queues_on_device else batch
 
-    def collect(self, handle: Future) -> StepOutput:
-        return self.worker.collect(handle.result())
+    def collect(self, handle: LaunchedStep | StepBatch) -> StepOutput:
+        return self.worker.collect(handle) if self.queues_on_device else self.worker.execute(handle)
 
-    async def collect_async(self, handle: Future) -> StepOutput:
-        launched = await asyncio.wrap_future(handle)
-        if self.worker.device.type == "cpu":  # computed already: nothing to wait for
-            return self.worker.collect(launched)
-        return await asyncio.to_thread(self.worker.collect, launched)
+    async def collect_async(self, handle: LaunchedStep | StepBatch) -> StepOutput:
+        return await asyncio.to_thread(self.collect, handle)
 
     def restart(self) -> None:
-        # On the step thread, behind any step still queued there: none runs on the pool being replaced.
-        self._steps.submit(self.worker.init_kv_pool, self.num_blocks).result()  # a fresh, empty pool
+        self.worker.init_kv_pool(self.num_blocks)  # a fresh pool: nothing cached survives a failure
 
     def shutdown(self) -> None:
-        self._steps.shutdown(wait=True)
+        pass
 
     async def check_health(self) -> None:
         pass  # the worker is this process

@@ -75,7 +75,7 @@ class Worker:
 
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Every rank runs the step; rank 0 returns the sampled tokens, the others None."""
-        return self.runner.execute(batch)
+        return self.collect(self.launch(batch))
 
     def launch(self, batch: StepBatch) -> LaunchedStep:
         """Queue the step on the device; `collect` waits for it."""
