@@ -58,9 +58,10 @@ class Draws:
             if k is None:
                 out.append(SampledTokens(token_ids=tokens[rows]))
             else:
-                out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=[
-                    list(zip(ids[:k], values[:k], strict=True)) for ids, values in top[rows]] if k > 0 else [
-                    [] for _ in range(spec.num_samples)]))
+                # The top K are sorted, so a spec asking for fewer takes the first k of them.
+                tops = ([list(zip(ids[:k], values[:k], strict=True)) for ids, values in top[rows]] if k > 0
+                        else [[] for _ in range(spec.num_samples)])
+                out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=tops))
             pos += spec.num_samples
         return out
 

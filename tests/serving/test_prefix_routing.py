@@ -124,7 +124,10 @@ def test_killing_a_replica_under_load(routed):
     assert "unavailable" in outcome  # the killed replica had streams under way
     # whatever ended UNAVAILABLE had started (a request that fails before its first token is run again)
     assert all(received[i] > 0 for i, o in enumerate(outcome) if o == "unavailable"), (received, outcome)
-    assert len(waiting_at_kill) >= 8 and all(outcome[i] == "ok" for i in waiting_at_kill)
+    # Requests not started when the kill was sent ran on the survivor; one that the dying replica started in
+    # the moment before it died (ray.kill returns before the actor is gone) may end UNAVAILABLE instead.
+    raced = [i for i in waiting_at_kill if outcome[i] != "ok"]
+    assert len(waiting_at_kill) >= 8 and len(raced) <= 2, (waiting_at_kill, received, outcome)
     deadline = time.monotonic() + 30
     while True:
         stats = replica_stats(ROUTED, [survivor])[survivor]  # (Serve is starting a replacement meanwhile)
