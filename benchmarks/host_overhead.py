@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from throughput import step_until_decoding  # noqa: E402
 
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine import LLMEngine  # noqa: E402
@@ -109,9 +111,7 @@ def decoding_engine(model: str, args: argparse.Namespace, async_scheduling: bool
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
     for _ in range(args.num_seqs):
         engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))], params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens_with_pending - 1
-                                          for s in engine.scheduler.running):
-        engine.step()  # prefill until every sequence decodes
+    step_until_decoding(engine)
     return engine
 
 

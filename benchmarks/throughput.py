@@ -123,6 +123,13 @@ def device_timeline(kernels: list[tuple[float, float]], span: tuple[float, float
             "kernels": len(kernels), "span_us": round(span[1] - span[0])}
 
 
+def step_until_decoding(engine) -> None:
+    """Step an `LLMEngine` until every request is prefilled: from then on each step decodes one token a row."""
+    while engine.scheduler.waiting or any(
+            s.num_computed_tokens < s.num_tokens_with_pending - 1 for s in engine.scheduler.running):
+        engine.step()
+
+
 def profile_decode(llm, prompts, outputs, steps: int) -> dict | None:
     """Profile `steps` engine steps once every request decodes (CUDA): the device's busy fraction and its
     largest idle gaps. The requests are aborted after."""
@@ -136,9 +143,7 @@ def profile_decode(llm, prompts, outputs, steps: int) -> dict | None:
     engine = llm.engine
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n + steps + 64, ignore_eos=True))
            for p, n in zip(prompts, outputs, strict=True)]
-    while engine.scheduler.waiting or any(
-            s.num_computed_tokens < s.num_tokens_with_pending - 1 for s in engine.scheduler.running):
-        engine.step()
+    step_until_decoding(engine)
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()

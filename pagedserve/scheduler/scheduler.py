@@ -115,7 +115,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = self.running[i]
-            if seq.num_pending_tokens and self._ends_by_length(seq):
+            if seq.num_pending_tokens and self._ends_by_length(seq, seq.num_tokens_with_pending):
                 i += 1  # its pending token is its last: computing that one would be wasted
                 continue
             num_new = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget)
@@ -184,6 +184,7 @@ class Scheduler:
                         row=row, start=first - start, target_token_ids=request.prompt_token_ids[first + 1:last + 1],
                         k=request.params.prompt_logprobs))
             if end == seq.num_tokens_with_pending:  # caught up: this row's last logits give the next token
+                num_output = end - seq.num_prompt_tokens  # out before this draw
                 params = request.params
                 with_penalties = params.needs_penalties
                 seq.pending_sample = len(batch.samples)
@@ -193,11 +194,11 @@ class Scheduler:
                     row=row,
                     num_samples=1 if request.forked else params.n,
                     sample_index=seq.sample_index,
-                    output_len=end - seq.num_prompt_tokens,
+                    output_len=num_output,
                     params=params,
                     prompt_token_ids=request.prompt_token_ids if with_penalties else None,
                     output_token_ids=seq.output_token_ids if with_penalties else None,
-                    banned_token_ids=self._banned_tokens(seq, end - seq.num_prompt_tokens),
+                    banned_token_ids=self._banned_tokens(seq, num_output),
                 ))
         return batch
 
@@ -214,10 +215,9 @@ class Scheduler:
         for seq in self.seqs.values():
             seq.num_pending_tokens = 0
 
-    def _ends_by_length(self, seq: Sequence) -> bool:
-        """Whether the sequence ends by length once its pending token arrives."""
-        return (seq.num_tokens_with_pending - seq.num_prompt_tokens >= seq.request.max_tokens
-                or seq.num_tokens_with_pending >= self.max_model_len)
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the sequence is at its length limit (max_tokens or max_model_len) with `num_tokens` tokens."""
+        return num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens or num_tokens >= self.max_model_len
 
     @staticmethod
     def _banned_tokens(seq: Sequence, num_output: int) -> list[int] | None:
@@ -284,7 +284,7 @@ class Scheduler:
         elif token in params.stop_token_ids:
             seq.stop_reason = token
             self.finish(seq, "stop")
-        elif seq.num_output_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif self._ends_by_length(seq, seq.num_tokens):
             self.finish(seq, "length")
 
     def _preempt(self, seq: Sequence) -> None:

@@ -48,8 +48,8 @@ class Draws:
             self.ready.synchronize()
         tokens = self.tokens.tolist()
         logprobs = self.logprobs.tolist() if self.logprobs is not None else None
-        top = (list(zip(self.top_ids.tolist(), self.top_logprobs.tolist(), strict=True))
-               if self.top_ids is not None else None)
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
         out: list[SampledTokens] = []
         pos = 0
         for spec in self.specs:
@@ -58,8 +58,7 @@ class Draws:
             if k is None:
                 out.append(SampledTokens(token_ids=tokens[rows]))
             else:
-                # The top K are sorted, so a spec asking for fewer takes the first k of them.
-                tops = ([list(zip(ids[:k], values[:k], strict=True)) for ids, values in top[rows]] if k > 0
+                tops = (_top_pairs(top_ids[rows], top_values[rows], k) if k > 0
                         else [[] for _ in range(spec.num_samples)])
                 out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=tops))
             pos += spec.num_samples
@@ -92,9 +91,7 @@ class Sampler:
         tokens = self._pick(logits, rows)  # [D]
         draws = Draws(specs, tokens)
         if raw_logprobs is not None:
-            draws.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)  # [D]
-            if max(k) > 0:
-                draws.top_logprobs, draws.top_ids = raw_logprobs.topk(max(k), dim=-1)  # [D, K]
+            draws.logprobs, draws.top_logprobs, draws.top_ids = _scores(raw_logprobs, tokens, max(k))
         return draws
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
@@ -153,15 +150,26 @@ def on_device(device: torch.device, values: list, dtype: torch.dtype = torch.lon
 
 def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledTokens:
     """`tokens` [S] with their logprobs under `logprobs` [S, V], and each row's top `k`."""
-    sampled = SampledTokens(token_ids=tokens.tolist(),
-                            logprobs=logprobs.gather(1, tokens[:, None]).squeeze(1).tolist())
-    if k > 0:
-        top_v, top_i = logprobs.topk(k, dim=-1)
-        sampled.top_logprobs = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(), top_v.tolist(),
-                                                                            strict=True)]
-    else:
-        sampled.top_logprobs = [[] for _ in range(len(tokens))]
-    return sampled
+    token_logprobs, top_values, top_ids = _scores(logprobs, tokens, k)
+    tops = _top_pairs(top_ids.tolist(), top_values.tolist(), k) if k > 0 else [[] for _ in range(len(tokens))]
+    return SampledTokens(token_ids=tokens.tolist(), logprobs=token_logprobs.tolist(), top_logprobs=tops)
+
+
+def _scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """On the device: each of `tokens` [S]'s logprob under `logprobs` [S, V] ([S]), and when k > 0 each
+    row's top k values and ids ([S, k], sorted)."""
+    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if k == 0:
+        return token_logprobs, None, None
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    return token_logprobs, top_values, top_ids
+
+
+def _top_pairs(ids: list[list[int]], values: list[list[float]], k: int) -> list[list[tuple[int, float]]]:
+    """Each row's top k (id, logprob) pairs from its sorted top K >= k: a spec asking for fewer than the
+    step's most takes the first k."""
+    return [list(zip(i[:k], v[:k], strict=True)) for i, v in zip(ids, values, strict=True)]
 
 
 def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
