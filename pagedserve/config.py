@@ -34,8 +34,8 @@ class EngineConfig:
     # same weights as the fp32 conversion, a sixth to a quarter of the bytes per decode step); False: from fp32.
     gguf_linears: bool = True
     # Schedule and launch each step while the one before it runs, its inputs drawn by that step filled in on
-    # the worker, so that the device need not wait for the host between steps (an in-process worker). None:
-    # on CUDA; off on a CPU, where a step computes when it runs, so scheduling ahead would only delay outputs.
+    # the workers, so that the device need not wait for the host between steps. None: on when the workers
+    # run on CUDA; off on a CPU, where a step computes when it runs, so scheduling ahead would only delay outputs.
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -73,10 +73,15 @@ class EngineConfig:
             return torch.float32
         return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
 
-    def batched_tokens(self, device: torch.device) -> int:
+    def batched_tokens(self, device_type: str) -> int:
+        """The step's token budget for workers on `device_type` ("cuda", "cpu")."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 8192 if device.type == "cuda" else 2048
+        return 8192 if device_type == "cuda" else 2048
+
+    def schedules_ahead(self, device_type: str) -> bool:
+        """Whether steps are scheduled ahead (`async_scheduling`) for workers on `device_type`."""
+        return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
 
 
 def ray_hosted_config(settings: EngineConfig | dict[str, Any]) -> EngineConfig:

@@ -56,17 +56,16 @@ class LLMEngine:
         self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
         self.num_failures = 0
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.batched_tokens(config.torch_device()), self.max_model_len)
+        # The workers' device, not this process's: a served engine's actor holds no GPU.
+        device_type = self.executor.device_type
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
+                                   self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._grammars: GrammarManager | None = None  # made on the first constrained request
         self._template: ChatTemplate | None = None  # made on the first chat request
         self._ids = itertools.count()
         # Async scheduling: the next step is scheduled and launched before this one's output is processed.
-        wanted = config.async_scheduling
-        if wanted is None:
-            wanted = config.torch_device().type == "cuda"
-        self.schedules_ahead = wanted and self.executor.fills_deferred_inputs
+        self.schedules_ahead = config.schedules_ahead(device_type) and self.executor.fills_deferred_inputs
         self._in_flight: tuple[StepBatch, Any] | None = None  # a launched step not yet processed
         _freeze_startup_heap()
 

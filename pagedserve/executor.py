@@ -20,6 +20,7 @@ class WorkerFailure(RuntimeError):
 
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds (the minimum over ranks)
+    device_type: str  # where the workers compute: "cuda" or "cpu"
     # Whether its workers fill a step's deferred inputs from the step before (StepBatch.deferred_inputs),
     # so that the engine may schedule a step while the one before it runs.
     fills_deferred_inputs: bool
@@ -59,13 +60,13 @@ class LocalExecutor:
         self.worker = Worker(config, source, model_config, max_model_len)
         self.num_blocks = self.worker.available_blocks
         self.worker.init_kv_pool(self.num_blocks)
-        self.queues_on_device = self.worker.device.type == "cuda"
+        self.device_type = self.worker.device.type
 
     def launch(self, batch: StepBatch) -> LaunchedStep | StepBatch:
-        return self.worker.launch(batch) if self.queues_on_device else batch
+        return self.worker.launch(batch) if self.device_type == "cuda" else batch
 
     def collect(self, handle: LaunchedStep | StepBatch) -> StepOutput:
-        return self.worker.collect(handle) if self.queues_on_device else self.worker.execute(handle)
+        return self.worker.collect(handle) if self.device_type == "cuda" else self.worker.execute(handle)
 
     async def collect_async(self, handle: LaunchedStep | StepBatch) -> StepOutput:
         return await asyncio.to_thread(self.collect, handle)

@@ -51,8 +51,8 @@ def summary(out) -> tuple[list, list]:
     return exact, values
 
 
-def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams]) -> tuple[list, dict, int]:
-    with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL) as llm:
+def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams], **engine) -> tuple[list, dict, int]:
+    with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL, **engine) as llm:
         ahead = 0
         launch = llm.engine.executor.launch
 
@@ -66,7 +66,9 @@ def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams]) -> t
         return [summary(o) for o in outs], llm.stats(), ahead
 
 
-def test_outputs_match_stepping_one_at_a_time(embedded_dir):
+def check_same_outputs(embedded_dir, **engine) -> None:
+    """The mixed workload scheduled ahead on the engine that `engine` configures gives the outputs of the
+    in-process engine stepping one at a time."""
     with LLM(str(embedded_dir)) as llm:
         sampled, greedy = [o.outputs[0] for o in llm.generate(
             [PROMPTS[1], PROMPTS[4]], [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32),
@@ -77,7 +79,7 @@ def test_outputs_match_stepping_one_at_a_time(embedded_dir):
     params = params_mix(stop_text, stop_token)
 
     sync, sync_stats, sync_ahead = run(embedded_dir, False, params)
-    ahead, stats, num_ahead = run(embedded_dir, True, params)
+    ahead, stats, num_ahead = run(embedded_dir, True, params, **engine)
     assert sync_ahead == 0 and num_ahead > 20, "steps must have been scheduled ahead"
     assert stats["num_preemptions"] > 0, "the pool must be small enough to preempt"
     for i, ((want, want_values), (got, got_values)) in enumerate(zip(sync, ahead, strict=True)):
@@ -87,6 +89,10 @@ def test_outputs_match_stepping_one_at_a_time(embedded_dir):
     assert ahead[1][0][0][2] == "stop" and ahead[4][0][0][2] == "stop"  # stops found one step late
     assert len(ahead[5][0][0][0]) >= 12
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_outputs_match_stepping_one_at_a_time(embedded_dir):
+    check_same_outputs(embedded_dir)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -16,8 +17,10 @@ ray = pytest.importorskip("ray")
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.async_engine import RequestFailed  # noqa: E402
 from pagedserve.cluster.engine_actor import EngineActor  # noqa: E402
+from pagedserve.cluster.ray_executor import StepOrder  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 
+from .test_async_scheduling import check_same_outputs  # noqa: E402
 from .test_parity import hf_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -55,14 +58,54 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])  # 4 > num_kv_heads: KV heads are replicated
-def test_tensor_parallel_matches_transformers(tiny_qwen2, tp):
+# 4 > num_kv_heads: KV heads are replicated. Async scheduling: rank 0 shares each step's draws with the others.
+@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, False), (2, False), (2, True), (4, True)])
+def test_tensor_parallel_matches_transformers(tiny_qwen2, tp, async_scheduling):
     path, prompts, expected = tiny_qwen2
-    with LLM(path, executor="ray", tensor_parallel_size=tp) as llm:
+    with LLM(path, executor="ray", tensor_parallel_size=tp, async_scheduling=async_scheduling) as llm:
+        assert llm.engine.schedules_ahead == async_scheduling
+        sent = []
+        launch = llm.engine.executor.launch
+        llm.engine.executor.launch = lambda batch: sent.append(bool(batch.deferred_inputs)) or launch(batch)
         assert tokens(llm.generate(prompts, GREEDY)) == expected
+        assert sum(sent) > 5 if async_scheduling else not any(sent), sent
         stats = llm.stats()
         assert stats["tensor_parallel_size"] == tp
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_async_scheduling_on_worker_actors(embedded_dir):
+    """The mixed workload (stops, seeds, n, penalties, logprobs, a grammar, preemption) scheduled ahead on a
+    worker actor gives the in-process engine's outputs stepping one at a time."""
+    check_same_outputs(embedded_dir, executor="ray")
+
+
+def test_step_order_launches_steps_in_their_numbered_order():
+    """Ray may start a later step's call first on an actor with two step threads."""
+    order = StepOrder()
+    launched = []
+
+    def step(n: int, fail: bool = False) -> None:
+        try:
+            order.wait(n)
+        except RuntimeError as e:
+            launched.append((n, str(e)))
+            return
+        launched.append(n)
+        order.done(n, ok=not fail)
+
+    threads = [threading.Thread(target=step, args=(n,)) for n in (2, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert launched == []  # both wait for step 0
+    step(0)
+    for t in threads:
+        t.join(timeout=5)
+    assert launched == [0, 1, 2]
+    step(3, fail=True)
+    step(4)  # its deferred inputs would come from the failed step
+    assert launched[3] == 3 and launched[4] == (4, "step 4 cannot run: step 3 before it failed")
 
 
 @pytest.mark.slow
@@ -157,9 +200,11 @@ def test_cancelled_stream_frees_its_blocks(tiny_qwen2):
         assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2, async_scheduling):
     path, prompts, expected = tiny_qwen2
-    with engine_actor(model=path, executor="ray", tensor_parallel_size=2) as engine:
+    with engine_actor(model=path, executor="ray", tensor_parallel_size=2,
+                      async_scheduling=async_scheduling) as engine:
         async def run():
             long_job = asyncio.ensure_future(collect(engine, [3] * 30, SamplingParams(max_tokens=400,
                                                                                        ignore_eos=True)))

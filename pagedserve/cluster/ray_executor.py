@@ -2,9 +2,13 @@
 tensor-parallel group shares a node.
 
 Each step's batch is `ray.put` once and its ref passed to every rank's `execute`; rank 0 returns the
-sampled tokens. PAGEDSERVE_COMPILED_GRAPH=1 sends steps through a Ray compiled graph instead (ray.dag:
-the batch is written once into a shared-memory channel all ranks read), which cuts the dispatch
-overhead 2.5x (benchmarks/RESULTS.md). It is off by default: in Ray 2.60, a worker dying under a
+sampled tokens. With async scheduling the engine sends a step while the one before it still runs: each
+actor launches steps in the order the engine numbered them (`StepOrder`), whatever order the calls
+arrive in, so the next step's kernels are queued while the last one's draws are read back.
+
+PAGEDSERVE_COMPILED_GRAPH=1 sends steps through a Ray compiled graph instead (ray.dag: the batch is
+written once into a shared-memory channel all ranks read), which cuts the dispatch overhead 2.5x
+(benchmarks/RESULTS.md). It is off by default: in Ray 2.60, a worker dying under a
 compiled graph sometimes aborts the driving process (a fatal check in
 experimental_mutable_object_provider.cc), and the engine must survive a worker's death."""
 
@@ -14,6 +18,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -34,8 +39,41 @@ STEP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STEP_TIMEOUT_S", "600"))
 USE_COMPILED_GRAPH = os.environ.get("PAGEDSERVE_COMPILED_GRAPH", "0") == "1"
 
 
+class StepOrder:
+    """Lets steps launch one at a time in the order they are numbered (0, 1, ...), whichever thread's call
+    arrives first: Ray does not keep the submission order of calls to an actor with several threads."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._next = 0  # the step whose turn it is
+        self._failed: int | None = None  # the first step whose launch raised
+
+    def wait(self, step: int) -> None:
+        """Block until every step before `step` has launched; RuntimeError if one of them failed."""
+        with self._turn:
+            if not self._turn.wait_for(lambda: self._next == step, timeout=STEP_TIMEOUT_S):
+                raise RuntimeError(f"step {step} waited {STEP_TIMEOUT_S:.0f}s for step {self._next} to arrive")
+            if self._failed is not None:
+                self._pass(step)
+                raise RuntimeError(f"step {step} cannot run: step {self._failed} before it failed")
+
+    def done(self, step: int, ok: bool) -> None:
+        """`step` has launched (or failed to): the next one may go."""
+        with self._turn:
+            if not ok and self._failed is None:
+                self._failed = step
+            self._pass(step)
+
+    def _pass(self, step: int) -> None:
+        self._next = step + 1
+        self._turn.notify_all()
+
+
 class WorkerActor:
-    """Holds one rank's `Worker`. Created light; `setup` loads the model so errors reach the caller."""
+    """Holds one rank's `Worker`. Created light; `setup` loads the model so errors reach the caller.
+
+    Steps run in the "steps" concurrency group, two threads: one launches a step while the other waits
+    for the draws of the step before it. Other calls (`pid`, the health check) have a thread of their own."""
 
     def __init__(self, rank: int, world_size: int, threads: int) -> None:
         import torch
@@ -45,6 +83,7 @@ class WorkerActor:
         self.rank = rank
         self.world_size = world_size
         self.worker = None
+        self.order = StepOrder()
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -52,18 +91,28 @@ class WorkerActor:
             return s.getsockname()[1]
 
     def setup(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, max_model_len: int,
-              dist_init_method: str | None) -> int:
+              dist_init_method: str | None) -> tuple[int, str]:
+        """(KV blocks that fit, the device type the worker computes on)."""
         from pagedserve.workers.worker import Worker
 
         self.worker = Worker(config, source, model_config, max_model_len, self.rank, self.world_size,
                              dist_init_method)
-        return self.worker.available_blocks
+        return self.worker.available_blocks, self.worker.device.type
 
     def init_kv_pool(self, num_blocks: int) -> None:
         self.worker.init_kv_pool(num_blocks)
 
-    def execute(self, batch: StepBatch) -> StepOutput | None:
-        return self.worker.execute(batch)
+    @ray.method(concurrency_group="steps")
+    def execute(self, step: int, batch: StepBatch) -> StepOutput | None:
+        """Run step number `step` (numbered from 0 by the executor) once every step before it has launched:
+        its deferred inputs are the draws of the one before it."""
+        self.order.wait(step)
+        launched = None
+        try:
+            launched = self.worker.launch(batch)
+        finally:
+            self.order.done(step, ok=launched is not None)
+        return self.worker.collect(launched)
 
     def pid(self) -> int:
         return os.getpid()
@@ -103,9 +152,7 @@ class RayExecutor:
     its own (a Serve replica's, see `EngineServer`), the workers take those bundles; anywhere else it makes
     a placement group of its own."""
 
-    # Each step runs whole inside its actors (launch to draws), and only rank 0 draws: a step's inputs must
-    # be known when it is sent.
-    fills_deferred_inputs = False
+    fills_deferred_inputs = True  # rank 0 shares its draws with the other ranks (ModelRunner.share_draws)
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:
@@ -120,6 +167,7 @@ class RayExecutor:
         self.placement_group = None  # one this executor made (and removes); never the Serve replica's
         self.compiled = None
         self.num_blocks = 0
+        self.device_type = "cpu"
         self._start()
 
     def _placement_group(self):
@@ -141,21 +189,25 @@ class RayExecutor:
     def _start(self) -> None:
         pg, first = self._placement_group()
         cpu_threads = max(1, (os.cpu_count() or 1) // self.world_size)
-        actor_cls = ray.remote(WorkerActor)
+        # Two step threads: a step in flight (its launch, then the wait for its draws) and the one sent behind it.
+        actor_cls = ray.remote(concurrency_groups={"steps": 2})(WorkerActor)
+        self.steps_sent = 0  # the new actors number steps from 0
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=first + rank)
             options = {"num_cpus": self.bundle["CPU"], "num_gpus": self.bundle.get("GPU", 0)}
-            self.workers.append(actor_cls.options(scheduling_strategy=strategy, max_concurrency=2, **options)
+            self.workers.append(actor_cls.options(scheduling_strategy=strategy, **options)
                                 .remote(rank, self.world_size, cpu_threads))
         init_method = None
         if self.world_size > 1:
             # STRICT_PACK puts every rank on one node, so the rendezvous stays on loopback.
             init_method = f"tcp://127.0.0.1:{ray.get(self.workers[0].free_port.remote())}"
         try:
-            capacities = ray.get([w.setup.remote(self.config, self.source, self.model_config, self.max_model_len,
-                                                 init_method) for w in self.workers])
+            capacities, devices = zip(*ray.get([w.setup.remote(self.config, self.source, self.model_config,
+                                                               self.max_model_len, init_method)
+                                                for w in self.workers]), strict=True)
             # Every rank must hold every block the scheduler hands out: the smallest pool wins.
             self.num_blocks = min(capacities) if not self.num_blocks else self.num_blocks
+            self.device_type = devices[0]
             ray.get([w.init_kv_pool.remote(self.num_blocks) for w in self.workers])
         except RayError as e:
             self.shutdown()
@@ -171,21 +223,23 @@ class RayExecutor:
     def _compile(self):
         from ray.dag import InputNode, MultiOutputNode
 
-        with InputNode() as batch:
-            dag = MultiOutputNode([w.execute.bind(batch) for w in self.workers])
+        with InputNode() as step:
+            dag = MultiOutputNode([w.execute.bind(step[0], step[1]) for w in self.workers])
         return dag.experimental_compile()
 
     def launch(self, batch: StepBatch):
         """The step's refs: a compiled graph's one, or each rank's."""
+        step = self.steps_sent
+        self.steps_sent += 1
         if self.compiled is not None:
             try:
-                return self.compiled.execute(batch)
+                return self.compiled.execute(step, batch)
             except RayError as e:
                 raise WorkerFailure(f"worker failed during a step: {_cause(e)}") from e
         if not self.workers:
             raise WorkerFailure("no worker actors (an earlier restart failed)")
         ref = ray.put(batch)  # one copy in the object store; every rank reads the same ref
-        return [w.execute.remote(ref) for w in self.workers]
+        return [w.execute.remote(step, ref) for w in self.workers]
 
     def collect(self, refs) -> StepOutput:
         if self.compiled is not None:

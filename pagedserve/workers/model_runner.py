@@ -29,12 +29,15 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend, block_size: int,
-                 sampler: Sampler | None) -> None:
+                 sampler: Sampler | None, share_draws: bool = False) -> None:
         self.model = model
         self.kv_pool = kv_pool  # [L, 2, N, B, Hkv, D]
         self.backend = backend
         self.block_size = block_size
         self.sampler = sampler  # None on tensor-parallel ranks other than 0: they return no tokens
+        # Tensor parallelism with async scheduling: every rank fills the next step's deferred inputs, so rank 0
+        # broadcasts each step's draws to the others.
+        self.share_draws = share_draws
         self.device = kv_pool.device
         self.dynamic_rope = model.model.rope.dynamic
         self.decode_graphs: DecodeGraphs | None = None
@@ -72,11 +75,22 @@ class ModelRunner:
         rows = on_device(self.device, [s.row for s in batch.samples])  # [S]
         logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32, a collective under TP
         if self.sampler is None:
+            if self.share_draws:
+                self.last_tokens = self._shared_draws(
+                    torch.empty(sum(s.num_samples for s in batch.samples), dtype=torch.long, device=self.device))
             return LaunchedStep(None, prompt_logprobs)
         draws = self.sampler.draw(logits, batch.samples)
-        self.last_tokens = draws.tokens
+        self.last_tokens = self._shared_draws(draws.tokens) if self.share_draws else draws.tokens
         draws.to_host()
         return LaunchedStep(draws, prompt_logprobs)
+
+    @staticmethod
+    def _shared_draws(tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tokens` [D] on every rank (in place); queued behind the step on NCCL."""
+        import torch.distributed as dist
+
+        dist.broadcast(tokens, src=0)
+        return tokens
 
     def collect(self, step: LaunchedStep) -> StepOutput | None:
         """Wait for a launched step; its draws (None on tensor-parallel ranks other than 0)."""

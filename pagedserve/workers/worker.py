@@ -64,7 +64,8 @@ class Worker:
         kv_pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                    self.tp.num_kv_heads)
         self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
-                                  self.sampler if self.rank == 0 else None)
+                                  self.sampler if self.rank == 0 else None,
+                                  share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
         if self.config.cuda_graphs:
             if self.device.type == "cuda":
                 self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
@@ -121,7 +122,7 @@ class Worker:
 
     def profile_step(self) -> StepOutput | None:
         """Run the largest step the scheduler may send, on a throwaway pool, to measure activations."""
-        batch = profile_batch(self.config.batched_tokens(self.device), self.config.max_num_seqs,
+        batch = profile_batch(self.config.batched_tokens(self.device.type), self.config.max_num_seqs,
                               self.config.block_size)
         num_blocks = sum(len(t) for t in batch.block_tables)
         pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
