@@ -3,7 +3,9 @@
 The fake worker writes each new token (and its position) into the slot its block table names,
 then reads the whole context back through the block table and derives the next token from it.
 A wrong block table, position, copy-on-write or prefix-cache hit changes what it reads, and
-so the output; the expected output is computed without any paging at all.
+so the output; the expected output is computed without any paging at all. Like the real worker, it
+keeps the block tables itself and applies each step's `table_updates`, so a wrong update (a stale
+entry after copy-on-write, a slot reused too soon) shows too.
 
 `run(..., ahead=True)` drives the scheduler as the engine does with async scheduling: the next step is
 scheduled and run before the output of the step before it is applied, its tokens drawn by that step
@@ -53,6 +55,7 @@ class SlotWorker:
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)  # (position, token)
         self.batches: list[StepBatch] = []
         self.last_draws: list[int] = []  # the first draw of each sample spec of the last step
+        self.tables: dict[int, list[int]] = {}  # slot -> block table
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self.batches.append(batch)
@@ -63,11 +66,16 @@ class SlotWorker:
         bs = self.block_size
         for src, dst in batch.block_copies:
             self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
+        for slot, start, ids in batch.table_updates:
+            table = self.tables.setdefault(slot, [])
+            assert start <= len(table), f"update of slot {slot} from {start} leaves a gap"
+            table[start:] = ids  # what a freed slot held before is never read, so drop it here
+        assert len(set(batch.slots)) == batch.num_rows, "two rows share a slot"
         row_context: list[list[int]] = []
         for r in range(batch.num_rows):
             q = input_ids[batch.cu_seqlens_q[r]:batch.cu_seqlens_q[r + 1]]
             length = batch.context_lens[r]
-            table = batch.block_tables[r]
+            table = self.tables[batch.slots[r]]
             assert len(table) == -(-length // bs), "block table must cover exactly the context"
             for i, token in enumerate(q):
                 pos = length - len(q) + i

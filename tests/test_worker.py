@@ -21,10 +21,12 @@ def test_profile_batch_is_the_largest_step(num_tokens, max_num_seqs, block_size)
     assert batch.cu_seqlens_q[-1] == num_tokens and sorted(batch.cu_seqlens_q) == batch.cu_seqlens_q
     lens = [b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:], strict=False)]
     assert lens == batch.context_lens and max(lens) - min(lens) <= 1  # fresh rows, evenly spread
-    blocks = [b for table in batch.block_tables for b in table]
+    assert batch.slots == list(range(batch.num_rows))  # each row's whole table, in a slot of its own
+    assert [(slot, start) for slot, start, _ in batch.table_updates] == [(r, 0) for r in batch.slots]
+    tables = [ids for _, _, ids in batch.table_updates]
+    blocks = [b for table in tables for b in table]
     assert sorted(blocks) == list(range(len(blocks)))  # every row its own blocks
-    assert all(len(t) * block_size >= n > (len(t) - 1) * block_size
-               for t, n in zip(batch.block_tables, lens, strict=True))
+    assert all(len(t) * block_size >= n > (len(t) - 1) * block_size for t, n in zip(tables, lens, strict=True))
     assert [s.row for s in batch.samples] == list(range(batch.num_rows))
     assert all(s.params.top_k > 0 and s.params.top_p < 1 and s.params.logprobs == 20 for s in batch.samples)
 

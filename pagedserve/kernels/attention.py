@@ -43,7 +43,7 @@ def _attend_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASK_LEN:
         mask_n = offs_n < ctx_len
-        # Masked so that block-table padding (-1) and the next row's entries are never read.
+        # Masked so that table entries past the row's context (stale or padding) are never read.
         block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
         mask_k = mask_d[:, None] & mask_n[None, :]
         mask_v = mask_n[:, None] & mask_d[None, :]
@@ -331,7 +331,7 @@ def paged_attention(
     """Attention of each row's new queries over its paged context (see reference.paged_attention).
 
     query [T, Hq, D]; kv_cache [2, N, block_size, Hkv, D]; cu_seqlens_q [R + 1]; context_lens [R];
-    block_tables [R, max_blocks] (-1 past a row's blocks, never read). Returns [T, Hq, D] in query's dtype.
+    block_tables [R, max_blocks] (entries past a row's blocks are never read). Returns [T, Hq, D] in query's dtype.
     split_kv: None picks split-KV for decode rows by a heuristic; True/False forces it.
     max_query_len / max_context_len: optional host-side upper bounds the caller may already know;
     max_query_len == 1 skips the prefill launch (so it must be exact), max_context_len sharpens the

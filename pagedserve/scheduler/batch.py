@@ -44,6 +44,11 @@ class StepBatch:
     """One forward step. Row i computes query tokens input_ids[cu_seqlens_q[i]:cu_seqlens_q[i+1]],
     the last of which sits at position context_lens[i] - 1 of its sequence, seq_ids[i].
 
+    The workers keep every running sequence's block table, in row `slots[i]` of a table of their own;
+    a step sends only what changed: `table_updates` holds (slot, start, block ids), the entries from
+    index `start` on, applied in order before the step runs. Entries past a row's context are stale and
+    never read.
+
     It is also the scheduler's record of the step: `Scheduler.update` reads which sequences ran and
     what each drew from it.
 
@@ -54,7 +59,8 @@ class StepBatch:
     input_ids: list[int]
     cu_seqlens_q: list[int]  # [num_rows + 1]
     context_lens: list[int]  # [num_rows]: tokens in the KV cache once this step's are written
-    block_tables: list[list[int]]  # [num_rows][blocks covering context_lens[i]]
+    slots: list[int]  # [num_rows]: each row's block table in the workers' table
+    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)  # [num_rows]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
     samples: list[SampleSpec] = field(default_factory=list)

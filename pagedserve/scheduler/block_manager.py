@@ -119,6 +119,7 @@ class BlockManager:
             dst = self.pool.allocate().block_id
             self.pool.free([src])
             seq.block_table[write_idx] = dst
+            seq.num_sent_blocks = min(seq.num_sent_blocks, write_idx)
             copies.append((src, dst))
         for _ in range(needed):
             seq.block_table.append(self.pool.allocate().block_id)
@@ -149,3 +150,4 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.num_sent_blocks = 0

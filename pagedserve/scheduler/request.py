@@ -66,6 +66,11 @@ class Sequence:
         self.pending_sample = 0  # the pending token's index among its step's samples
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, chained
+        # The workers keep each running sequence's block table in a row of their own (`slot`); a step sends
+        # only the entries past the first `num_sent_blocks`, which the block manager lowers when it
+        # rewrites an entry (copy-on-write) and zeroes when it frees the table.
+        self.slot: int | None = None
+        self.num_sent_blocks = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 
@@ -33,6 +34,10 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self.num_preemptions = 0
         self._seq_ids = itertools.count()
+        # Rows of the workers' block table: a sequence holds one while it holds blocks. The lowest free one
+        # is reused first, so the table stays as small as the most sequences that ever ran at once.
+        self._free_slots: list[int] = []
+        self._num_slots = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -89,7 +94,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             return
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         del self.seqs[seq.seq_id]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -157,7 +162,7 @@ class Scheduler:
         return self._make_batch(scheduled, copies)
 
     def _make_batch(self, scheduled: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> StepBatch:
-        batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], block_tables=[], block_copies=copies)
+        batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies)
         for row, (seq, num_new) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + num_new
@@ -172,7 +177,7 @@ class Scheduler:
             seq.num_computed_tokens = end
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + num_new)
             batch.context_lens.append(end)
-            batch.block_tables.append(list(seq.block_table))
+            self._send_block_table(seq, batch)
             batch.seq_ids.append(seq.seq_id)
             request = seq.request
             if request.needs_prompt_logprobs:
@@ -288,10 +293,32 @@ class Scheduler:
             self.finish(seq, "length")
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Free the sequence's blocks, and its row of the workers' block table with them."""
+        self.block_manager.free(seq)
+        if seq.slot is not None:
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = None
+
+    def _send_block_table(self, seq: Sequence, batch: StepBatch) -> None:
+        """Give the sequence a row of the workers' block table if it has none, and add to the batch the
+        entries the workers do not have yet."""
+        if seq.slot is None:
+            if self._free_slots:
+                seq.slot = heapq.heappop(self._free_slots)
+            else:
+                seq.slot = self._num_slots
+                self._num_slots += 1
+        table = seq.block_table
+        if seq.num_sent_blocks < len(table):
+            batch.table_updates.append((seq.slot, seq.num_sent_blocks, table[seq.num_sent_blocks:]))
+            seq.num_sent_blocks = len(table)
+        batch.slots.append(seq.slot)
 
     # ---- numbers -------------------------------------------------------------------------
 

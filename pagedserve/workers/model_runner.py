@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ import torch
 
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, StepBatch, StepOutput
+from pagedserve.workers.block_tables import BlockTables
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.sampler import Draws, Sampler, on_device, score_tokens
@@ -42,6 +42,7 @@ class ModelRunner:
         self.dynamic_rope = model.model.rope.dynamic
         self.decode_graphs: DecodeGraphs | None = None
         self.last_tokens: torch.Tensor | None = None  # [D] the last step's draws, for the next one's deferred inputs
+        self.block_tables = BlockTables()
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -125,14 +126,9 @@ class ModelRunner:
         row_of_token = torch.repeat_interleave(torch.arange(num_rows), q_lens)  # [T]
         offset_in_row = torch.arange(batch.num_tokens) - cu[:-1][row_of_token]
         positions = (context_lens - q_lens)[row_of_token] + offset_in_row  # [T]
-        # One tensor from the concatenated tables, scattered under a ragged mask: a torch.tensor call
-        # per row costs more than the rest of prepare with hundreds of decode rows.
-        table_lens = torch.tensor([len(t) for t in batch.block_tables], dtype=torch.long)  # [R]
-        max_blocks = int(table_lens.max())
-        block_tables = torch.full((num_rows, max_blocks), -1, dtype=torch.long)  # [R, max_blocks]
-        block_tables[torch.arange(max_blocks) < table_lens[:, None]] = torch.tensor(
-            list(itertools.chain.from_iterable(batch.block_tables)), dtype=torch.long)
         bs = self.block_size
+        self.block_tables.update(batch.table_updates)
+        block_tables = self.block_tables.rows(batch.slots, -(-max(batch.context_lens) // bs))  # [R, max_blocks]
         slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs  # [T]
 
         dev = self.device

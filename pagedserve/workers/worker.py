@@ -124,7 +124,7 @@ class Worker:
         """Run the largest step the scheduler may send, on a throwaway pool, to measure activations."""
         batch = profile_batch(self.config.batched_tokens(self.device.type), self.config.max_num_seqs,
                               self.config.block_size)
-        num_blocks = sum(len(t) for t in batch.block_tables)
+        num_blocks = sum(len(ids) for _, _, ids in batch.table_updates)
         pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                 self.tp.num_kv_heads)
         runner = ModelRunner(self.model, pool, self.backend, self.config.block_size,
@@ -146,16 +146,16 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBa
     rows = max(1, min(max_num_seqs, num_tokens))
     row_len = [num_tokens // rows + (1 if r < num_tokens % rows else 0) for r in range(rows)]
     tables, cu, next_block = [], [0], 0
-    for n in row_len:
+    for r, n in enumerate(row_len):
         blocks = -(-n // block_size)
-        tables.append(list(range(next_block, next_block + blocks)))
+        tables.append((r, 0, list(range(next_block, next_block + blocks))))
         next_block += blocks
         cu.append(cu[-1] + n)
     costly = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, max_tokens=1)
     samples = [SampleSpec(seq_id=r, row=r, num_samples=1, sample_index=0, output_len=0, params=costly)
                for r in range(rows)]
-    return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, block_tables=tables,
-                     samples=samples)
+    return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=list(range(rows)),
+                     table_updates=tables, samples=samples)
 
 
 def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
