@@ -65,7 +65,7 @@ class LLMEngine:
         self._template: ChatTemplate | None = None  # made on the first chat request
         self._ids = itertools.count()
         # Async scheduling: the next step is scheduled and launched before this one's output is processed.
-        self.schedules_ahead = config.schedules_ahead(device_type) and self.executor.fills_deferred_inputs
+        self.schedules_ahead = config.schedules_ahead(device_type)
         self._in_flight: tuple[StepBatch, Any] | None = None  # a launched step not yet processed
         _freeze_startup_heap()
 

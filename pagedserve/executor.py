@@ -21,12 +21,10 @@ class WorkerFailure(RuntimeError):
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds (the minimum over ranks)
     device_type: str  # where the workers compute: "cuda" or "cpu"
-    # Whether its workers fill a step's deferred inputs from the step before (StepBatch.deferred_inputs),
-    # so that the engine may schedule a step while the one before it runs.
-    fills_deferred_inputs: bool
 
     def launch(self, batch: StepBatch) -> Any:
-        """Start one step on every rank, behind the steps launched before it; a handle for `collect`."""
+        """Start one step on every rank, behind the steps launched before it; a handle for `collect`. The
+        workers fill its deferred inputs (`StepBatch.deferred_inputs`) from the draws of the step before."""
 
     def collect(self, handle: Any) -> StepOutput:
         """Wait for a launched step; rank 0's draws. WorkerFailure if a worker died or hung."""
@@ -50,8 +48,6 @@ class LocalExecutor:
     """The worker in this process. On CUDA `launch` queues the step's kernels, which run while the host goes
     on, and `collect` waits for its draws. On a CPU a step computes where it is run, so it runs in
     `collect` (off the event loop in `collect_async`), launched steps in the order they were launched."""
-
-    fills_deferred_inputs = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:

@@ -152,8 +152,6 @@ class RayExecutor:
     its own (a Serve replica's, see `EngineServer`), the workers take those bundles; anywhere else it makes
     a placement group of its own."""
 
-    fills_deferred_inputs = True  # rank 0 shares its draws with the other ranks (ModelRunner.share_draws)
-
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:
         self.config = config
