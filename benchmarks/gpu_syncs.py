@@ -31,6 +31,7 @@ MIXES = {
     "top-p, seeded": dict(temperature=0.8, top_p=0.9, seed=1),
     "top-k, min-p": dict(temperature=1.0, top_k=20, min_p=0.05),
     "logprobs": dict(temperature=0.7, logprobs=5),
+    "prompt logprobs": dict(temperature=0, prompt_logprobs=3),
     "n=2": dict(temperature=1.0, n=2),
     "penalties": dict(temperature=0, repetition_penalty=1.2, frequency_penalty=0.3),
     "logit_bias, min_tokens": dict(temperature=0, logit_bias={5: 2.0}, min_tokens=8, stop_token_ids=[7]),

@@ -190,6 +190,35 @@ def test_prompt_logprobs_match_the_model(embedded_dir, max_num_batched_tokens):
     llm.shutdown()
 
 
+def test_prompt_logprobs_of_several_requests_in_one_step(smol, embedded_dir):
+    """Prompts scored in one step, each with its own number of alternatives (0 among them), one longer than
+    a slice of prompt logits (256 positions): each request gets its own scores, whole and in order."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
+    prompts = [smol.tokenizer.encode(" ".join(f"item{i}," for i in range(120))),
+               smol.tokenizer.encode("The capital of France is"), smol.tokenizer.encode("Two plus two is")]
+    assert len(prompts[0]) > 300
+    ks = [0, 3, 1]
+    executor = smol.engine.executor
+    scored_per_step = []
+    launch = executor.launch
+    executor.launch = lambda batch: scored_per_step.append(len(batch.prompt_logprobs)) or launch(batch)
+    try:
+        outs = smol.generate(prompts, [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in ks])
+    finally:
+        del executor.launch
+    assert scored_per_step[0] == 3
+    for prompt, out, k in zip(prompts, outs, ks, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)  # [P, V]
+        assert [e.token_id for e in out.prompt_logprobs] == prompt
+        for t in range(1, len(prompt)):
+            entry = out.prompt_logprobs[t]
+            assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) < 1e-3, (k, t)
+            assert [x.token_id for x in entry.top_logprobs] == ref[t - 1].topk(k).indices.tolist(), (k, t)
+
+
 def test_min_tokens_holds_back_eos_and_stop_strings(smol):
     full = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
     assert full.finish_reason == "stop" and full.stop_reason is None  # EOS

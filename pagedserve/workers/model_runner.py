@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
-from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, StepBatch, StepOutput
+from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.sampler import Draws, Sampler, on_device, score_tokens
+from pagedserve.workers.sampler import Draws, Sampler, on_device, token_scores
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class LaunchedStep:
     """A step whose work is queued on the device; `ModelRunner.collect` reads its result."""
 
     draws: Draws | None
-    prompt_logprobs: list[SampledTokens]
+    prompt_scores: Draws | None  # a group per PromptLogprobSpec
 
 
 class ModelRunner:
@@ -57,8 +57,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> LaunchedStep:
-        """Queue the step's work on the device without waiting for it (but for prompt logprobs, which
-        are read back here), so that the host can go on while it runs, and queue the next step behind it."""
+        """Queue the step's work on the device without waiting for it, so that the host can go on while it
+        runs, and queue the next step behind it."""
         if batch.block_copies:
             src = on_device(self.device, [s for s, _ in batch.block_copies])
             dst = on_device(self.device, [d for _, d in batch.block_copies])
@@ -68,10 +68,12 @@ class ModelRunner:
             hidden = self.decode_graphs.run(input_ids, positions, ctx)  # [T, H]
         else:
             hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
-        prompt_logprobs = [self._score_prompt(hidden, batch, spec) for spec in batch.prompt_logprobs]
+        prompt_scores = self._score_prompts(hidden, batch)
+        if prompt_scores is not None:
+            prompt_scores.to_host()
         self.last_tokens = None
         if not batch.samples:
-            return LaunchedStep(None, prompt_logprobs)
+            return LaunchedStep(None, prompt_scores)
         last_token = ctx.cu_seqlens_q[1:] - 1  # [R]
         rows = on_device(self.device, [s.row for s in batch.samples])  # [S]
         logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32, a collective under TP
@@ -79,11 +81,11 @@ class ModelRunner:
             if self.share_draws:
                 self.last_tokens = self._shared_draws(
                     torch.empty(sum(s.num_samples for s in batch.samples), dtype=torch.long, device=self.device))
-            return LaunchedStep(None, prompt_logprobs)
+            return LaunchedStep(None, prompt_scores)
         draws = self.sampler.draw(logits, batch.samples)
         self.last_tokens = self._shared_draws(draws.tokens) if self.share_draws else draws.tokens
         draws.to_host()
-        return LaunchedStep(draws, prompt_logprobs)
+        return LaunchedStep(draws, prompt_scores)
 
     @staticmethod
     def _shared_draws(tokens: torch.Tensor) -> torch.Tensor:
@@ -98,24 +100,31 @@ class ModelRunner:
         if self.sampler is None:
             return None
         return StepOutput(samples=step.draws.outputs() if step.draws is not None else [],
-                          prompt_logprobs=step.prompt_logprobs)
+                          prompt_logprobs=step.prompt_scores.outputs() if step.prompt_scores is not None else [])
 
-    def _score_prompt(self, hidden: torch.Tensor, batch: StepBatch, spec: PromptLogprobSpec) -> SampledTokens:
-        """Logprobs of the prompt tokens that `spec` names, a bounded slice of logits at a time."""
-        first = batch.cu_seqlens_q[spec.row] + spec.start
-        count = len(spec.target_token_ids)
-        scored = SampledTokens(token_ids=[], logprobs=[], top_logprobs=[])
-        for c in range(0, count, _PROMPT_LOGITS_CHUNK):
-            n = min(_PROMPT_LOGITS_CHUNK, count - c)
-            logits = self.model.compute_logits(hidden[first + c:first + c + n])  # [n, V]; a collective under TP
-            if self.sampler is None:
-                continue
-            targets = on_device(self.device, spec.target_token_ids[c:c + n])
-            part = score_tokens(torch.log_softmax(logits, dim=-1), targets, spec.k)
-            scored.token_ids += part.token_ids
-            scored.logprobs += part.logprobs
-            scored.top_logprobs += part.top_logprobs
-        return scored
+    def _score_prompts(self, hidden: torch.Tensor, batch: StepBatch) -> Draws | None:
+        """Logprobs of the prompt tokens that the batch's `PromptLogprobSpec`s name, on the device, a bounded
+        slice of logits at a time. None where nothing is scored (or on ranks other than 0)."""
+        specs = batch.prompt_logprobs
+        if not specs:
+            return None
+        width = max(spec.k for spec in specs)  # one width of top alternatives for all; each group cuts its own
+        parts = []  # per slice: (targets [n], logprobs [n], top values [n, width], top ids [n, width])
+        for spec in specs:
+            first = batch.cu_seqlens_q[spec.row] + spec.start
+            count = len(spec.target_token_ids)
+            for c in range(0, count, _PROMPT_LOGITS_CHUNK):
+                n = min(_PROMPT_LOGITS_CHUNK, count - c)
+                logits = self.model.compute_logits(hidden[first + c:first + c + n])  # [n, V]; a collective under TP
+                if self.sampler is None:
+                    continue
+                targets = on_device(self.device, spec.target_token_ids[c:c + n])
+                parts.append((targets, *token_scores(torch.log_softmax(logits, dim=-1), targets, width)))
+        if self.sampler is None:
+            return None
+        tokens, logprobs, top_values, top_ids = (None if p[0] is None else torch.cat(p)
+                                                 for p in zip(*parts, strict=True))
+        return Draws([(len(spec.target_token_ids), spec.k) for spec in specs], tokens, logprobs, top_ids, top_values)
 
     def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """Positions and slot mapping are derived here, vectorised, not sent per token."""

@@ -20,11 +20,14 @@ def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
 
 @dataclass
 class Draws:
-    """One step's draws, still on the device. Made without waiting for the device, so that the next
-    step can be launched behind them; `outputs` waits and reads them."""
+    """Tokens with their logprobs, still on the device: one step's draws, or the prompt tokens it scored.
+    Made without waiting for the device, so that the next step can be launched behind them; `outputs`
+    waits and reads them."""
 
-    specs: list[SampleSpec]
-    tokens: torch.Tensor  # [D] one per draw: specs' num_samples in order
+    # (tokens, logprobs asked for) per SampleSpec (num_samples, params.logprobs) or per PromptLogprobSpec
+    # (its target tokens, k): `outputs` gives one SampledTokens per group. None: no logprobs.
+    groups: list[tuple[int, int | None]]
+    tokens: torch.Tensor  # [D] the groups' tokens in order
     logprobs: torch.Tensor | None = None  # [D] each draw's logprob, when a spec asks for logprobs
     top_ids: torch.Tensor | None = None  # [D, K], K the most top logprobs a spec asks for (K > 0)
     top_logprobs: torch.Tensor | None = None  # [D, K]
@@ -43,7 +46,7 @@ class Draws:
         self.ready.record()
 
     def outputs(self) -> list[SampledTokens]:
-        """Per spec, its tokens (and logprobs when it asked for them)."""
+        """Per group, its tokens (and logprobs when it asked for them)."""
         if self.ready is not None:
             self.ready.synchronize()
         tokens = self.tokens.tolist()
@@ -52,16 +55,14 @@ class Draws:
         top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
         out: list[SampledTokens] = []
         pos = 0
-        for spec in self.specs:
-            rows = slice(pos, pos + spec.num_samples)
-            k = spec.params.logprobs
+        for count, k in self.groups:
+            rows = slice(pos, pos + count)
             if k is None:
                 out.append(SampledTokens(token_ids=tokens[rows]))
             else:
-                tops = (_top_pairs(top_ids[rows], top_values[rows], k) if k > 0
-                        else [[] for _ in range(spec.num_samples)])
+                tops = _top_pairs(top_ids[rows], top_values[rows], k) if k > 0 else [[] for _ in range(count)]
                 out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=tops))
-            pos += spec.num_samples
+            pos += count
         return out
 
 
@@ -89,9 +90,9 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         logits = _apply_bias_and_bans(logits, rows)
         tokens = self._pick(logits, rows)  # [D]
-        draws = Draws(specs, tokens)
+        draws = Draws([(s.num_samples, s.params.logprobs) for s in specs], tokens)
         if raw_logprobs is not None:
-            draws.logprobs, draws.top_logprobs, draws.top_ids = _scores(raw_logprobs, tokens, max(k))
+            draws.logprobs, draws.top_logprobs, draws.top_ids = token_scores(raw_logprobs, tokens, max(k))
         return draws
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
@@ -148,14 +149,7 @@ def on_device(device: torch.device, values: list, dtype: torch.dtype = torch.lon
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledTokens:
-    """`tokens` [S] with their logprobs under `logprobs` [S, V], and each row's top `k`."""
-    token_logprobs, top_values, top_ids = _scores(logprobs, tokens, k)
-    tops = _top_pairs(top_ids.tolist(), top_values.tolist(), k) if k > 0 else [[] for _ in range(len(tokens))]
-    return SampledTokens(token_ids=tokens.tolist(), logprobs=token_logprobs.tolist(), top_logprobs=tops)
-
-
-def _scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
+def token_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """On the device: each of `tokens` [S]'s logprob under `logprobs` [S, V] ([S]), and when k > 0 each
     row's top k values and ids ([S, k], sorted)."""
