@@ -18,24 +18,27 @@ from pagedserve.sampling_params import StructuredOutputs
 STORY = "A short note, written for a reader who is in no hurry at all and likes details: "  # ~20 tokens
 PROMPTS = [f"{STORY}{i}. {p}" for i, p in enumerate([
     "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
-    "List three colors:", "The quick brown fox", "Water boils at", "My favourite book is", "In 1969, astronauts"])]
-# A pool of 14 blocks of 16 tokens and chunks of 32 tokens: the eight requests preempt one another.
+    "List three colors:", "The quick brown fox", "Water boils at", "My favourite book is", "In 1969, astronauts",
+    "Rivers flow toward"])]
+# A pool of 14 blocks of 16 tokens and chunks of 32 tokens: the nine requests preempt one another.
 SMALL = dict(kv_cache_memory=14 * 16 * 30 * 2 * 3 * 64 * 4, max_num_batched_tokens=32, max_num_seqs=8)
 
 
 def params_mix(stop_text: str, stop_token: int) -> list[SamplingParams]:
-    # Steps with a draw that the next step must know first (the fork into n samples, penalties, a
-    # grammar) are not scheduled ahead: those requests are short, so that most steps are.
+    # Steps with a draw that the next step must know on the host first (the fork into n samples, a
+    # grammar) are not scheduled ahead: those requests are short, so that most steps are. Penalties are
+    # scheduled ahead, the pending token counted on the worker.
     return [
         SamplingParams(temperature=0, max_tokens=40),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32, stop=[stop_text]),
         SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=24),
-        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5),
         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_token]),
         SamplingParams(temperature=0, max_tokens=40, min_tokens=12, stop_token_ids=[stop_token]),
         SamplingParams(temperature=0.7, seed=11, max_tokens=24, logprobs=3, prompt_logprobs=2),
         SamplingParams(temperature=0.8, seed=5, max_tokens=10,
                        structured_outputs=StructuredOutputs(choice=["alpha", "beta", "gamma delta"])),
+        SamplingParams(temperature=0.9, seed=13, max_tokens=40, frequency_penalty=1.5),
     ]
 
 
@@ -51,19 +54,21 @@ def summary(out) -> tuple[list, list]:
     return exact, values
 
 
-def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams], **engine) -> tuple[list, dict, int]:
+def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams], **engine) -> tuple[list, dict, dict]:
+    """(summaries, stats, counts of steps: "ahead" scheduled ahead, "penalties" of them with penalties
+    counting a pending token)."""
     with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL, **engine) as llm:
-        ahead = 0
+        counts = {"ahead": 0, "penalties": 0}
         launch = llm.engine.executor.launch
 
         def counting(batch):
-            nonlocal ahead
-            ahead += bool(batch.deferred_inputs)
+            counts["ahead"] += bool(batch.deferred_inputs)
+            counts["penalties"] += any(s.last_output_pending for s in batch.samples)
             return launch(batch)
 
         llm.engine.executor.launch = counting
         outs = llm.generate(PROMPTS, params)
-        return [summary(o) for o in outs], llm.stats(), ahead
+        return [summary(o) for o in outs], llm.stats(), counts
 
 
 def check_same_outputs(embedded_dir, **engine) -> None:
@@ -78,9 +83,10 @@ def check_same_outputs(embedded_dir, **engine) -> None:
     stop_token = greedy.token_ids[16]  # ends request 4 early (and request 5, if at all, after min_tokens)
     params = params_mix(stop_text, stop_token)
 
-    sync, sync_stats, sync_ahead = run(embedded_dir, False, params)
-    ahead, stats, num_ahead = run(embedded_dir, True, params, **engine)
-    assert sync_ahead == 0 and num_ahead > 20, "steps must have been scheduled ahead"
+    sync, sync_stats, sync_counts = run(embedded_dir, False, params)
+    ahead, stats, counts = run(embedded_dir, True, params, **engine)
+    assert sync_counts["ahead"] == 0 and counts["ahead"] > 20, "steps must have been scheduled ahead"
+    assert counts["penalties"] > 10, "penalties must have counted tokens still pending"
     assert stats["num_preemptions"] > 0, "the pool must be small enough to preempt"
     for i, ((want, want_values), (got, got_values)) in enumerate(zip(sync, ahead, strict=True)):
         assert got == want, f"request {i} ({params[i]})"

@@ -71,6 +71,27 @@ def test_logprobs_of_sampled_and_top_tokens():
     assert [t for t, _ in out.top_logprobs[0]] == [0, 1]
 
 
+def test_penalties_count_a_pending_last_output_token():
+    """A step scheduled ahead sends the output without its last token, which the worker takes from the
+    row's last input: the penalties must come out as if the host had sent it."""
+    logits = torch.zeros(2, 16)
+    logits[:, 7], logits[:, 8] = 3.0, 2.0
+    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=2.0, frequency_penalty=1.0)
+
+    def row_spec(row: int, output: list[int], pending: bool) -> SampleSpec:
+        return SampleSpec(seq_id=row, row=row, num_samples=1, sample_index=0, output_len=len(output) + pending,
+                          params=params, prompt_token_ids=[1], output_token_ids=output, last_output_pending=pending)
+
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    sent = sampler.draw(logits.clone(), [row_spec(0, [7], False), row_spec(1, [], False)]).outputs()
+    assert [s.token_ids for s in sent] == [[8], [7]]  # 7 penalized where it was output
+    ahead = sampler.draw(logits.clone(), [row_spec(0, [], True), row_spec(1, [], False)],
+                         last_inputs=torch.tensor([7, 7])).outputs()
+    assert [s.token_ids for s in ahead] == [[8], [7]]
+    with pytest.raises(ValueError, match="last output token is pending"):
+        sampler.draw(logits.clone(), [row_spec(0, [], True)])
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_random):
     return LLM(tiny_random, seed=0)

@@ -168,7 +168,8 @@ class Scheduler:
             end = start + num_new
             known = seq.token_ids[start:end]
             batch.input_ids.extend(known)
-            if len(known) < num_new:  # the pending token, drawn by the step in flight
+            deferred = len(known) < num_new
+            if deferred:  # the pending token, drawn by the step in flight
                 if num_new - len(known) > 1:
                     raise RuntimeError(f"sequence {seq.seq_id} has {num_new - len(known)} pending tokens: "
                                        "steps may be scheduled only one ahead")
@@ -203,16 +204,16 @@ class Scheduler:
                     params=params,
                     prompt_token_ids=request.prompt_token_ids if with_penalties else None,
                     output_token_ids=seq.output_token_ids if with_penalties else None,
+                    last_output_pending=with_penalties and deferred,
                     banned_token_ids=self._banned_tokens(seq, num_output),
                 ))
         return batch
 
     def can_schedule_ahead(self, batch: StepBatch) -> bool:
         """Whether the next step may be scheduled before `batch`'s output arrives: not when a draw of it
-        must be known first (a request forking into its n samples, penalties over the whole output, a
-        grammar's next mask)."""
-        return all(s.num_samples == 1 and not s.params.needs_penalties and s.params.structured_outputs is None
-                   for s in batch.samples)
+        must be known on the host first (a request forking into its n samples, a grammar's next mask).
+        Penalties take the draw on the worker (`SampleSpec.last_output_pending`)."""
+        return all(s.num_samples == 1 and s.params.structured_outputs is None for s in batch.samples)
 
     def discard_pending(self) -> None:
         """Forget the draws of steps that will never report (their step failed): those tokens are drawn

@@ -82,7 +82,9 @@ class ModelRunner:
                 self.last_tokens = self._shared_draws(
                     torch.empty(sum(s.num_samples for s in batch.samples), dtype=torch.long, device=self.device))
             return LaunchedStep(None, prompt_scores)
-        draws = self.sampler.draw(logits, batch.samples)
+        # A step scheduled ahead: penalties count the output's last token, this row's last input.
+        last_inputs = input_ids[last_token[rows]] if any(s.last_output_pending for s in batch.samples) else None
+        draws = self.sampler.draw(logits, batch.samples, last_inputs)
         self.last_tokens = self._shared_draws(draws.tokens) if self.share_draws else draws.tokens
         draws.to_host()
         return LaunchedStep(draws, prompt_scores)

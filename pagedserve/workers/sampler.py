@@ -78,16 +78,19 @@ class Sampler:
         """logits [len(specs), V] fp32, one row per spec; a spec with num_samples=k draws k tokens."""
         return self.draw(logits, specs).outputs()
 
-    def draw(self, logits: torch.Tensor, specs: list[SampleSpec]) -> Draws:
-        """`__call__` without reading the draws back: nothing here waits for the device."""
+    def draw(self, logits: torch.Tensor, specs: list[SampleSpec], last_inputs: torch.Tensor | None = None) -> Draws:
+        """`__call__` without reading the draws back: nothing here waits for the device. `last_inputs` [S]:
+        each spec's row's last input token, which a `last_output_pending` spec's penalties count."""
         dev = logits.device
         rows = [(s, i) for s in specs for i in range(s.num_samples)]
         if len(rows) > len(specs):  # a request's first step draws its n samples from one row
             counts = on_device(dev, [s.num_samples for s in specs], torch.long)
             logits = logits.repeat_interleave(counts, dim=0, output_size=len(rows))  # [D, V], one row per draw
+            if last_inputs is not None:
+                last_inputs = last_inputs.repeat_interleave(counts, output_size=len(rows))  # [D]
         k = [s.params.logprobs for s in specs if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k else None  # [D, V]
-        logits = self._apply_penalties(logits, rows)
+        logits = self._apply_penalties(logits, rows, last_inputs)
         logits = _apply_bias_and_bans(logits, rows)
         tokens = self._pick(logits, rows)  # [D]
         draws = Draws([(s.num_samples, s.params.logprobs) for s in specs], tokens)
@@ -95,7 +98,8 @@ class Sampler:
             draws.logprobs, draws.top_logprobs, draws.top_ids = token_scores(raw_logprobs, tokens, max(k))
         return draws
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]],
+                         last_inputs: torch.Tensor | None = None) -> torch.Tensor:
         for r, (spec, _) in enumerate(rows):
             p = spec.params
             if not p.needs_penalties:
@@ -103,13 +107,19 @@ class Sampler:
             row = logits[r]  # [V]
             # Masks and counts by scatter, not unique() or bincount(): those wait for the device.
             output = on_device(row.device, spec.output_token_ids or [], torch.long)
+            if spec.last_output_pending:
+                if last_inputs is None:
+                    raise ValueError(f"sequence {spec.seq_id}'s last output token is pending, but no row inputs "
+                                     "were given to take it from")
+                output = torch.cat([output, last_inputs[r:r + 1]])
             if p.repetition_penalty != 1.0:
                 seen = torch.zeros(row.shape, dtype=torch.bool, device=row.device)  # [V]
                 seen[on_device(row.device, spec.prompt_token_ids, torch.long)] = True
                 seen[output] = True
                 penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 row.copy_(torch.where(seen, penalized, row))
-            if spec.output_token_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            has_output = bool(spec.output_token_ids) or spec.last_output_pending
+            if has_output and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
                 counts = torch.zeros_like(row).index_add_(0, output, torch.ones(output.shape, dtype=row.dtype,
                                                                                 device=row.device))  # [V]
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
