@@ -27,36 +27,26 @@ TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_siz
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 
 
-def step_times(engine, steps: int) -> list[float]:
-    """Seconds per decode step of one running request (batch of one row), after warm-up."""
+def step_times(engine, steps: int, whole: bool = False) -> list[float]:
+    """Seconds per decode step of one running request (batch of one row), after warm-up: the executor's
+    launch to draws, or (`whole`) the whole `engine.step()`."""
     from pagedserve import SamplingParams
 
     engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True))
     times = []
     for i in range(steps + 10):
-        batch = engine.scheduler.schedule()
-        t0 = time.perf_counter()
-        output = engine.executor.collect(engine.executor.launch(batch))
-        elapsed = time.perf_counter() - t0
-        engine._process(batch, output)
+        if whole:
+            t0 = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - t0
+        else:
+            batch = engine.scheduler.schedule()
+            t0 = time.perf_counter()
+            output = engine.executor.collect(engine.executor.launch(batch))
+            elapsed = time.perf_counter() - t0
+            engine._process(batch, output)
         if i >= 10:
             times.append(elapsed)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return times
-
-
-def whole_step_times(engine, steps: int) -> list[float]:
-    """Seconds per `engine.step()` while one request decodes, after warm-up."""
-    from pagedserve import SamplingParams
-
-    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True))
-    times = []
-    for i in range(steps + 10):
-        t0 = time.perf_counter()
-        engine.step()
-        if i >= 10:
-            times.append(time.perf_counter() - t0)
     while engine.has_unfinished_requests():
         engine.step()
     return times
@@ -96,7 +86,7 @@ def main() -> None:
                 assert engine.schedules_ahead == async_scheduling
                 if not async_scheduling:
                     rows.append((name, tp, statistics.median(step_times(engine, args.steps))))
-                times[async_scheduling] = statistics.median(whole_step_times(engine, args.steps))
+                times[async_scheduling] = statistics.median(step_times(engine, args.steps, whole=True))
                 engine.shutdown()
             whole.append((name, tp, times[False], times[True]))
     ray.shutdown()

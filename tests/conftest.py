@@ -17,10 +17,25 @@ if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+@contextlib.contextmanager
+def launched_batches(engine) -> Iterator[list]:
+    """Every StepBatch the engine's executor launches inside the block, in launch order."""
+    executor = engine.executor
+    batches: list = []
+    launch = executor.launch
+    executor.launch = lambda batch: batches.append(batch) or launch(batch)
+    try:
+        yield batches
+    finally:
+        del executor.launch
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from pagedserve import LLM, LLMEngine, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.sampling_params import StructuredOutputs
 
+from .conftest import launched_batches
+
 STORY = "A short note, written for a reader who is in no hurry at all and likes details: "  # ~20 tokens
 PROMPTS = [f"{STORY}{i}. {p}" for i, p in enumerate([
     "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
@@ -58,16 +60,10 @@ def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams], **en
     """(summaries, stats, counts of steps: "ahead" scheduled ahead, "penalties" of them with penalties
     counting a pending token)."""
     with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL, **engine) as llm:
-        counts = {"ahead": 0, "penalties": 0}
-        launch = llm.engine.executor.launch
-
-        def counting(batch):
-            counts["ahead"] += bool(batch.deferred_inputs)
-            counts["penalties"] += any(s.last_output_pending for s in batch.samples)
-            return launch(batch)
-
-        llm.engine.executor.launch = counting
-        outs = llm.generate(PROMPTS, params)
+        with launched_batches(llm.engine) as batches:
+            outs = llm.generate(PROMPTS, params)
+        counts = {"ahead": sum(bool(b.deferred_inputs) for b in batches),
+                  "penalties": sum(any(s.last_output_pending for s in b.samples) for b in batches)}
         return [summary(o) for o in outs], llm.stats(), counts
 
 

@@ -20,6 +20,7 @@ from pagedserve.cluster.engine_actor import EngineActor  # noqa: E402
 from pagedserve.cluster.ray_executor import StepOrder  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 
+from .conftest import launched_batches  # noqa: E402
 from .test_async_scheduling import check_same_outputs  # noqa: E402
 from .test_parity import hf_greedy  # noqa: E402
 
@@ -64,10 +65,9 @@ def test_tensor_parallel_matches_transformers(tiny_qwen2, tp, async_scheduling):
     path, prompts, expected = tiny_qwen2
     with LLM(path, executor="ray", tensor_parallel_size=tp, async_scheduling=async_scheduling) as llm:
         assert llm.engine.schedules_ahead == async_scheduling
-        sent = []
-        launch = llm.engine.executor.launch
-        llm.engine.executor.launch = lambda batch: sent.append(bool(batch.deferred_inputs)) or launch(batch)
-        assert tokens(llm.generate(prompts, GREEDY)) == expected
+        with launched_batches(llm.engine) as batches:
+            assert tokens(llm.generate(prompts, GREEDY)) == expected
+        sent = [bool(b.deferred_inputs) for b in batches]
         assert sum(sent) > 5 if async_scheduling else not any(sent), sent
         stats = llm.stats()
         assert stats["tensor_parallel_size"] == tp

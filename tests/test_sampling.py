@@ -11,6 +11,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.scheduler.batch import SampleSpec
 from pagedserve.workers.sampler import Sampler
 
+from .conftest import launched_batches
+
 
 def spec(params: SamplingParams, row: int = 0, n: int = 1, output: list[int] | None = None,
          prompt: list[int] | None = None) -> SampleSpec:
@@ -221,15 +223,9 @@ def test_prompt_logprobs_of_several_requests_in_one_step(smol, embedded_dir):
                smol.tokenizer.encode("The capital of France is"), smol.tokenizer.encode("Two plus two is")]
     assert len(prompts[0]) > 300
     ks = [0, 3, 1]
-    executor = smol.engine.executor
-    scored_per_step = []
-    launch = executor.launch
-    executor.launch = lambda batch: scored_per_step.append(len(batch.prompt_logprobs)) or launch(batch)
-    try:
+    with launched_batches(smol.engine) as batches:
         outs = smol.generate(prompts, [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in ks])
-    finally:
-        del executor.launch
-    assert scored_per_step[0] == 3
+    assert len(batches[0].prompt_logprobs) == 3
     for prompt, out, k in zip(prompts, outs, ks, strict=True):
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)  # [P, V]

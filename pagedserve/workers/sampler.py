@@ -160,7 +160,7 @@ def on_device(device: torch.device, values: list, dtype: torch.dtype = torch.lon
 
 
 def token_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """On the device: each of `tokens` [S]'s logprob under `logprobs` [S, V] ([S]), and when k > 0 each
     row's top k values and ids ([S, k], sorted)."""
     token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)

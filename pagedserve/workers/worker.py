@@ -145,17 +145,17 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBa
 
     rows = max(1, min(max_num_seqs, num_tokens))
     row_len = [num_tokens // rows + (1 if r < num_tokens % rows else 0) for r in range(rows)]
-    tables, cu, next_block = [], [0], 0
+    updates, cu, next_block = [], [0], 0  # each row's whole table, in slot r
     for r, n in enumerate(row_len):
         blocks = -(-n // block_size)
-        tables.append((r, 0, list(range(next_block, next_block + blocks))))
+        updates.append((r, 0, list(range(next_block, next_block + blocks))))
         next_block += blocks
         cu.append(cu[-1] + n)
     costly = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, max_tokens=1)
     samples = [SampleSpec(seq_id=r, row=r, num_samples=1, sample_index=0, output_len=0, params=costly)
                for r in range(rows)]
     return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=list(range(rows)),
-                     table_updates=tables, samples=samples)
+                     table_updates=updates, samples=samples)
 
 
 def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
