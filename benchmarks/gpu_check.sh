@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in two parts of about ten minutes each (not yet timed; no ray, no gguf needed):
+# The checks that need a GPU, in three parts of about ten minutes each (not yet timed; no ray, no gguf needed):
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # launches that wait for the GPU; host work per step; 256 requests
 #                                              # vs HF generate and generate_batch, async scheduling on and off
+#   bash benchmarks/gpu_check.sh tune          # the kernels' tile shapes, warps, stages and split counts, timed
 #
 # Logs and JSON land in $GPU_CHECK_OUT (default /tmp/gpu_check).
 set -uo pipefail
@@ -23,9 +24,9 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember a failure, go 
 }
 
 case "${1:-}" in
-correctness | throughput) ;;
+correctness | throughput | tune) ;;
 *)
-    echo "usage: $0 correctness|throughput" >&2
+    echo "usage: $0 correctness|throughput|tune" >&2
     exit 2
     ;;
 esac
@@ -46,6 +47,9 @@ throughput)
     step throughput python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
         --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs \
         --sync-scheduling --profile-steps 8 --json "$out/throughput.json"
+    ;;
+tune)
+    step sweep python3 benchmarks/kernels.py --sweep --budget-s 480 --json "$out/sweep.json"
     ;;
 esac
 exit $status

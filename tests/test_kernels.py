@@ -8,6 +8,9 @@ tile sizes.
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -204,6 +207,59 @@ def test_split_heuristic():
     assert splits(1, 1, 16, 16, cpu, split_kv=True) == 1  # one tile cannot be split
     n = splits(1, 1, 1 << 20, 64, cpu)
     assert 1 < n <= attention.SPLIT_MAX
+
+
+def test_tile_overrides_and_split_counts_match_reference():
+    """Other block shapes and exact split counts, as the tuning sweep (benchmarks/kernels.py --sweep) times
+    them, compute the same attention: tiles narrower and wider than a pool block, split counts from one to
+    more than the row has tiles."""
+    rows = [(1, 150), (20, 70), (1, 33), (5, 5), (1, 1)]
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 4, 2, 64, 16, torch.float16, seed=11)
+    expected = reference_fp32(query, kv, cu, ctx, tables, 0.125)
+    for tiles in (attention.Tiles(prefill_m=16, prefill_n=64, prefill_warps=2, prefill_stages=3,
+                                  decode_n=64, decode_warps=2, decode_stages=3),
+                  attention.Tiles(prefill_m=64, prefill_n=32, prefill_warps=8, prefill_stages=1,
+                                  decode_n=32, decode_warps=8, decode_stages=2)):
+        for num_splits in (None, 1, 3, 100):
+            assert_close(run_triton(query, poisoned, cu, ctx, tables, 0.125, tiles=tiles, num_splits=num_splits),
+                         expected, torch.float16)
+
+
+def test_bad_tiles_and_split_counts_are_named():
+    with pytest.raises(ValueError, match="decode_n must be a power of two of at least 16, got 48"):
+        replace(attention.GPU_TILES, decode_n=48)
+    with pytest.raises(ValueError, match="prefill_m .* got 8"):
+        replace(attention.GPU_TILES, prefill_m=8)
+    with pytest.raises(ValueError, match="prefill_warps .* got 3"):
+        replace(attention.GPU_TILES, prefill_warps=3)
+    with pytest.raises(ValueError, match="decode_stages must be at least 1, got 0"):
+        replace(attention.GPU_TILES, decode_stages=0)
+    query, kv, _, cu, ctx, tables = make_batch([(1, 20)], 4, 2, 64, 16, torch.float16)
+    for kwargs in ({"num_splits": 0}, {"num_splits": 2, "split_kv": True}):
+        with pytest.raises(ValueError, match="num_splits"):
+            paged_attention(query, kv, cu, ctx, tables, 0.125, **kwargs)
+
+
+def test_tuning_sweep_times_every_point_and_checks_it():
+    """The sweep run on the GPU: each point is checked against the reference before it is timed, decode
+    shapes then try each split count with their fastest tiles, and the time budget cuts it short."""
+    from benchmarks import kernels as bench
+
+    cpu = torch.device("cpu")
+    shapes = [bench.DecodeShape(2, 40, 4, 2, 64), bench.PrefillShape(1, 24, 16, 4, 2, 64)]
+    decode_points = bench.grid(decode_n=(16, 32), decode_warps=(4,), decode_stages=(1,))
+    rows = bench.sweep(shapes[:1], cpu, True, decode_points, (1, 2), time.monotonic() + 600)
+    assert [(r["point"]["decode_n"], r["splits"]) for r in rows] == [(16, None), (32, None), (rows[2]["point"][
+        "decode_n"], 1), (rows[2]["point"]["decode_n"], 2)]
+    assert all(r["err"] < bench.MAX_REL_ERR and r["us"] > 0 and r["rate"] > 0 for r in rows)
+    assert rows[2]["point"] == min(rows[:2], key=lambda r: r["us"])["point"]
+    prefill_points = bench.grid(prefill_m=(32,), prefill_n=(16,), prefill_warps=(4,), prefill_stages=(1,))
+    rows += bench.sweep(shapes[1:], cpu, True, prefill_points, (1, 2), time.monotonic() + 600)
+    assert rows[-1]["splits"] is None and rows[-1]["err"] < bench.MAX_REL_ERR  # no split counts for prefill
+    pick = bench.closest_to_fastest(rows[:4])
+    assert pick is not None and pick[0] == rows[2]["point"] and pick[1] == 1.0
+    late = bench.sweep(shapes, cpu, True, decode_points, (1,), time.monotonic() - 1)
+    assert [r["failed"] for r in late] == ["skipped: past the time budget"] * 2 * len(decode_points)
 
 
 @pytest.mark.slow

@@ -250,6 +250,8 @@ def _merge_kernel(
 
 @dataclass(frozen=True)
 class Tiles:
+    """Block shapes and launch options of the two attention kernels (tuned per device and head size)."""
+
     prefill_m: int  # (query token, head) rows per prefill program
     prefill_n: int  # keys per prefill KV tile
     prefill_warps: int
@@ -257,6 +259,21 @@ class Tiles:
     decode_n: int  # keys per decode KV tile
     decode_warps: int
     decode_stages: int
+
+    def __post_init__(self) -> None:
+        # tl.dot needs every dimension a power of two of at least 16; warps are a power of two too.
+        for name in ("prefill_m", "prefill_n", "decode_n"):
+            _check_power_of_two(name, getattr(self, name), 16)
+        for name in ("prefill_warps", "decode_warps"):
+            _check_power_of_two(name, getattr(self, name), 1)
+        for name in ("prefill_stages", "decode_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Tiles.{name} must be at least 1, got {getattr(self, name)}")
+
+
+def _check_power_of_two(name: str, value: int, least: int) -> None:
+    if value < least or value & (value - 1):
+        raise ValueError(f"Tiles.{name} must be a power of two of at least {least}, got {value}")
 
 
 # Starting points for H100/H200, checked only for register spills when compiled for sm_90 (not
@@ -327,6 +344,8 @@ def paged_attention(
     split_kv: bool | None = None,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    tiles: Tiles | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context (see reference.paged_attention).
 
@@ -336,7 +355,11 @@ def paged_attention(
     max_query_len / max_context_len: optional host-side upper bounds the caller may already know;
     max_query_len == 1 skips the prefill launch (so it must be exact), max_context_len sharpens the
     split choice (default: block_tables.shape[1] * block_size). Nothing is read back from the device.
+    tiles / num_splits: for tuning (benchmarks/kernels.py --sweep): block shapes instead of the device's
+    defaults, and an exact count of decode slices instead of the heuristic's (capped at one per KV tile).
     """
+    if num_splits is not None and (split_kv is not None or num_splits < 1):
+        raise ValueError(f"num_splits={num_splits} must be at least 1, and split_kv={split_kv} left unset with it")
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     num_rows = context_lens.shape[0]
@@ -354,7 +377,7 @@ def paged_attention(
     # mishandles bf16 arithmetic; its fp16 is right, so fp16 tests run the GPU's 16-bit path).
     fp32_dot = (query.dtype != kv_cache.dtype or kv_cache.dtype == torch.float32
                 or (query.device.type != "cuda" and kv_cache.dtype == torch.bfloat16))
-    tiles = _tiles(query.device, head_dim, fp32_dot)
+    tiles = tiles or _tiles(query.device, head_dim, fp32_dot)
     common = dict(
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_kv=kv_cache.stride(0), stride_block=kv_cache.stride(1), stride_slot=kv_cache.stride(2),
@@ -376,7 +399,10 @@ def paged_attention(
         )
 
     max_context = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
-    splits = num_kv_splits(num_rows, num_kv_heads, max_context, tiles.decode_n, query.device, split_kv)
+    if num_splits is None:
+        splits = num_kv_splits(num_rows, num_kv_heads, max_context, tiles.decode_n, query.device, split_kv)
+    else:
+        splits = min(num_splits, triton.cdiv(max_context, tiles.decode_n))
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, tiles.decode_n), splits) * tiles.decode_n
     splits = max(1, triton.cdiv(max_context, tokens_per_split))  # drop slices that would always be empty
     if splits > 1:
