@@ -7,7 +7,7 @@ PYTHON ?= python3
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run generate test test-fast test-triton36 lint bench clean
+.PHONY: install run generate test test-fast test-gpu-versions lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,18 @@ test: install
 test-fast: install
 	scripts/loopback-netns.sh $(PY) -m pytest -q -m "not slow"
 
-# The kernels under the GPU machine's Triton (3.6) in its interpreter. numpy 2.2: 3.6's interpreter fails on
-# numpy >= 2.4 ("only 0-dimensional arrays can be converted to Python scalars") before any kernel logic runs.
-test-triton36: install
-	$(PIP) install -q --no-deps --target .triton36 triton==3.6.0 numpy==2.2.6
-	PYTHONPATH=.triton36 TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py tests/test_engine_triton.py \
+# The GPU machine's versions (triton 3.6, transformers 5.17) on CPU: the kernel tests in Triton's interpreter, then
+# the GPU scripts' smoke runs with transformers 5.17 as the peer (its generate_batch options differ from later ones).
+# numpy 2.2: 3.6's interpreter fails on numpy >= 2.4 ("only 0-dimensional arrays can be converted to Python
+# scalars") before any kernel logic runs.
+GPU_VERSIONS := triton==3.6.0 numpy==2.2.6 transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9
+test-gpu-versions: install
+	$(PIP) install -q --no-deps --target .gpu-versions $(GPU_VERSIONS)
+	PYTHONPATH=.gpu-versions TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py tests/test_engine_triton.py \
 		tests/test_cuda_graph.py
+	PYTHONPATH=.gpu-versions:. $(PY) benchmarks/gpu_parity.py --smoke
+	PYTHONPATH=.gpu-versions:. $(PY) benchmarks/throughput.py --random qwen2-tiny --dtype float32 --device cpu \
+		--num-requests 8 --prompt-len 10 40 --output-len 8 8 --hf-batch-size 4 --hf-generate-batch
 
 lint: install
 	$(VENV)/bin/ruff check pagedserve tests benchmarks
@@ -49,4 +55,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .triton36
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .gpu-versions
