@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh throughput    # launches that wait for the GPU; host work per step; 256 requests
 #                                              # vs HF generate and generate_batch, async scheduling on and off
 #   bash benchmarks/gpu_check.sh tune          # the kernels' tile shapes, warps, stages and split counts, timed
+#   bash benchmarks/gpu_check.sh large         # 128 requests on a Llama-3-8B-shaped model vs HF generate
 #
 # Logs and JSON land in $GPU_CHECK_OUT (default /tmp/gpu_check).
 set -uo pipefail
@@ -24,9 +25,9 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember a failure, go 
 }
 
 case "${1:-}" in
-correctness | throughput | tune) ;;
+correctness | throughput | tune | large) ;;
 *)
-    echo "usage: $0 correctness|throughput|tune" >&2
+    echo "usage: $0 correctness|throughput|tune|large" >&2
     exit 2
     ;;
 esac
@@ -50,6 +51,11 @@ throughput)
     ;;
 tune)
     step sweep python3 benchmarks/kernels.py --sweep --budget-s 480 --json "$out/sweep.json"
+    ;;
+large)
+    step throughput_8b python3 benchmarks/throughput.py --random llama-3-8b --dtype bfloat16 --num-requests 128 \
+        --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --cuda-graphs --profile-steps 8 \
+        --json "$out/throughput_8b.json"
     ;;
 esac
 exit $status

@@ -15,10 +15,12 @@ llama-server gets all N requests at once over HTTP with N slots (`-np N`, contin
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -47,10 +49,12 @@ PRESETS = {
 
 
 def make_random_checkpoint(preset: str, dtype: torch.dtype, device: str) -> Path:
-    """Random weights saved as a checkpoint, so both engines load the very same model."""
+    """Random weights saved as a checkpoint, so both engines load the very same model; removed at exit
+    (an 8B checkpoint is 16 GB of disk)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = Path(tempfile.mkdtemp(prefix=f"bench-{preset}-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     cfg = dict(PRESETS[preset])
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
