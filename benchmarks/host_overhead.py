@@ -2,7 +2,8 @@
 
 On a GPU a small model's decode step is short, so the scheduler, the batch's tensors and the output
 bookkeeping can bound throughput. This times each phase of `LLMEngine.step` separately on a model so
-small that its compute barely counts (2 layers, hidden 64, SmolLM2's 49k vocabulary):
+small that its compute barely counts (2 layers, hidden 64, SmolLM2's 49k vocabulary, a synthetic
+byte-level BPE tokenizer of that size):
 
   schedule  Scheduler.schedule (block allocation, the StepBatch)
   prepare   ModelRunner.prepare (positions, slot mapping, block-table tensor), timed on its own
@@ -19,9 +20,11 @@ engines, alternately, `--rounds` times.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,24 +36,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from synthetic_tokenizer import write_synthetic_tokenizer  # noqa: E402
 from throughput import step_until_decoding  # noqa: E402
 
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine import LLMEngine  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
-from pagedserve.workers.loader import resolve_model  # noqa: E402
 
 
 def tiny_model_config() -> str:
-    embedded = resolve_model(None).weights_dir
-    config = json.loads((embedded / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
-    config.pop("head_dim", None)
+    """A 2-layer, 64-wide random Llama with SmolLM2's 49k vocabulary and a synthetic tokenizer of that size,
+    so that it runs anywhere (no model package, no download) and detokenizes like a served model."""
+    vocab = 49152
     d = Path(tempfile.mkdtemp(prefix="host-overhead-"))
-    for f in embedded.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            (d / f.name).write_bytes(f.read_bytes())
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    eos = write_synthetic_tokenizer(d, vocab)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=4096, rope_theta=100000.0, rms_norm_eps=1e-5, hidden_act="silu",
+                  tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos)
     (d / "config.json").write_text(json.dumps(config))
     return f"random:{d / 'config.json'}"
 

@@ -50,7 +50,9 @@ PRESETS = {
 
 def make_random_checkpoint(preset: str, dtype: torch.dtype, device: str) -> Path:
     """Random weights saved as a checkpoint, so both engines load the very same model; removed at exit
-    (an 8B checkpoint is 16 GB of disk)."""
+    (an 8B checkpoint is 16 GB of disk). A synthetic tokenizer of the model's vocabulary comes with it, so
+    that pagedserve detokenizes its outputs as it does serving a real model."""
+    from synthetic_tokenizer import write_synthetic_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = Path(tempfile.mkdtemp(prefix=f"bench-{preset}-"))
@@ -62,6 +64,7 @@ def make_random_checkpoint(preset: str, dtype: torch.dtype, device: str) -> Path
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(d)
+    write_synthetic_tokenizer(d, cfg["vocab_size"])
     return d
 
 
