@@ -14,7 +14,7 @@ Then whole `LLMEngine.step` calls, with async scheduling off (the phases one aft
 next step launched first, so the host work of one step overlaps the model's work of the next), on fresh
 engines, alternately, `--rounds` times.
 
-  python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50] [--rounds 2]
+  python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50] [--rounds 2] [--penalties]
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--penalties", action="store_true",
+                   help="every request with repetition, frequency and presence penalties")
     args = p.parse_args()
     torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
     model = tiny_model_config()
@@ -112,7 +114,8 @@ def decoding_engine(model: str, args: argparse.Namespace, async_scheduling: bool
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
                                     kv_cache_memory="2GiB", async_scheduling=async_scheduling))
     rng = random.Random(args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
+    penalties = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5) if args.penalties else {}
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True, **penalties)
     for _ in range(args.num_seqs):
         engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))], params)
     step_until_decoding(engine)

@@ -29,7 +29,7 @@ SMALL = dict(kv_cache_memory=14 * 16 * 30 * 2 * 3 * 64 * 4, max_num_batched_toke
 def params_mix(stop_text: str, stop_token: int) -> list[SamplingParams]:
     # Steps with a draw that the next step must know on the host first (the fork into n samples, a
     # grammar) are not scheduled ahead: those requests are short, so that most steps are. Penalties are
-    # scheduled ahead, the pending token counted on the worker.
+    # scheduled ahead: the worker counts each draw of theirs itself.
     return [
         SamplingParams(temperature=0, max_tokens=40),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32, stop=[stop_text]),
@@ -57,13 +57,15 @@ def summary(out) -> tuple[list, list]:
 
 
 def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams], **engine) -> tuple[list, dict, dict]:
-    """(summaries, stats, counts of steps: "ahead" scheduled ahead, "penalties" of them with penalties
-    counting a pending token)."""
+    """(summaries, stats, counts: "ahead" steps scheduled ahead, "penalties" of them drawing for a penalized
+    request, whose counts the worker keeps, "histories" penalized draws that carried their token history)."""
     with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL, **engine) as llm:
         with launched_batches(llm.engine) as batches:
             outs = llm.generate(PROMPTS, params)
         counts = {"ahead": sum(bool(b.deferred_inputs) for b in batches),
-                  "penalties": sum(any(s.last_output_pending for s in b.samples) for b in batches)}
+                  "penalties": sum(bool(b.deferred_inputs) and any(s.params.needs_penalties for s in b.samples)
+                                   for b in batches),
+                  "histories": sum(s.prompt_token_ids is not None for b in batches for s in b.samples)}
         return [summary(o) for o in outs], llm.stats(), counts
 
 
@@ -82,7 +84,9 @@ def check_same_outputs(embedded_dir, **engine) -> None:
     sync, sync_stats, sync_counts = run(embedded_dir, False, params)
     ahead, stats, counts = run(embedded_dir, True, params, **engine)
     assert sync_counts["ahead"] == 0 and counts["ahead"] > 20, "steps must have been scheduled ahead"
-    assert counts["penalties"] > 10, "penalties must have counted tokens still pending"
+    assert counts["penalties"] > 10, "penalized requests must have been scheduled ahead"
+    # Two penalized requests of up to 40 draws: a history with the first and after each preemption only.
+    assert 2 <= counts["histories"] <= 2 + stats["num_preemptions"], counts
     assert stats["num_preemptions"] > 0, "the pool must be small enough to preempt"
     for i, ((want, want_values), (got, got_values)) in enumerate(zip(sync, ahead, strict=True)):
         assert got == want, f"request {i} ({params[i]})"

@@ -24,7 +24,7 @@ TINY = {
 }
 
 
-def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **generate) -> list[list[int]]:
     """One prompt at a time: no padding, so HF's numbers are the plain ones."""
     outs = []
     with torch.no_grad():
@@ -32,13 +32,13 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> 
             ids = torch.tensor([p])
             # An explicit mask: otherwise generate infers one that hides prompt tokens equal to pad.
             ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, **generate)
             outs.append(ids[0, len(p):].tolist())
     return outs
 
 
-def ours(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+def ours(llm: LLM, prompts: list[list[int]], **penalties) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, **penalties)
     outs = llm.generate(prompts, params)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     return [o.outputs[0].token_ids for o in outs]
@@ -50,14 +50,15 @@ def pool_of(model_dir: Path, num_blocks: int) -> int:
 
 
 def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[list[int]], small_pool: int,
-                    **llm_kwargs) -> None:
+                    penalties: dict | None = None, **llm_kwargs) -> None:
+    penalties = penalties or {}
     # Plain batch.
     llm = LLM(str(model_dir), block_size=BS, **llm_kwargs)
-    assert ours(llm, prompts) == expected
+    assert ours(llm, prompts, **penalties) == expected
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
 
     # (b) shared prefixes: the second call reuses blocks the first one left cached.
-    assert ours(llm, prompts) == expected
+    assert ours(llm, prompts, **penalties) == expected
     stats = llm.stats()
     assert stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
@@ -65,7 +66,7 @@ def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[li
 
     # (a) a pool too small for the whole batch: preemption by recompute.
     llm = LLM(str(model_dir), block_size=BS, kv_cache_memory=pool_of(model_dir, small_pool), **llm_kwargs)
-    assert ours(llm, prompts) == expected
+    assert ours(llm, prompts, **penalties) == expected
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
@@ -74,7 +75,7 @@ def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[li
     # (c) a token budget smaller than the long prompt: chunked prefill, prefix caching off.
     llm = LLM(str(model_dir), block_size=BS, max_num_batched_tokens=24, enable_prefix_caching=False,
               **llm_kwargs)
-    assert ours(llm, prompts) == expected
+    assert ours(llm, prompts, **penalties) == expected
     stats = llm.stats()
     assert stats["prefix_cache_hits"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
@@ -114,6 +115,40 @@ def test_n_greedy_samples_share_prompt_blocks_and_match(tiny_model):
     for out, exp in zip(outs, expected[:4], strict=True):
         assert [c.token_ids for c in out.outputs] == [exp] * 3
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+class OutputPenalties:
+    """OpenAI's frequency and presence penalties as an HF logits processor (HF has only the repetition
+    penalty): the tokens generated so far are counted, the prompt's are not."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.6, presence_penalty=0.4)
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_match_transformers(tiny_model, tmp_path, async_scheduling):
+    """Greedy decoding with all three penalties gives HF's tokens (its repetition penalty, and the other
+    two as a logits processor), also where the sampler's own token counts must be rebuilt: preemption,
+    prefix-cache hits, chunked prefill, and steps scheduled ahead."""
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    path, prompts, _ = tiny_model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = [hf_greedy(model, [p], repetition_penalty=PENALTIES["repetition_penalty"],
+                          logits_processor=LogitsProcessorList([OutputPenalties(
+                              len(p), PENALTIES["frequency_penalty"], PENALTIES["presence_penalty"])]))[0]
+                for p in prompts]
+    assert expected != hf_greedy(model, prompts)  # the penalties do change the answer
+    check_scenarios(path, prompts, expected, small_pool=16, penalties=PENALTIES, async_scheduling=async_scheduling)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.scheduler.batch import SampleSpec
+from pagedserve.workers.penalties import PenaltyCounts
 from pagedserve.workers.sampler import Sampler
 
 from .conftest import launched_batches
@@ -58,11 +60,64 @@ def test_penalties_change_logits_as_defined():
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     rep = SamplingParams(repetition_penalty=2.0)
-    out = sampler._apply_penalties(logits.clone(), [(spec(rep, prompt=[0], output=[1]), 0)])
+    out = sampler.penalties.apply(logits.clone(), [(spec(rep, prompt=[0], output=[1]), 0)], [0])
     assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
     pf = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    out = sampler._apply_penalties(logits.clone(), [(spec(pf, prompt=[3], output=[2, 2, 0]), 0)])
+    out = sampler.penalties.apply(logits.clone(), [(spec(pf, prompt=[3], output=[2, 2, 0]), 0)], [0])
     assert out.tolist() == [[2.0 - 0.75, -2.0, 1.0 - 1.0, 0.5]]
+
+
+@pytest.mark.parametrize("rows_at_once", [1, 2])
+def test_penalty_counts_follow_the_draws_after_one_history(rows_at_once):
+    """Only a sequence's first draw in its slot carries its history; the sampler counts every later draw
+    itself. Each step's penalized logits equal those from the whole history sent every step, for rows that
+    share a step, change slots, fork, and come back after their slot served another sequence."""
+    vocab = 12
+    gen = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=0.3),
+              SamplingParams(temperature=0, frequency_penalty=2.0), SamplingParams(temperature=0)]
+    kept, fresh = Sampler(torch.device("cpu"), seed=0), Sampler(torch.device("cpu"), seed=0)
+    kept.penalties = PenaltyCounts(rows_at_once)  # 2: the batched form a GPU uses, over 3-4 rows
+    outputs = {0: [], 1: [3], 2: []}
+    prompts = {0: [1, 2, 2], 1: [4], 2: [5]}
+    slots = {0: 0, 1: 3, 2: 1}
+    sent = set()
+    for step in range(12):
+        if step == 6:  # sequence 1 leaves its slot to sequence 9, then comes back in slot 2
+            slots[9], outputs[9], prompts[9] = 3, [7, 7], [8]
+            slots[1] = 2
+            sent.discard(1)
+            params.append(SamplingParams(temperature=0, presence_penalty=1.0))
+        seqs = sorted(slots)
+        logits = torch.randn(len(seqs), vocab, generator=gen)
+        logits[:, 2] += 1.5  # a favourite that the penalties must push down
+        with_history = [SampleSpec(seq_id=q, row=r, num_samples=1, sample_index=0, output_len=len(outputs[q]),
+                                   params=params[min(q, len(params) - 1)], prompt_token_ids=prompts[q],
+                                   output_token_ids=list(outputs[q])) for r, q in enumerate(seqs)]
+        expected = [t.token_ids[0] for t in fresh.draw(logits.clone(), with_history,
+                                                       slots=list(range(len(seqs)))).outputs()]
+        fresh.penalties._owner.clear()  # every step from its histories alone
+        specs = [SampleSpec(seq_id=q, row=r, num_samples=1, sample_index=0, output_len=len(outputs[q]),
+                            params=params[min(q, len(params) - 1)],
+                            prompt_token_ids=None if q in sent else prompts[q],
+                            output_token_ids=None if q in sent else list(outputs[q])) for r, q in enumerate(seqs)]
+        got = [t.token_ids[0] for t in kept.draw(logits, specs, slots=[slots[q] for q in seqs]).outputs()]
+        assert got == expected, step
+        sent.update(seqs)
+        for q, token in zip(seqs, got, strict=True):
+            outputs[q].append(token)
+    assert len(set(outputs[0])) > 3  # the penalties did steer away from the favourite
+    # A slot whose counts belong to another sequence, or to none, is refused by name.
+    spec9 = SampleSpec(seq_id=1, row=0, num_samples=1, sample_index=0, output_len=1, params=params[1])
+    with pytest.raises(RuntimeError, match="sequence 1's penalties need its token history: slot 3"):
+        kept.draw(torch.zeros(1, vocab), [spec9], slots=[3])
+    # A fork's draws are not counted: its slot must be sent again.
+    fork = SampleSpec(seq_id=0, row=0, num_samples=2, sample_index=0, output_len=0, params=params[0],
+                      prompt_token_ids=[1], output_token_ids=[])
+    kept.draw(torch.zeros(1, vocab), [fork], slots=[0])
+    with pytest.raises(RuntimeError, match="sequence 0's penalties"):
+        kept.draw(torch.zeros(1, vocab), [replace(fork, num_samples=1, prompt_token_ids=None,
+                                                  output_token_ids=None)], slots=[0])
 
 
 def test_logprobs_of_sampled_and_top_tokens():

@@ -19,11 +19,12 @@ class SampleSpec:
     sample_index: int
     output_len: int
     params: SamplingParams
-    # Only sent when the request uses penalties (they need the whole history).
+    # Penalties: the sequence's token history, sent with its first penalized draw in its slot (and again
+    # whenever the sampler's counts of it may be off); the sampler counts each later draw itself.
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
-    # Penalties in a step scheduled ahead: the output's last token is not in output_token_ids yet; it is the
-    # row's last input, drawn by the step before and filled in on the worker.
+    # A history sent with a step scheduled ahead: the output's last token is not in output_token_ids yet; it
+    # is the row's last input, drawn by the step before and filled in on the worker.
     last_output_pending: bool = False
     # Tokens that may not be drawn yet: EOS and stop_token_ids while fewer than min_tokens are out.
     banned_token_ids: list[int] | None = None

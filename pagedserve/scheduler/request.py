@@ -71,6 +71,9 @@ class Sequence:
         # rewrites an entry (copy-on-write) and zeroes when it frees the table.
         self.slot: int | None = None
         self.num_sent_blocks = 0
+        # Penalties: whether the sampler holds this sequence's token counts in its slot (it counts each draw
+        # itself once it has the history); cleared whenever they may be off, so the history goes again.
+        self.penalty_counts_sent = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -192,7 +192,8 @@ class Scheduler:
             if end == seq.num_tokens_with_pending:  # caught up: this row's last logits give the next token
                 num_output = end - seq.num_prompt_tokens  # out before this draw
                 params = request.params
-                with_penalties = params.needs_penalties
+                send_history = params.needs_penalties and not seq.penalty_counts_sent
+                seq.penalty_counts_sent = params.needs_penalties
                 seq.pending_sample = len(batch.samples)
                 seq.num_pending_tokens += 1
                 batch.samples.append(SampleSpec(
@@ -202,9 +203,9 @@ class Scheduler:
                     sample_index=seq.sample_index,
                     output_len=num_output,
                     params=params,
-                    prompt_token_ids=request.prompt_token_ids if with_penalties else None,
-                    output_token_ids=seq.output_token_ids if with_penalties else None,
-                    last_output_pending=with_penalties and deferred,
+                    prompt_token_ids=request.prompt_token_ids if send_history else None,
+                    output_token_ids=seq.output_token_ids if send_history else None,
+                    last_output_pending=send_history and deferred,
                     banned_token_ids=self._banned_tokens(seq, num_output),
                 ))
         return batch
@@ -212,7 +213,7 @@ class Scheduler:
     def can_schedule_ahead(self, batch: StepBatch) -> bool:
         """Whether the next step may be scheduled before `batch`'s output arrives: not when a draw of it
         must be known on the host first (a request forking into its n samples, a grammar's next mask).
-        Penalties take the draw on the worker (`SampleSpec.last_output_pending`)."""
+        Penalties count the draw on the worker."""
         return all(s.num_samples == 1 and s.params.structured_outputs is None for s in batch.samples)
 
     def discard_pending(self) -> None:
@@ -220,6 +221,7 @@ class Scheduler:
         again when the sequences run next."""
         for seq in self.seqs.values():
             seq.num_pending_tokens = 0
+            seq.penalty_counts_sent = False  # the failed step may or may not have counted its draws
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the sequence is at its length limit (max_tokens or max_model_len) with `num_tokens` tokens."""
@@ -263,6 +265,8 @@ class Scheduler:
             seq.num_pending_tokens -= 1
             targets = [seq]
             request = seq.request
+            if spec.num_samples > 1:
+                seq.penalty_counts_sent = False  # the sampler does not count a fork's draws
             if not request.forked:
                 request.forked = True
                 for i in range(1, spec.num_samples):
@@ -302,6 +306,7 @@ class Scheduler:
     def _free_blocks(self, seq: Sequence) -> None:
         """Free the sequence's blocks, and its row of the workers' block table with them."""
         self.block_manager.free(seq)
+        seq.penalty_counts_sent = False  # its slot's counts go with the slot
         if seq.slot is not None:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None

@@ -9,6 +9,8 @@ import torch
 import xxhash
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
+from pagedserve.workers.device import on_device
+from pagedserve.workers.penalties import PenaltyCounts
 
 
 def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
@@ -73,16 +75,21 @@ class Sampler:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
+        self.penalties = PenaltyCounts(rows_at_once=64 if device.type == "cuda" else 1)
 
     def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledTokens]:
         """logits [len(specs), V] fp32, one row per spec; a spec with num_samples=k draws k tokens."""
         return self.draw(logits, specs).outputs()
 
-    def draw(self, logits: torch.Tensor, specs: list[SampleSpec], last_inputs: torch.Tensor | None = None) -> Draws:
+    def draw(self, logits: torch.Tensor, specs: list[SampleSpec], last_inputs: torch.Tensor | None = None,
+             slots: list[int] | None = None) -> Draws:
         """`__call__` without reading the draws back: nothing here waits for the device. `last_inputs` [S]:
-        each spec's row's last input token, which a `last_output_pending` spec's penalties count."""
+        each spec's row's last input token, which a `last_output_pending` spec's penalties count. `slots`:
+        each spec's block-table slot, which keys its penalty counts (default: its index in `specs`)."""
         dev = logits.device
         rows = [(s, i) for s in specs for i in range(s.num_samples)]
+        slots = list(range(len(specs))) if slots is None else slots
+        draw_slots = [slot for s, slot in zip(specs, slots, strict=True) for _ in range(s.num_samples)]
         if len(rows) > len(specs):  # a request's first step draws its n samples from one row
             counts = on_device(dev, [s.num_samples for s in specs], torch.long)
             logits = logits.repeat_interleave(counts, dim=0, output_size=len(rows))  # [D, V], one row per draw
@@ -90,40 +97,14 @@ class Sampler:
                 last_inputs = last_inputs.repeat_interleave(counts, output_size=len(rows))  # [D]
         k = [s.params.logprobs for s in specs if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k else None  # [D, V]
-        logits = self._apply_penalties(logits, rows, last_inputs)
+        logits = self.penalties.apply(logits, rows, draw_slots, last_inputs)
         logits = _apply_bias_and_bans(logits, rows)
         tokens = self._pick(logits, rows)  # [D]
+        self.penalties.record(rows, draw_slots, tokens)
         draws = Draws([(s.num_samples, s.params.logprobs) for s in specs], tokens)
         if raw_logprobs is not None:
             draws.logprobs, draws.top_logprobs, draws.top_ids = token_scores(raw_logprobs, tokens, max(k))
         return draws
-
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]],
-                         last_inputs: torch.Tensor | None = None) -> torch.Tensor:
-        for r, (spec, _) in enumerate(rows):
-            p = spec.params
-            if not p.needs_penalties:
-                continue
-            row = logits[r]  # [V]
-            # Masks and counts by scatter, not unique() or bincount(): those wait for the device.
-            output = on_device(row.device, spec.output_token_ids or [], torch.long)
-            if spec.last_output_pending:
-                if last_inputs is None:
-                    raise ValueError(f"sequence {spec.seq_id}'s last output token is pending, but no row inputs "
-                                     "were given to take it from")
-                output = torch.cat([output, last_inputs[r:r + 1]])
-            if p.repetition_penalty != 1.0:
-                seen = torch.zeros(row.shape, dtype=torch.bool, device=row.device)  # [V]
-                seen[on_device(row.device, spec.prompt_token_ids, torch.long)] = True
-                seen[output] = True
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row.copy_(torch.where(seen, penalized, row))
-            has_output = bool(spec.output_token_ids) or spec.last_output_pending
-            if has_output and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
-                counts = torch.zeros_like(row).index_add_(0, output, torch.ones(output.shape, dtype=row.dtype,
-                                                                                device=row.device))  # [V]
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        return logits
 
     def _pick(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
@@ -151,12 +132,6 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = on_device(dev, [s.params.greedy for s, _ in rows], torch.bool)
         return torch.where(is_greedy, greedy_tokens, sampled)
-
-
-def on_device(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list as a tensor on `device`, copied without waiting for the device (torch.tensor(...,
-    device=cuda) waits for every kernel queued before it)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def token_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
