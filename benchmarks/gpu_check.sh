@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in three parts of about ten minutes each (not yet timed; no ray, no gguf needed):
+# The checks that need a GPU, in four parts of about ten minutes each (not yet timed; no ray, no gguf needed):
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # launches that wait for the GPU; host work per step; 256 requests
