@@ -29,6 +29,8 @@ def test_profile_batch_is_the_largest_step(num_tokens, max_num_seqs, block_size)
     assert all(len(t) * block_size >= n > (len(t) - 1) * block_size for t, n in zip(tables, lens, strict=True))
     assert [s.row for s in batch.samples] == list(range(batch.num_rows))
     assert all(s.params.top_k > 0 and s.params.top_p < 1 and s.params.logprobs == 20 for s in batch.samples)
+    # Penalties with their histories: the sampler's counts for every slot are allocated within the profile.
+    assert all(s.params.needs_penalties and s.prompt_token_ids is not None and s.seq_id < 0 for s in batch.samples)
 
 
 def test_profile_step_runs_on_the_worker(tiny_random):
@@ -38,6 +40,7 @@ def test_profile_step_runs_on_the_worker(tiny_random):
     pool_before = worker.runner.kv_pool
     out = worker.profile_step()
     assert len(out.samples) == 8
+    assert worker.sampler.penalties.output_counts.shape[0] >= 8  # the counts' memory, allocated in the profile
     assert all(len(s.token_ids) == 1 and len(s.top_logprobs[0]) == 20 for s in out.samples)
     assert worker.runner.kv_pool is pool_before  # the throwaway pool is not the serving one
 
