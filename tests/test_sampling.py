@@ -129,24 +129,23 @@ def test_logprobs_of_sampled_and_top_tokens():
 
 
 def test_penalties_count_a_pending_last_output_token():
-    """A step scheduled ahead sends the output without its last token, which the worker takes from the
-    row's last input: the penalties must come out as if the host had sent it."""
+    """A step scheduled ahead sends no output, and its last token is still pending on the host: the sampler
+    has counted that draw itself, so the penalties come out as if the host had sent the whole output."""
     logits = torch.zeros(2, 16)
     logits[:, 7], logits[:, 8] = 3.0, 2.0
     params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=2.0, frequency_penalty=1.0)
 
-    def row_spec(row: int, output: list[int], pending: bool) -> SampleSpec:
-        return SampleSpec(seq_id=row, row=row, num_samples=1, sample_index=0, output_len=len(output) + pending,
-                          params=params, prompt_token_ids=[1], output_token_ids=output, last_output_pending=pending)
+    def row_spec(row: int, output: list[int] | None) -> SampleSpec:
+        return SampleSpec(seq_id=row, row=row, num_samples=1, sample_index=0, output_len=len(output or [1]),
+                          params=params, prompt_token_ids=None if output is None else [1], output_token_ids=output)
 
-    sampler = Sampler(torch.device("cpu"), seed=0)
-    sent = sampler.draw(logits.clone(), [row_spec(0, [7], False), row_spec(1, [], False)]).outputs()
+    sent = Sampler(torch.device("cpu"), seed=0).draw(logits.clone(), [row_spec(0, [7]), row_spec(1, [])]).outputs()
     assert [s.token_ids for s in sent] == [[8], [7]]  # 7 penalized where it was output
-    ahead = sampler.draw(logits.clone(), [row_spec(0, [], True), row_spec(1, [], False)],
-                         last_inputs=torch.tensor([7, 7])).outputs()
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    first = sampler.draw(logits.clone(), [row_spec(0, [])]).outputs()
+    assert first[0].token_ids == [7]
+    ahead = sampler.draw(logits.clone(), [row_spec(0, None), row_spec(1, [])]).outputs()
     assert [s.token_ids for s in ahead] == [[8], [7]]
-    with pytest.raises(ValueError, match="last output token is pending"):
-        sampler.draw(logits.clone(), [row_spec(0, [], True)])
 
 
 @pytest.fixture(scope="module")

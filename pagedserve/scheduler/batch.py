@@ -23,9 +23,6 @@ class SampleSpec:
     # whenever the sampler's counts of it may be off); the sampler counts each later draw itself.
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
-    # A history sent with a step scheduled ahead: the output's last token is not in output_token_ids yet; it
-    # is the row's last input, drawn by the step before and filled in on the worker.
-    last_output_pending: bool = False
     # Tokens that may not be drawn yet: EOS and stop_token_ids while fewer than min_tokens are out.
     banned_token_ids: list[int] | None = None
     # Structured outputs: the tokens the grammar allows now, bit t % 32 of int32 word t // 32 (little-endian).

@@ -193,6 +193,11 @@ class Scheduler:
                 num_output = end - seq.num_prompt_tokens  # out before this draw
                 params = request.params
                 send_history = params.needs_penalties and not seq.penalty_counts_sent
+                if send_history and deferred:
+                    # Counts are dropped only where no token is in flight when the sequence next draws (a new
+                    # or preempted sequence, a fork, a failed step): a history is always whole.
+                    raise RuntimeError(f"sequence {seq.seq_id}'s penalty history would go without its pending "
+                                       "last token")
                 seq.penalty_counts_sent = params.needs_penalties
                 seq.pending_sample = len(batch.samples)
                 seq.num_pending_tokens += 1
@@ -205,7 +210,6 @@ class Scheduler:
                     params=params,
                     prompt_token_ids=request.prompt_token_ids if send_history else None,
                     output_token_ids=seq.output_token_ids if send_history else None,
-                    last_output_pending=send_history and deferred,
                     banned_token_ids=self._banned_tokens(seq, num_output),
                 ))
         return batch

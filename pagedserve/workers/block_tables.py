@@ -6,6 +6,8 @@ import itertools
 
 import torch
 
+from pagedserve.workers.tensors import grown
+
 
 class BlockTables:
     """A row per slot (`StepBatch.slots`), growing as slots and tables do. Each step applies its
@@ -23,8 +25,8 @@ class BlockTables:
             return
         rows = list(itertools.chain.from_iterable(itertools.repeat(slot, len(ids)) for slot, _, ids in updates))
         cols = list(itertools.chain.from_iterable(range(start, start + len(ids)) for _, start, ids in updates))
-        self._grow(max(slot for slot, _, _ in updates) + 1,
-                   max(start + len(ids) for _, start, ids in updates))
+        self.table = grown(self.table, (max(slot for slot, _, _ in updates) + 1,
+                                        max(start + len(ids) for _, start, ids in updates)))
         self.table[rows, cols] = torch.tensor(list(itertools.chain.from_iterable(ids for _, _, ids in updates)),
                                               dtype=torch.long)
 
@@ -32,13 +34,5 @@ class BlockTables:
     def rows(self, slots: list[int], num_blocks: int) -> torch.Tensor:
         """The first `num_blocks` entries of each slot's table: [len(slots), num_blocks], a new tensor (a
         copy to the device may still be reading it when the next step updates the table)."""
-        self._grow(max(slots) + 1, num_blocks)
+        self.table = grown(self.table, (max(slots) + 1, num_blocks))
         return self.table[torch.tensor(slots, dtype=torch.long), :num_blocks]
-
-    def _grow(self, num_slots: int, num_blocks: int) -> None:
-        old_slots, old_blocks = self.table.shape
-        if num_slots <= old_slots and num_blocks <= old_blocks:
-            return
-        grown = torch.zeros((max(num_slots, 2 * old_slots), max(num_blocks, 2 * old_blocks)), dtype=torch.long)
-        grown[:old_slots, :old_blocks] = self.table
-        self.table = grown

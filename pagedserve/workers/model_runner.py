@@ -11,9 +11,9 @@ from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables
 from pagedserve.workers.cuda_graph import DecodeGraphs
-from pagedserve.workers.device import on_device
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
+from pagedserve.workers.tensors import on_device
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,7 @@ class ModelRunner:
                 self.last_tokens = self._shared_draws(
                     torch.empty(sum(s.num_samples for s in batch.samples), dtype=torch.long, device=self.device))
             return LaunchedStep(None, prompt_scores)
-        # A history sent with a step scheduled ahead lacks the output's last token: this row's last input.
-        last_inputs = input_ids[last_token[rows]] if any(s.last_output_pending for s in batch.samples) else None
-        draws = self.sampler.draw(logits, batch.samples, last_inputs, [batch.slots[s.row] for s in batch.samples])
+        draws = self.sampler.draw(logits, batch.samples, [batch.slots[s.row] for s in batch.samples])
         self.last_tokens = self._shared_draws(draws.tokens) if self.share_draws else draws.tokens
         draws.to_host()
         return LaunchedStep(draws, prompt_scores)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.scheduler.batch import SampleSpec
-from pagedserve.workers.device import on_device
+from pagedserve.workers.tensors import grown, on_device
 
 
 def _penalized(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition, frequency,
@@ -33,22 +33,24 @@ class PenaltyCounts:
 
     def __init__(self, rows_at_once: int = 1) -> None:
         self.rows_at_once = rows_at_once
-        self.in_prompt: torch.Tensor | None = None  # [slots, V] bool
-        self.output_counts: torch.Tensor | None = None  # [slots, V] fp32
+        self.in_prompt: torch.Tensor | None = None  # [slots, V] bool, made with the first penalized draw
+        self.output_counts: torch.Tensor | None = None  # [slots, V] in the logits' dtype
         self._owner: dict[int, int] = {}  # slot -> the sequence whose counts it holds
 
     @torch.inference_mode()
-    def apply(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]], slots: list[int],
-              last_inputs: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]], slots: list[int]) -> torch.Tensor:
         """Penalize `logits` [D, V] in place, one row per draw (`rows`: (spec, i-th sample), `slots`: each
-        draw's slot). `last_inputs` [D]: each draw's row's last input, which a `last_output_pending` spec's
-        history lacks."""
+        draw's slot)."""
         penalized = [r for r, (spec, _) in enumerate(rows) if spec.params.needs_penalties]
         if not penalized:
             return logits
         dev = logits.device
-        self._grow(max(slots[r] for r in penalized) + 1, logits.shape[1], dev, logits.dtype)
-        self._rebuild([(rows[r][0], slots[r], r) for r in penalized], last_inputs, dev)
+        if self.in_prompt is None:
+            self.in_prompt = torch.zeros((0, logits.shape[1]), dtype=torch.bool, device=dev)
+            self.output_counts = torch.zeros((0, logits.shape[1]), dtype=logits.dtype, device=dev)
+        shape = (max(slots[r] for r in penalized) + 1, logits.shape[1])
+        self.in_prompt, self.output_counts = grown(self.in_prompt, shape), grown(self.output_counts, shape)
+        self._rebuild([(rows[r][0], slots[r]) for r in penalized], dev)
         for r in penalized:
             spec = rows[r][0]
             if self._owner.get(slots[r]) != spec.seq_id:
@@ -83,51 +85,27 @@ class PenaltyCounts:
             elif i == 0:
                 self._owner.pop(slots[r], None)
         if counted:
-            dev = tokens.device
-            index = (on_device(dev, [slots[r] for r in counted]), tokens[on_device(dev, counted)])
-            self.output_counts.index_put_(index, torch.ones(len(counted), dtype=self.output_counts.dtype,
-                                                            device=dev), accumulate=True)
+            self._count(on_device(tokens.device, [slots[r] for r in counted]),
+                        tokens[on_device(tokens.device, counted)])
 
-    def _rebuild(self, penalized: list[tuple[SampleSpec, int, int]], last_inputs: torch.Tensor | None,
-                 dev: torch.device) -> None:
+    def _count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """One more output of each `tokens`[i] in slot `slots`[i] (repeats add up)."""
+        self.output_counts.index_put_((slots, tokens), torch.ones(len(slots), dtype=self.output_counts.dtype,
+                                                                  device=slots.device), accumulate=True)
+
+    def _rebuild(self, penalized: list[tuple[SampleSpec, int]], dev: torch.device) -> None:
         """Reset the counts of the slots whose sequence's history came with this step, from that history."""
-        fresh: dict[int, tuple[SampleSpec, int]] = {}  # slot -> (spec, its first draw's row); a fork's draws share
-        for spec, slot, r in penalized:
-            if spec.prompt_token_ids is not None:
-                fresh.setdefault(slot, (spec, r))
+        # slot -> the spec that brought its history (a fork's n draws share one slot and one spec)
+        fresh = {slot: spec for spec, slot in penalized if spec.prompt_token_ids is not None}
         if not fresh:
             return
         slot_index = on_device(dev, list(fresh))
         self.in_prompt[slot_index] = False
         self.output_counts[slot_index] = 0
-        prompt_slots = [slot for slot, (spec, _) in fresh.items() for _ in spec.prompt_token_ids]
-        self.in_prompt[on_device(dev, prompt_slots), on_device(dev, [
-            t for spec, _ in fresh.values() for t in spec.prompt_token_ids])] = True
-        output_slots = [slot for slot, (spec, _) in fresh.items() for _ in spec.output_token_ids or ()]
-        output_tokens = [t for spec, _ in fresh.values() for t in spec.output_token_ids or ()]
-        pending = [(slot, r) for slot, (spec, r) in fresh.items() if spec.last_output_pending]
-        if pending and last_inputs is None:
-            spec = fresh[pending[0][0]][0]
-            raise ValueError(f"sequence {spec.seq_id}'s last output token is pending, but no row inputs were "
-                             "given to take it from")
-        slots_t = on_device(dev, output_slots + [slot for slot, _ in pending])
-        tokens_t = on_device(dev, output_tokens)
-        if pending:
-            tokens_t = torch.cat([tokens_t, last_inputs[on_device(dev, [r for _, r in pending])]])
-        if len(slots_t):
-            self.output_counts.index_put_((slots_t, tokens_t), torch.ones(len(slots_t), dtype=self.output_counts.dtype,
-                                                                          device=dev), accumulate=True)
-        for slot, (spec, _) in fresh.items():
+        self.in_prompt[on_device(dev, [slot for slot, spec in fresh.items() for _ in spec.prompt_token_ids]),
+                       on_device(dev, [t for spec in fresh.values() for t in spec.prompt_token_ids])] = True
+        outputs = [(slot, t) for slot, spec in fresh.items() for t in spec.output_token_ids or ()]
+        if outputs:
+            self._count(*(on_device(dev, list(column)) for column in zip(*outputs, strict=True)))
+        for slot, spec in fresh.items():
             self._owner[slot] = spec.seq_id
-
-    def _grow(self, num_slots: int, vocab: int, dev: torch.device, dtype: torch.dtype) -> None:
-        if self.in_prompt is not None and num_slots <= self.in_prompt.shape[0]:
-            return
-        old = 0 if self.in_prompt is None else self.in_prompt.shape[0]
-        size = max(num_slots, 2 * old)
-        in_prompt = torch.zeros((size, vocab), dtype=torch.bool, device=dev)
-        counts = torch.zeros((size, vocab), dtype=dtype, device=dev)
-        if old:
-            in_prompt[:old] = self.in_prompt
-            counts[:old] = self.output_counts
-        self.in_prompt, self.output_counts = in_prompt, counts

@@ -9,8 +9,8 @@ import torch
 import xxhash
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
-from pagedserve.workers.device import on_device
 from pagedserve.workers.penalties import PenaltyCounts
+from pagedserve.workers.tensors import on_device
 
 
 def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
@@ -81,11 +81,9 @@ class Sampler:
         """logits [len(specs), V] fp32, one row per spec; a spec with num_samples=k draws k tokens."""
         return self.draw(logits, specs).outputs()
 
-    def draw(self, logits: torch.Tensor, specs: list[SampleSpec], last_inputs: torch.Tensor | None = None,
-             slots: list[int] | None = None) -> Draws:
-        """`__call__` without reading the draws back: nothing here waits for the device. `last_inputs` [S]:
-        each spec's row's last input token, which a `last_output_pending` spec's penalties count. `slots`:
-        each spec's block-table slot, which keys its penalty counts (default: its index in `specs`)."""
+    def draw(self, logits: torch.Tensor, specs: list[SampleSpec], slots: list[int] | None = None) -> Draws:
+        """`__call__` without reading the draws back: nothing here waits for the device. `slots`: each spec's
+        block-table slot, which keys its penalty counts (default: its index in `specs`)."""
         dev = logits.device
         rows = [(s, i) for s in specs for i in range(s.num_samples)]
         slots = list(range(len(specs))) if slots is None else slots
@@ -93,11 +91,9 @@ class Sampler:
         if len(rows) > len(specs):  # a request's first step draws its n samples from one row
             counts = on_device(dev, [s.num_samples for s in specs], torch.long)
             logits = logits.repeat_interleave(counts, dim=0, output_size=len(rows))  # [D, V], one row per draw
-            if last_inputs is not None:
-                last_inputs = last_inputs.repeat_interleave(counts, output_size=len(rows))  # [D]
         k = [s.params.logprobs for s in specs if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k else None  # [D, V]
-        logits = self.penalties.apply(logits, rows, draw_slots, last_inputs)
+        logits = self.penalties.apply(logits, rows, draw_slots)
         logits = _apply_bias_and_bans(logits, rows)
         tokens = self._pick(logits, rows)  # [D]
         self.penalties.record(rows, draw_slots, tokens)
