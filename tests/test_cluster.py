@@ -226,3 +226,11 @@ def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2, async_sch
         assert stats["num_worker_failures"] == 1
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert set(new_pids).isdisjoint(old_pids)
+
+
+@pytest.mark.parametrize("bad", [-1, "fast", None])
+def test_a_bad_stream_interval_fails_the_deploy_by_name(bad):
+    from pagedserve.cluster.serve_app import build_app
+
+    with pytest.raises(ValueError, match=r"stream_interval_ms=.* must be a number of milliseconds"):
+        build_app({"stream_interval_ms": bad})

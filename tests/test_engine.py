@@ -9,9 +9,10 @@ import asyncio
 import pytest
 
 from pagedserve import LLM, LLMEngine, SamplingParams
-from pagedserve.async_engine import AsyncEngine, RequestFailed
+from pagedserve.async_engine import AsyncEngine, RequestFailed, _Stream
 from pagedserve.config import EngineConfig
 from pagedserve.executor import WorkerFailure
+from pagedserve.outputs import CompletionOutput, RequestOutput
 
 
 def greedy(max_tokens=8):
@@ -135,6 +136,93 @@ def test_async_engine_streams_fails_and_recovers(tiny_random, reference):
     assert after.outputs[0].token_ids == reference[(5, 6, 7, 8)]
     assert stats["num_worker_failures"] == 1 and stats["num_streams"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+class TokenCounts:
+    """A StepMetrics that keeps what the step loop reports of tokens."""
+
+    def __init__(self) -> None:
+        self.counts: list[tuple[int, bool]] = []  # (tokens, first) per report
+        self.finished: list[list[str]] = []
+
+    def on_tokens(self, count: int, first: bool, since_last: float) -> None:
+        if count > 0:
+            self.counts.append((count, first))
+
+    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None:
+        self.finished.append(reasons)
+
+    def on_step(self, seconds: float, stats: dict) -> None:
+        pass
+
+    def on_state(self, stats: dict) -> None:
+        pass
+
+
+@pytest.mark.parametrize("interval_ms", [0, 10_000])
+def test_a_stream_interval_merges_outputs_and_loses_nothing(tiny_random, reference, interval_ms):
+    """With an interval longer than the request, a stream yields its first output at once, then only the
+    finished one, which holds every token; without one, each step's output. The metrics see every step
+    either way: they count tokens where the engine makes them, not where a reader takes them."""
+    async def main():
+        metrics = TokenCounts()
+        core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256), metrics=metrics,
+                           stream_interval_ms=interval_ms)
+        try:
+            outs = [[len(o.outputs[0].token_ids) for o in await collect_all(core, p)] for p in ([9, 8, 7],) * 2]
+            last = (await collect_all(core, [5, 6, 7, 8]))[-1]
+            return outs, last, metrics, core.stats()
+        finally:
+            core.shutdown()
+
+    async def collect_all(core, prompt):
+        return [out async for out in core.generate(prompt, greedy(12))]
+
+    outs, last, metrics, stats = asyncio.run(main())
+    for lengths in outs:
+        assert lengths[-1] == 12 and lengths == sorted(set(lengths))
+        if interval_ms:
+            assert lengths == [1, 12]
+        else:
+            assert len(lengths) > 2  # a reader that keeps up sees the steps (12 here, unless it lags)
+    assert last.finished and last.outputs[0].token_ids == reference[(5, 6, 7, 8)]
+    assert metrics.counts == [(1, True)] + [(1, False)] * 11 + [(1, True)] + [(1, False)] * 11 + \
+        [(1, True)] + [(1, False)] * 11
+    assert metrics.finished == [["length"]] * 3
+    assert stats["num_streams"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_held_output_goes_out_when_the_interval_ends():
+    """An output held back is sent by a timer when the interval ends, even if no newer one comes; the last
+    output is never held."""
+    def output(tokens: int, finished: bool = False) -> RequestOutput:
+        reason = "length" if finished else None
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "", list(range(tokens)), reason)], finished)
+
+    async def main():
+        stream = _Stream(arrival=0.0)
+        got = []
+        stream.offer(output(1), 0.05)  # the first: at once
+        got.append(stream.queue.qsize())
+        stream.offer(output(2), 0.05)
+        stream.offer(output(3), 0.05)  # replaces the held one
+        got.append(stream.queue.qsize())
+        await asyncio.sleep(0.3)
+        got.append([len(stream.queue.get_nowait().outputs[0].token_ids) for _ in range(stream.queue.qsize())])
+        stream.offer(output(4), 0.05)  # the interval since the timer's send has passed: at once
+        stream.offer(output(5), 0.05)  # held
+        stream.offer(output(6, finished=True), 0.05)  # the last: at once, and the held one is dropped
+        got.append([len(stream.queue.get_nowait().outputs[0].token_ids) for _ in range(stream.queue.qsize())])
+        got.append(stream.timer)
+        return got
+
+    assert asyncio.run(main()) == [1, 1, [1, 3], [4, 6], None]
+
+
+@pytest.mark.parametrize("bad", [-1, "50", True, 10_001, float("nan")])
+def test_a_bad_stream_interval_is_named(tiny_random, bad):
+    with pytest.raises(ValueError, match="stream_interval_ms=.* must be a number of milliseconds"):
+        AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256), stream_interval_ms=bad)
 
 
 def test_chat_prompt_is_checked_in_one_place(tiny_random):

@@ -28,10 +28,11 @@ from pagedserve.sampling_params import SamplingParams
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, health_check_period_s=10)
 class EngineServer:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
-                 publish_cached_blocks: bool = False) -> None:
+                 publish_cached_blocks: bool = False, stream_interval_ms: float = 0) -> None:
         from pagedserve.cluster.metrics import EngineMetrics
 
-        self.core = AsyncEngine(ray_hosted_config(config), max_waiting_requests)
+        self.core = AsyncEngine(ray_hosted_config(config), max_waiting_requests,
+                                stream_interval_ms=stream_interval_ms)
         self.core.metrics = EngineMetrics(self.core.model_info()["model"])
         self.publish_cached_blocks = publish_cached_blocks
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.async_engine import stream_interval_seconds
 from pagedserve.cluster.auth import ApiKeys
 from pagedserve.cluster.engine_server import EngineServer, engine_options
 from pagedserve.cluster.openai_api import Ingress
 from pagedserve.cluster.prefix_router import PrefixRouting
 from pagedserve.config import ray_hosted_config
+
+# A served stream sends at most one message per this many milliseconds (see AsyncEngine).
+DEFAULT_STREAM_INTERVAL_MS = 50
 
 
 def build_app(args: dict[str, Any] | None = None):
@@ -20,7 +24,8 @@ def build_app(args: dict[str, Any] | None = None):
     `num_replicas` (model replicas) or `autoscaling_config` (Serve's, on ongoing requests per replica),
     `ray_actor_options` (the engine actor's), `prefix_routing` (true, false for Serve's default router, or
     `PrefixRouting`'s settings; used with more than one replica or autoscaling), `max_waiting_requests`
-    (queue bound before RESOURCE_EXHAUSTED) and `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY
+    (queue bound before RESOURCE_EXHAUSTED), `stream_interval_ms` (a stream's outputs are merged into
+    at most one message per interval: `AsyncEngine`) and `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY
     environment variable, else no key). Bad settings fail here, at deploy time, by name."""
     args = dict(args or {})
     num_replicas = args.pop("num_replicas", None)
@@ -30,9 +35,11 @@ def build_app(args: dict[str, Any] | None = None):
     if autoscaling is None and (num_replicas or 1) == 1:
         routing = None  # one replica: no choice to make, and a text prompt then needs no tokenizing call first
     max_waiting = args.pop("max_waiting_requests", None)
+    stream_interval_ms = args.pop("stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS)
+    stream_interval_seconds(stream_interval_ms)  # a bad value fails the deployment now, not in each replica
     api_keys = ApiKeys.resolve(args.pop("api_keys", None))
     config = ray_hosted_config(args)
     engine = EngineServer.options(**engine_options(config, num_replicas, autoscaling, actor_options, routing))
     # ModelInfo's replica count: 0 when autoscaling decides it
-    return Ingress.bind(engine.bind(config, max_waiting, routing is not None),
+    return Ingress.bind(engine.bind(config, max_waiting, routing is not None, stream_interval_ms),
                         0 if autoscaling else num_replicas or 1, api_keys, routing is not None)

@@ -133,7 +133,8 @@ def test_stream_usage_only_when_asked(oai, model):
         model=model, messages=MESSAGES, temperature=0, max_tokens=5, stream=True, extra_body={"ignore_eos": True},
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert all(c.usage is not None for c in continuous)
-    assert [c.usage.completion_tokens for c in continuous[:-1]] == [1, 2, 3, 4, 5]
+    counts = [c.usage.completion_tokens for c in continuous[:-1]]
+    assert counts == sorted(set(counts)) and counts[0] == 1 and counts[-1] == 5  # tokens within an interval merge
     assert continuous[-1].choices == [] and continuous[-1].usage.completion_tokens == 5
     status, body = post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2,
                                             "stream_options": {"include_usage": True}})
