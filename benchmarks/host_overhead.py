@@ -44,10 +44,9 @@ from pagedserve.engine import LLMEngine  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 
 
-def tiny_model_config() -> str:
-    """A 2-layer, 64-wide random Llama with SmolLM2's 49k vocabulary and a synthetic tokenizer of that size,
-    so that it runs anywhere (no model package, no download) and detokenizes like a served model."""
-    vocab = 49152
+def tiny_model_config(vocab: int = 49152) -> str:
+    """A 2-layer, 64-wide random Llama with SmolLM2's 49k vocabulary (or `vocab`) and a synthetic tokenizer of
+    that size, so that it runs anywhere (no model package, no download) and detokenizes like a served model."""
     d = Path(tempfile.mkdtemp(prefix="host-overhead-"))
     atexit.register(shutil.rmtree, d, ignore_errors=True)
     eos = write_synthetic_tokenizer(d, vocab)

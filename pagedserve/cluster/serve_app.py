@@ -16,7 +16,7 @@ from pagedserve.cluster.prefix_router import PrefixRouting
 from pagedserve.config import ray_hosted_config
 
 # A served stream sends at most one message per this many milliseconds (see AsyncEngine).
-DEFAULT_STREAM_INTERVAL_MS = 50
+DEFAULT_STREAM_INTERVAL_MS = 100
 
 
 def build_app(args: dict[str, Any] | None = None):
