@@ -11,16 +11,24 @@ _CONTEXT_TOKENS = 5
 
 @dataclass
 class _State:
+    # Text is final up to token `read_offset`; tokens from `prefix_offset` on are decoded again as context.
     prefix_offset: int
     read_offset: int
     text: str = ""
 
 
 class Detokenizer:
+    """Per sequence, the text of its output tokens, decoded as they come: each step decodes a window of the
+    last tokens with and without the new ones, and the difference is the new text.
+
+    The text is the tokens' decode without transformers' clean-up of tokenization spaces (as in vLLM): that
+    clean-up deletes characters across token boundaries (" ," to ","), which text already streamed cannot
+    take back, so applied to each window it lost them."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[int, _State] = {}
-        self._decode = _fast_decode(tokenizer) if tokenizer is not None else None
+        self._decode = _plain_decode(tokenizer) if tokenizer is not None else None
 
     def text(self, seq_id: int) -> str:
         state = self._states.get(seq_id)
@@ -34,7 +42,7 @@ class Detokenizer:
             return None
         state = self._states.get(seq_id)
         if state is None:
-            state = self._states[seq_id] = _State(max(0, num_prompt_tokens - _CONTEXT_TOKENS), num_prompt_tokens)
+            state = self._states[seq_id] = self._start(token_ids, num_prompt_tokens, skip_special_tokens)
         prefix_text = self._decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
         new_text = self._decode(token_ids[state.prefix_offset:], skip_special_tokens)
         # A trailing U+FFFD is an unfinished multi-byte character: wait for the next token.
@@ -52,6 +60,16 @@ class Detokenizer:
                 return s
         return None
 
+    def _start(self, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool) -> _State:
+        """A sequence's state before its first output token. The prompt's text is final up to its last token
+        whose text is complete: a character the prompt leaves unfinished goes whole to the output that
+        finishes it, rather than its first bytes being counted as the prompt's U+FFFD."""
+        prefix = max(0, num_prompt_tokens - _CONTEXT_TOKENS)
+        read = num_prompt_tokens
+        while read > prefix and self._decode(token_ids[prefix:read], skip_special_tokens).endswith("\ufffd"):
+            read -= 1
+        return _State(prefix, read)
+
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included (what logprobs show)."""
         return [self._decode([t], False) for t in token_ids]
@@ -60,14 +78,11 @@ class Detokenizer:
         self._states.pop(seq_id, None)
 
 
-def _fast_decode(tokenizer):
-    """`tokenizer.decode`, or the Rust tokenizer's own decode where transformers would add nothing to it.
-
-    transformers' Python wrapper costs several times the decode itself, twice per sequence per step.
-    It only adds clean-up of tokenization spaces, so it is bypassed when that is off.
-    """
+def _plain_decode(tokenizer):
+    """Decode without the clean-up of tokenization spaces: the Rust (`tokenizers`) tokenizer's own decode
+    where there is one (transformers' Python wrapper costs several times the decode itself, twice per
+    sequence per step), else the tokenizer's decode with the clean-up off."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces",
-                                                                         True):
+    if backend is not None and hasattr(backend, "decode"):
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
-    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
