@@ -60,7 +60,7 @@ class _Stream:
         self.arrival = arrival
         self.last_output = arrival  # when the engine last gave it tokens (for the latency metrics)
         self.num_tokens = 0
-        self.due = 0.0  # event-loop time before which a new output is held back
+        self.due = 0.0  # time.monotonic() before which a new output is held back
         self.held: RequestOutput | None = None
         self.timer: asyncio.TimerHandle | None = None
 
@@ -70,17 +70,17 @@ class _Stream:
             self.timer = None
         self.held = None
         self.queue.put_nowait(out)
-        self.due = asyncio.get_running_loop().time() + interval
+        self.due = time.monotonic() + interval
 
     def offer(self, out: RequestOutput, interval: float) -> None:
         """Send `out` now, or hold it until the interval since the last output sent has passed."""
-        loop = asyncio.get_running_loop()
-        if out.finished or out.error or loop.time() >= self.due:
+        now = time.monotonic()
+        if out.finished or out.error or now >= self.due:
             self.send(out, interval)
             return
         self.held = out
         if self.timer is None:
-            self.timer = loop.call_at(self.due, self._send_held, interval)
+            self.timer = asyncio.get_running_loop().call_later(self.due - now, self._send_held, interval)
 
     def _send_held(self, interval: float) -> None:
         self.timer = None

@@ -26,9 +26,10 @@ from pagedserve.sampling_params import SamplingParams
 class EngineActor:
     """Async methods: it serves many streams at once."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stream_interval_ms: float = 0) -> None:
+        """`stream_interval_ms`: a stream yields at most one output per interval (see `AsyncEngine`)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self.core = AsyncEngine(ray_hosted_config(config))
+        self.core = AsyncEngine(ray_hosted_config(config), stream_interval_ms=stream_interval_ms)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
