@@ -24,8 +24,8 @@ def build_app(args: dict[str, Any] | None = None):
     `num_replicas` (model replicas) or `autoscaling_config` (Serve's, on ongoing requests per replica),
     `ray_actor_options` (the engine actor's), `prefix_routing` (true, false for Serve's default router, or
     `PrefixRouting`'s settings; used with more than one replica or autoscaling), `max_waiting_requests`
-    (queue bound before RESOURCE_EXHAUSTED), `stream_interval_ms` (a stream's outputs are merged into
-    at most one message per interval: `AsyncEngine`) and `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY
+    (queue bound before RESOURCE_EXHAUSTED), `stream_interval_ms` (a stream's outputs merged into at most
+    one message per interval: `AsyncEngine`) and `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY
     environment variable, else no key). Bad settings fail here, at deploy time, by name."""
     args = dict(args or {})
     num_replicas = args.pop("num_replicas", None)
