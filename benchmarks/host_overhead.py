@@ -14,7 +14,7 @@ Then whole `LLMEngine.step` calls, with async scheduling off (the phases one aft
 next step launched first, so the host work of one step overlaps the model's work of the next), on fresh
 engines, alternately, `--rounds` times.
 
-  python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50] [--rounds 2] [--penalties]
+  python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50] [--rounds 2] [--penalties] [--final-only]
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--penalties", action="store_true",
                    help="every request with repetition, frequency and presence penalties")
+    p.add_argument("--final-only", action="store_true",
+                   help="requests as the offline LLM makes them: no output is built for one before it finishes")
     args = p.parse_args()
     torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
     model = tiny_model_config()
@@ -116,7 +118,10 @@ def decoding_engine(model: str, args: argparse.Namespace, async_scheduling: bool
     penalties = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5) if args.penalties else {}
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True, **penalties)
     for _ in range(args.num_seqs):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))], params)
+        request = engine.make_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))],
+                                      params)
+        request.final_output_only = args.final_only
+        engine.enqueue(request)
     step_until_decoding(engine)
     return engine
 

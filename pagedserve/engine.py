@@ -207,7 +207,8 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; outputs of the requests that got tokens (finished ones last time).
+        """Run one step; outputs of the requests that got tokens (finished ones last time; a request with
+        `final_output_only` only when it finishes).
 
         With async scheduling the step after it is launched first, to run while this one's output is
         processed. Never raises for a failed step: the requests it ended come back with `error` set."""
@@ -310,7 +311,7 @@ class LLMEngine:
             if params.structured_outputs is not None and self._grammars.advance(seq) and not seq.finished:
                 self.scheduler.finish(seq, "stop")  # the grammar is complete: nothing more may follow
             requests[seq.request.request_id] = seq.request
-        return [self._output(r) for r in requests.values()]
+        return [self._output(r) for r in requests.values() if r.finished or not r.final_output_only]
 
     def _name_tokens(self, entries: list[Logprob]) -> None:
         """Give the newest logprob entries (those still without text) their tokens' text."""

@@ -47,6 +47,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         for r in requests:
+            r.final_output_only = True  # only finished outputs are read below: none is built before
             engine.enqueue(r)
         order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)

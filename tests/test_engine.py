@@ -225,6 +225,34 @@ def test_a_bad_stream_interval_is_named(tiny_random, bad):
         AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256), stream_interval_ms=bad)
 
 
+def test_a_final_only_request_gets_one_output_equal_to_a_streamed_ones_last(tiny_random):
+    """The offline LLM's requests build no output before they finish (`final_output_only`); the one they
+    get holds what a request given an output every step ends with: text, tokens, named logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256))
+    try:
+        streamed, final = (engine.make_request([9, 8, 7, 6], params) for _ in range(2))
+        final.final_output_only = True
+        engine.enqueue(streamed)
+        engine.enqueue(final)
+        seen: dict[str, list] = {streamed.request_id: [], final.request_id: []}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id].append(out)
+    finally:
+        engine.shutdown()
+
+    def described(out):
+        c = out.outputs[0]
+        named = [(e.token_id, e.token, [(t.token_id, t.token) for t in e.top_logprobs]) for e in c.logprobs]
+        return c.text, c.token_ids, c.finish_reason, named, [(e.token_id, e.token) for e in out.prompt_logprobs]
+
+    assert len(seen[streamed.request_id]) == 10 and [o.finished for o in seen[final.request_id]] == [True]
+    last, only = seen[streamed.request_id][-1], seen[final.request_id][0]
+    assert described(only) == described(last) and all(e.token for e in only.outputs[0].logprobs)
+    assert [e.logprob for e in only.outputs[0].logprobs] == pytest.approx([e.logprob for e in last.outputs[0].logprobs])
+
+
 def test_chat_prompt_is_checked_in_one_place(tiny_random):
     with LLM(tiny_random, max_model_len=256) as llm:
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},

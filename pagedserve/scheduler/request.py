@@ -29,6 +29,8 @@ class Request:
     max_tokens: int | None = None
     # Scored prompt tokens so far, when params.prompt_logprobs asks for them; nothing scores the first.
     prompt_logprobs: list[Logprob] | None = None
+    # Whoever asked wants only its finished output (the offline `LLM`): no RequestOutput is built for it before.
+    final_output_only: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
