@@ -14,12 +14,19 @@ Then whole `LLMEngine.step` calls, with async scheduling off (the phases one aft
 next step launched first, so the host work of one step overlaps the model's work of the next), on fresh
 engines, alternately, `--rounds` times.
 
+With `--streams MS [MS ...]`, instead: the served engine's step loop (`AsyncEngine`) with each sequence a
+stream read as a Serve replica reads it (cut into deltas), one run per stream interval, and the engine
+metrics when Ray is installed. Measured: the event loop's CPU time per step (the model runs in a thread
+on a CPU; its time does not count), whole steps, and the outputs the streams send per step.
+
   python benchmarks/host_overhead.py [--num-seqs 256] [--steps 50] [--rounds 2] [--penalties] [--final-only]
+  python benchmarks/host_overhead.py --streams 0 100 500 [--num-seqs 256] [--steps 50] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import json
 import os
@@ -39,6 +46,8 @@ import torch  # noqa: E402
 from synthetic_tokenizer import write_synthetic_tokenizer  # noqa: E402
 from throughput import step_until_decoding  # noqa: E402
 
+from pagedserve.async_engine import AsyncEngine  # noqa: E402
+from pagedserve.cluster.deltas import stream_deltas  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine import LLMEngine  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
@@ -69,9 +78,19 @@ def main() -> None:
                    help="every request with repetition, frequency and presence penalties")
     p.add_argument("--final-only", action="store_true",
                    help="requests as the offline LLM makes them: no output is built for one before it finishes")
+    p.add_argument("--streams", type=float, nargs="+", metavar="MS",
+                   help="time the served step loop instead, at each of these stream intervals (ms)")
     args = p.parse_args()
     torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
     model = tiny_model_config()
+    if args.streams:
+        print(f"{args.num_seqs} streams decoding, mean of {args.steps} steps:")
+        for _ in range(args.rounds):
+            for interval in args.streams:
+                loop_cpu, whole, sent = asyncio.run(served_steps(model, args, interval))
+                print(f"  stream_interval_ms={interval:<6g} event loop CPU {loop_cpu:6.2f} ms/step   whole step "
+                      f"{whole:6.2f} ms   outputs sent {sent:5.1f}/step")
+        return
 
     engine = decoding_engine(model, args, async_scheduling=False)  # the phases one after another
     runner = engine.executor.worker.runner
@@ -108,6 +127,51 @@ def main() -> None:
                 step_times.append((time.perf_counter() - t0) * 1e3)
             print(f"  async_scheduling={async_scheduling!s:5s} {statistics.median(step_times):7.2f}")
             engine.shutdown()
+
+
+async def served_steps(model: str, args: argparse.Namespace, interval_ms: float) -> tuple[float, float, float]:
+    """The served step loop once every stream decodes: the event loop's CPU ms per step (the engine's host
+    work, the streams' output and delta cutting, the metrics), whole-step ms, outputs sent per step."""
+    try:
+        from pagedserve.cluster.metrics import EngineMetrics
+        metrics = EngineMetrics("host-overhead")
+    except ImportError:  # no Ray: the step loop without metrics
+        metrics = None
+    core = AsyncEngine(EngineConfig(model=model, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
+                                    kv_cache_memory="2GiB"), metrics=metrics, stream_interval_ms=interval_ms)
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
+    sent = 0
+
+    async def read(prompt: list[int]) -> None:
+        nonlocal sent
+        async for _ in stream_deltas(core.generate(prompt, params), params):
+            sent += 1
+
+    readers = [asyncio.create_task(read([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))]))
+               for _ in range(args.num_seqs)]
+    engine = core.engine
+    marks: list[tuple[float, float, int]] = []  # at each step's start: wall time, this thread's CPU time, sent
+    advance = engine.advance_async
+
+    async def timed_advance():
+        if not (engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens_with_pending - 1
+                                                for s in engine.scheduler.running)):
+            marks.append((time.perf_counter(), time.thread_time(), sent))
+        return await advance()
+
+    engine.advance_async = timed_advance
+    while len(marks) <= args.steps + 5:
+        await asyncio.sleep(0.05)
+        failed = next((r for r in readers if r.done() and r.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+    for reader in readers:
+        reader.cancel()
+    await asyncio.gather(*readers, return_exceptions=True)
+    core.shutdown()
+    (w0, c0, s0), (w1, c1, s1) = marks[5], marks[5 + args.steps]  # past the first decode steps' sends
+    return (c1 - c0) * 1e3 / args.steps, (w1 - w0) * 1e3 / args.steps, (s1 - s0) / args.steps
 
 
 def decoding_engine(model: str, args: argparse.Namespace, async_scheduling: bool) -> LLMEngine:

@@ -20,6 +20,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.request import Request
 
 __all__ = ["AsyncEngine", "QueueFull", "RequestFailed"]
 
@@ -31,7 +32,9 @@ class QueueFull(RuntimeError):
 class StepMetrics(Protocol):
     """What the step loop reports (cluster/metrics.py's EngineMetrics records it for Ray)."""
 
-    def on_tokens(self, count: int, first: bool, since_last: float) -> None: ...
+    def on_tokens(self, count: int, first_token_latencies: list[float], inter_token_latencies: list[float]) -> None:
+        """A step's tokens: how many, and per request that got some, the time since its arrival (its first)
+        or since its tokens before."""
 
     def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None: ...
 
@@ -49,43 +52,39 @@ def stream_interval_seconds(stream_interval_ms: float) -> float:
 
 
 class _Stream:
-    """One request's outputs on their way to its `generate` caller. With a stream interval, an output that
-    comes sooner than the interval after the last one sent is held back and replaced by each newer one until
-    the interval has passed: outputs are cumulative, so the newest says all the held ones did, and a stream
-    sends at most one message per interval however short the steps are. The first output (time to first
-    token) and the last go at once."""
+    """One request's outputs on their way to its `generate` caller. With a stream interval, a request that
+    gets tokens sooner than the interval after the last output sent waits until the interval has passed; its
+    output is built then, holding every token since (outputs are cumulative), so a stream sends at most one
+    message per interval however short the steps are, and no output is built that is not sent. The first
+    output (time to first token) and the last go at once."""
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, request: Request, arrival: float) -> None:
+        self.request = request
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.arrival = arrival
-        self.last_output = arrival  # when the engine last gave it tokens (for the latency metrics)
+        self.last_tokens = arrival  # when the engine last gave it tokens (for the latency metrics)
         self.num_tokens = 0
-        self.due = 0.0  # time.monotonic() before which a new output is held back
-        self.held: RequestOutput | None = None
+        self.due = 0.0  # time.monotonic() before which an output is held back
         self.timer: asyncio.TimerHandle | None = None
 
-    def send(self, out: RequestOutput, interval: float) -> None:
+    def send(self, out: RequestOutput, interval: float, now: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.held = None
         self.queue.put_nowait(out)
-        self.due = time.monotonic() + interval
+        self.due = now + interval
 
-    def offer(self, out: RequestOutput, interval: float) -> None:
-        """Send `out` now, or hold it until the interval since the last output sent has passed."""
-        now = time.monotonic()
-        if out.finished or out.error or now >= self.due:
-            self.send(out, interval)
-            return
-        self.held = out
-        if self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.due - now, self._send_held, interval)
+    def changed(self, engine: LLMEngine, interval: float, now: float, finished: bool) -> None:
+        """The request got tokens or ended (by `now`, time.monotonic()): send its output now, or when the
+        interval since the last one sent has passed."""
+        if finished or now >= self.due:
+            self.send(engine.output(self.request), interval, now)
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.due - now, self._send_newest, engine, interval)
 
-    def _send_held(self, interval: float) -> None:
-        self.timer = None
-        if self.held is not None:
-            self.send(self.held, interval)
+    def _send_newest(self, engine: LLMEngine, interval: float) -> None:
+        self.timer = None  # a finished request's output went at once, and cancelled this
+        self.send(engine.output(self.request), interval, time.monotonic())
 
     def close(self) -> None:
         if self.timer is not None:
@@ -124,7 +123,7 @@ class AsyncEngine:
         rid = request.request_id
         if rid in self._streams:  # its request has ended, but its last output is not read yet
             raise ValueError(f"request_id={rid!r} is already in use")
-        stream = self._streams[rid] = _Stream(time.monotonic())
+        stream = self._streams[rid] = _Stream(request, time.monotonic())
         self.engine.enqueue(request)
         self._start_loop()
         self._work.set()
@@ -141,30 +140,50 @@ class AsyncEngine:
         finally:
             stream.close()
             self._streams.pop(rid, None)
-            if not finished:  # the caller went away (cancelled, disconnected): free the blocks now
-                self.engine.abort_request(rid)
+            # The caller went away (cancelled, disconnected) before the end: free the blocks now.
+            if not finished and self.engine.abort_request(rid) is not None:
+                self._record_finish(stream, time.monotonic())
 
     def abort(self, request_id: str) -> bool:
         out = self.engine.abort_request(request_id)
-        if out is not None:
-            self._deliver(out)
-        return out is not None
-
-    def _deliver(self, out: RequestOutput) -> None:
-        """Record the output's tokens and pass it to its stream (if its caller is still there)."""
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if self.metrics is not None:
+        if out is None:
+            return False
+        stream = self._streams.get(request_id)
+        if stream is not None:
             now = time.monotonic()
-            total = sum(len(c.token_ids) for c in out.outputs)
-            self.metrics.on_tokens(total - stream.num_tokens, stream.num_tokens == 0, now - stream.last_output)
+            self._record_finish(stream, now)
+            stream.send(out, self.stream_interval, now)
+        return True
+
+    def _deliver(self, requests: list[Request], now: float) -> None:
+        """Record a step's tokens, and pass each request it changed to its stream (if its caller is still
+        there)."""
+        count = 0
+        first: list[float] = []
+        later: list[float] = []
+        for request in requests:
+            stream = self._streams.get(request.request_id)
+            if stream is None:
+                if request.finished:
+                    self.engine.output(request)  # frees what the engine keeps for it
+                continue
+            total = sum(seq.num_output_tokens for seq in request.sequences)
             if total > stream.num_tokens:
-                stream.num_tokens, stream.last_output = total, now
-            if out.finished:
-                self.metrics.on_finish([c.finish_reason or "abort" for c in out.outputs],
-                                       len(out.prompt_token_ids), now - stream.arrival)
-        stream.offer(out, self.stream_interval)
+                count += total - stream.num_tokens
+                (later if stream.num_tokens else first).append(now - stream.last_tokens)
+                stream.num_tokens, stream.last_tokens = total, now
+            finished = request.finished
+            if finished:
+                self._record_finish(stream, now)
+            stream.changed(self.engine, self.stream_interval, now, finished)
+        if self.metrics is not None and count:
+            self.metrics.on_tokens(count, first, later)
+
+    def _record_finish(self, stream: _Stream, now: float) -> None:
+        if self.metrics is not None:
+            request = stream.request
+            self.metrics.on_finish([seq.finish_reason or "abort" for seq in request.sequences],
+                                   len(request.prompt_token_ids), now - stream.arrival)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats() | {"num_streams": len(self._streams)}
@@ -200,11 +219,11 @@ class AsyncEngine:
                         self.metrics.on_state(engine.stats())
                 continue
             start = time.monotonic()
-            outputs = await engine.step_async()  # a failed step comes back as outputs with `error` set
+            requests = await engine.advance_async()  # those a failed step ended come back with `error` set
+            now = time.monotonic()
             if self.metrics is not None:
-                self.metrics.on_step(time.monotonic() - start, engine.stats())
-            for out in outputs:
-                self._deliver(out)
+                self.metrics.on_step(now - start, engine.stats())
+            self._deliver(requests, now)
             await asyncio.sleep(0)  # let new requests and aborts in between steps
 
     def shutdown(self) -> None:

@@ -118,7 +118,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
-        return self._output(request) if request is not None else None
+        return self.output(request) if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight for requests that all ended is processed by the next step, not waited for.
@@ -207,11 +207,18 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; outputs of the requests that got tokens (finished ones last time; a request with
-        `final_output_only` only when it finishes).
+        """Run one step; outputs of the requests that got tokens or ended (a request with `final_output_only`
+        only when it finishes). Never raises for a failed step: the requests it ended come back with `error`
+        set."""
+        return [self.output(r) for r in self.advance() if r.finished or not r.final_output_only]
+
+    def advance(self) -> list[Request]:
+        """Run one step; the requests it changed: those that got tokens, and those it ended (`error` set where
+        a failed step ended them). No output is built: `output` builds one when it is wanted, and must once
+        for each finished request, which frees what the engine keeps for it (`step` does both).
 
         With async scheduling the step after it is launched first, to run while this one's output is
-        processed. Never raises for a failed step: the requests it ended come back with `error` set."""
+        processed. Never raises for a failed step."""
         try:
             launched = self._launch()
             if launched is None:
@@ -219,14 +226,14 @@ class LLMEngine:
             batch, handle = launched
             return self._process(batch, self.executor.collect(handle))
         except Exception as e:
-            outputs, restart = self._fail_step(e)
+            ended, restart = self._fail_step(e)
         if restart:
             self._restart_workers()
             self.block_manager.reset()  # the new pools hold nothing: no cached prefix survives
-        return outputs
+        return ended
 
-    async def step_async(self) -> list[RequestOutput]:
-        """`step` for an event loop: requests can be added and aborted while the workers compute."""
+    async def advance_async(self) -> list[Request]:
+        """`advance` for an event loop: requests can be added and aborted while the workers compute."""
         try:
             launched = self._launch()
             if launched is None:
@@ -234,12 +241,12 @@ class LLMEngine:
             batch, handle = launched
             return self._process(batch, await self.executor.collect_async(handle))
         except Exception as e:
-            outputs, restart = self._fail_step(e)
+            ended, restart = self._fail_step(e)
         if restart:
             # Off the event loop: requests that arrive meanwhile wait in the queue, holding no blocks.
             await asyncio.to_thread(self._restart_workers)
             self.block_manager.reset()
-        return outputs
+        return ended
 
     def _launch(self) -> tuple[StepBatch, Any] | None:
         """The step to process now (launched here if none is in flight), with the step after it launched
@@ -262,8 +269,8 @@ class LLMEngine:
             self._grammars.fill_masks(batch, self.scheduler.running)
         return batch
 
-    def _fail_step(self, error: Exception) -> tuple[list[RequestOutput], bool]:
-        """The one failure path of a step. Returns the outputs of the requests it ended, and whether the
+    def _fail_step(self, error: Exception) -> tuple[list[Request], bool]:
+        """The one failure path of a step. Returns the requests it ended (`error` set), and whether the
         workers must be replaced.
 
         A worker failure loses the KV of every request that holds blocks: those end with the error, and
@@ -279,16 +286,15 @@ class LLMEngine:
         else:
             log.error("engine step failed, failing every request", exc_info=error)
             message = f"internal engine error: {type(error).__name__}: {error}"
-        outputs = []
+        ended = []
         for request in list(self.scheduler.requests.values()):
             if lost_workers and not any(seq.status == SequenceStatus.RUNNING for seq in request.sequences):
                 continue  # holds no blocks, computed nothing: it simply waits for the new workers
+            request.error = message
             for seq in request.sequences:
                 self.scheduler.finish(seq, "error")
-            out = self._output(request)
-            out.error = message
-            outputs.append(out)
-        return outputs, lost_workers
+            ended.append(request)
+        return ended, lost_workers
 
     def _restart_workers(self) -> None:
         try:
@@ -296,7 +302,7 @@ class LLMEngine:
         except Exception:  # then the next step fails at once with WorkerFailure, and tries again
             log.exception("restarting the workers failed")
 
-    def _process(self, batch: StepBatch, output: StepOutput) -> list[RequestOutput]:
+    def _process(self, batch: StepBatch, output: StepOutput) -> list[Request]:
         updated = self.scheduler.update(batch, output)
         requests: dict[str, Request] = {}
         for seq in updated:
@@ -311,7 +317,7 @@ class LLMEngine:
             if params.structured_outputs is not None and self._grammars.advance(seq) and not seq.finished:
                 self.scheduler.finish(seq, "stop")  # the grammar is complete: nothing more may follow
             requests[seq.request.request_id] = seq.request
-        return [self._output(r) for r in requests.values() if r.finished or not r.final_output_only]
+        return list(requests.values())
 
     def _name_tokens(self, entries: list[Logprob]) -> None:
         """Give the newest logprob entries (those still without text) their tokens' text."""
@@ -329,7 +335,9 @@ class LLMEngine:
             for top, text in zip(entry.top_logprobs, texts[1:], strict=True):
                 top.token = text
 
-    def _output(self, request: Request) -> RequestOutput:
+    def output(self, request: Request) -> RequestOutput:
+        """The request's whole output so far; for a finished request, its last (build it once: it frees the
+        request's detokenizer and grammar state)."""
         if request.prompt_logprobs is not None:
             self._name_tokens(request.prompt_logprobs)
         with_logprobs = request.params.logprobs is not None
@@ -356,7 +364,7 @@ class LLMEngine:
         # The request's prompt ids are never mutated (sequences copy them), so they are shared, not copied.
         prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             prompt_logprobs=prompt_logprobs)
+                             error=request.error, prompt_logprobs=prompt_logprobs)
 
     # ---- numbers -------------------------------------------------------------------------
 

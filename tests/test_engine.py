@@ -1,10 +1,12 @@
 """The engine's interface without Ray: a failed step ends the requests it must and nothing else, the engine
-recovers and serves on (sync `step`, `step_async`, and the `AsyncEngine` loop), and chat prompts are
+recovers and serves on (sync `step`, and the `AsyncEngine` loop on `advance_async`), and chat prompts are
 built and checked in one place."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -142,12 +144,11 @@ class TokenCounts:
     """A StepMetrics that keeps what the step loop reports of tokens."""
 
     def __init__(self) -> None:
-        self.counts: list[tuple[int, bool]] = []  # (tokens, first) per report
+        self.counts: list[tuple[int, int, int]] = []  # per step: tokens, first tokens, later tokens
         self.finished: list[list[str]] = []
 
-    def on_tokens(self, count: int, first: bool, since_last: float) -> None:
-        if count > 0:
-            self.counts.append((count, first))
+    def on_tokens(self, count: int, first_token_latencies: list[float], inter_token_latencies: list[float]) -> None:
+        self.counts.append((count, len(first_token_latencies), len(inter_token_latencies)))
 
     def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None:
         self.finished.append(reasons)
@@ -171,14 +172,17 @@ def test_a_stream_interval_merges_outputs_and_loses_nothing(tiny_random, referen
         try:
             outs = [[len(o.outputs[0].token_ids) for o in await collect_all(core, p)] for p in ([9, 8, 7],) * 2]
             last = (await collect_all(core, [5, 6, 7, 8]))[-1]
-            return outs, last, metrics, core.stats()
+            stream = core.generate([1, 2, 3], greedy(100))
+            await anext(stream)
+            await stream.aclose()  # a caller gone after its first output
+            return outs, last, metrics, core.stats(), dict(core.engine.detokenizer._states)
         finally:
             core.shutdown()
 
     async def collect_all(core, prompt):
         return [out async for out in core.generate(prompt, greedy(12))]
 
-    outs, last, metrics, stats = asyncio.run(main())
+    outs, last, metrics, stats, detokenizing = asyncio.run(main())
     for lengths in outs:
         assert lengths[-1] == 12 and lengths == sorted(set(lengths))
         if interval_ms:
@@ -186,37 +190,55 @@ def test_a_stream_interval_merges_outputs_and_loses_nothing(tiny_random, referen
         else:
             assert len(lengths) > 2  # a reader that keeps up sees the steps (12 here, unless it lags)
     assert last.finished and last.outputs[0].token_ids == reference[(5, 6, 7, 8)]
-    assert metrics.counts == [(1, True)] + [(1, False)] * 11 + [(1, True)] + [(1, False)] * 11 + \
-        [(1, True)] + [(1, False)] * 11
-    assert metrics.finished == [["length"]] * 3
+    assert metrics.counts[:36] == ([(1, 1, 0)] + [(1, 0, 1)] * 11) * 3 and metrics.counts[36] == (1, 1, 0)
+    assert metrics.finished == [["length"]] * 3 + [["abort"]]
     assert stats["num_streams"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert detokenizing == {}  # every request's state freed: finished, and aborted with its output held
 
 
-def test_a_held_output_goes_out_when_the_interval_ends():
-    """An output held back is sent by a timer when the interval ends, even if no newer one comes; the last
-    output is never held."""
-    def output(tokens: int, finished: bool = False) -> RequestOutput:
-        reason = "length" if finished else None
-        return RequestOutput("r", None, [1], [CompletionOutput(0, "", list(range(tokens)), reason)], finished)
+class OutputCounter:
+    """Builds a request's output as `LLMEngine.output` does (its tokens so far), counting the builds."""
 
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.built = 0
+
+    def output(self, request) -> RequestOutput:
+        self.built += 1
+        reason = "length" if request.finished else None
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "", list(range(self.tokens)), reason)],
+                             request.finished)
+
+
+def test_a_held_output_is_built_and_sent_when_the_interval_ends():
+    """A request that gets tokens within the interval waits; when the interval ends a timer builds and sends
+    its output, holding every token since, even if no newer ones come. Nothing is built that is not sent,
+    and the last output is never held."""
     async def main():
-        stream = _Stream(arrival=0.0)
+        engine, request = OutputCounter(), SimpleNamespace(finished=False)
+        stream = _Stream(request, arrival=0.0)
         got = []
-        stream.offer(output(1), 0.05)  # the first: at once
-        got.append(stream.queue.qsize())
-        stream.offer(output(2), 0.05)
-        stream.offer(output(3), 0.05)  # replaces the held one
-        got.append(stream.queue.qsize())
+
+        def step(tokens: int, finished: bool = False) -> None:
+            engine.tokens, request.finished = tokens, finished
+            stream.changed(engine, 0.05, time.monotonic(), finished)
+
+        def sent() -> list[int]:
+            return [len(stream.queue.get_nowait().outputs[0].token_ids) for _ in range(stream.queue.qsize())]
+
+        step(1)  # the first: at once
+        step(2)
+        step(3)  # held, as the step before: neither is built
+        got.append((sent(), engine.built))
         await asyncio.sleep(0.3)
-        got.append([len(stream.queue.get_nowait().outputs[0].token_ids) for _ in range(stream.queue.qsize())])
-        stream.offer(output(4), 0.05)  # the interval since the timer's send has passed: at once
-        stream.offer(output(5), 0.05)  # held
-        stream.offer(output(6, finished=True), 0.05)  # the last: at once, and the held one is dropped
-        got.append([len(stream.queue.get_nowait().outputs[0].token_ids) for _ in range(stream.queue.qsize())])
-        got.append(stream.timer)
+        got.append((sent(), engine.built))
+        step(4)  # the interval since the timer's send has passed: at once
+        step(5)  # held
+        step(6, finished=True)  # the last: at once, and the timer is cancelled
+        got.append((sent(), engine.built, stream.timer))
         return got
 
-    assert asyncio.run(main()) == [1, 1, [1, 3], [4, 6], None]
+    assert asyncio.run(main()) == [([1], 1), ([3], 2), ([4, 6], 4, None)]
 
 
 @pytest.mark.parametrize("bad", [-1, "50", True, 10_001, float("nan")])

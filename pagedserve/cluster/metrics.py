@@ -15,7 +15,6 @@ _E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 class EngineMetrics:
     def __init__(self, model: str) -> None:
         tags = ("model",)
-        self._tags = {"model": model}
         self.running = Gauge("pagedserve_requests_running", "Requests with sequences in the running batch.", tags)
         self.waiting = Gauge("pagedserve_requests_waiting", "Requests queued for admission.", tags)
         self.kv_usage = Gauge("pagedserve_kv_cache_usage", "Fraction of KV blocks in use (0..1).", tags)
@@ -35,35 +34,38 @@ class EngineMetrics:
                              _E2E_BUCKETS, tags)
         self.step_time = Histogram("pagedserve_step_time_seconds", "Engine step time (schedule, workers, update).",
                                    _LATENCY_BUCKETS, tags)
+        for metric in vars(self).values():  # recorded without tags from here on: merging them costs a record
+            metric.set_default_tags({"model": model})
         self._last: dict[str, int] = {}
 
     def on_step(self, seconds: float, stats: dict[str, Any]) -> None:
-        self.step_time.observe(seconds, self._tags)
+        self.step_time.observe(seconds)
         self.on_state(stats)
 
     def on_state(self, stats: dict[str, Any]) -> None:
         """Gauges and cumulative counters from engine stats; also called while idle, so the gauges read
         the current state (0 running once traffic stops), not the last busy step's."""
-        t = self._tags
-        self.running.set(stats["num_running"], t)
-        self.waiting.set(stats["num_waiting"], t)
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
         total = stats["num_total_blocks"]
-        self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0, t)
+        self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0)
         for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
                              ("num_preemptions", self.preemptions)):
             delta = stats[key] - self._last.get(key, 0)
             if delta > 0:
-                counter.inc(delta, t)
+                counter.inc(delta)
             self._last[key] = stats[key]
 
-    def on_tokens(self, count: int, first: bool, since_last: float) -> None:
-        if count <= 0:
-            return
-        self.generation_tokens.inc(count, self._tags)
-        (self.ttft if first else self.itl).observe(since_last, self._tags)
+    def on_tokens(self, count: int, first_token_latencies: list[float], inter_token_latencies: list[float]) -> None:
+        # Once per step, not per request: each record costs microseconds, and a step may carry hundreds.
+        self.generation_tokens.inc(count)
+        for seconds in first_token_latencies:
+            self.ttft.observe(seconds)
+        for seconds in inter_token_latencies:
+            self.itl.observe(seconds)
 
     def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None:
         for reason in reasons:
-            self.finished.inc(1, {"model": self._tags["model"], "reason": reason})
-        self.prompt_tokens.inc(prompt_tokens, self._tags)
-        self.e2e.observe(seconds, self._tags)
+            self.finished.inc(1, {"reason": reason})
+        self.prompt_tokens.inc(prompt_tokens)
+        self.e2e.observe(seconds)

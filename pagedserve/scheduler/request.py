@@ -31,6 +31,8 @@ class Request:
     prompt_logprobs: list[Logprob] | None = None
     # Whoever asked wants only its finished output (the offline `LLM`): no RequestOutput is built for it before.
     final_output_only: bool = False
+    # Why a failed step ended it (a worker lost, an engine error); None otherwise.
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
