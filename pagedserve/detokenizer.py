@@ -36,20 +36,27 @@ class Detokenizer:
 
     def update(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool,
                stop: list[str], include_stop_str: bool = False) -> str | None:
-        """Decode what is new in `token_ids`. Returns the stop string that ended the text, if one did: the
-        text is cut before it (after it with `include_stop_str`)."""
+        """Decode what is new in `token_ids` (one token or several). Returns the stop string that ended the
+        text, if one did: the text is cut before it (after it with `include_stop_str`)."""
         if self.tokenizer is None:
             return None
         state = self._states.get(seq_id)
         if state is None:
             state = self._states[seq_id] = self._start(token_ids, num_prompt_tokens, skip_special_tokens)
+        elif state.read_offset == len(token_ids):
+            return None  # nothing new since the last call
         prefix_text = self._decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
-        new_text = self._decode(token_ids[state.prefix_offset:], skip_special_tokens)
-        # A trailing U+FFFD is an unfinished multi-byte character: wait for the next token.
+        end = len(token_ids)
+        new_text = self._decode(token_ids[state.prefix_offset:end], skip_special_tokens)
+        # A trailing U+FFFD is an unfinished multi-byte character: its tokens wait for the next ones, and the
+        # text before them, when several tokens came at once, goes now.
+        while new_text.endswith("\ufffd") and end > state.read_offset + 1:
+            end -= 1
+            new_text = self._decode(token_ids[state.prefix_offset:end], skip_special_tokens)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return None
         delta = new_text[len(prefix_text):]
-        state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+        state.prefix_offset, state.read_offset = state.read_offset, end
         old_len = len(state.text)
         state.text += delta
         if stop:

@@ -307,13 +307,16 @@ class LLMEngine:
         requests: dict[str, Request] = {}
         for seq in updated:
             params = seq.request.params
-            # Stop strings count only once min_tokens are out (as EOS and stop_token_ids, banned until then).
-            stop = params.stop if seq.num_output_tokens >= params.min_tokens else []
-            hit = self.detokenizer.update(seq.seq_id, seq.token_ids, seq.num_prompt_tokens,
-                                          params.skip_special_tokens, stop, params.include_stop_str_in_output)
-            if hit is not None and not seq.finished:
-                seq.stop_reason = hit
-                self.scheduler.finish(seq, "stop")
+            # Text is needed every step only to look for stop strings; without them it is decoded when an
+            # output is built, all new tokens at once (`output`), so a step with no output decodes nothing.
+            if params.stop:
+                # Stop strings count only once min_tokens are out (as EOS and stop_token_ids, banned until then).
+                stop = params.stop if seq.num_output_tokens >= params.min_tokens else []
+                hit = self.detokenizer.update(seq.seq_id, seq.token_ids, seq.num_prompt_tokens,
+                                              params.skip_special_tokens, stop, params.include_stop_str_in_output)
+                if hit is not None and not seq.finished:
+                    seq.stop_reason = hit
+                    self.scheduler.finish(seq, "stop")
             if params.structured_outputs is not None and self._grammars.advance(seq) and not seq.finished:
                 self.scheduler.finish(seq, "stop")  # the grammar is complete: nothing more may follow
             requests[seq.request.request_id] = seq.request
@@ -344,6 +347,9 @@ class LLMEngine:
         if with_logprobs:
             for seq in request.sequences:
                 self._name_tokens(seq.logprobs)
+        skip_special_tokens = request.params.skip_special_tokens
+        for seq in request.sequences:  # catch up with tokens not decoded yet (no stop strings: see _process)
+            self.detokenizer.update(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, skip_special_tokens, [])
         outputs = [
             CompletionOutput(
                 index=seq.sample_index,

@@ -38,9 +38,13 @@ def token_stream(tok, rng: random.Random, n: int) -> list[int]:
     return out[:n]
 
 
-def streamed_text(tok, prompt: list[int], output: list[int], skip: bool) -> str:
+def streamed_text(tok, prompt: list[int], output: list[int], skip: bool, rng: random.Random | None = None) -> str:
+    """The text decoded a token at a time, or with `rng`, several at a time (as when the engine decodes only
+    when it builds an output)."""
     detok = Detokenizer(tok)
-    for i in range(1, len(output) + 1):
+    i = 0
+    while i < len(output):
+        i = min(len(output), i + (rng.randint(1, 8) if rng else 1))
         detok.update(0, prompt + output[:i], len(prompt), skip, stop=[])
     return detok.text(0)
 
@@ -56,8 +60,9 @@ def test_text_built_a_step_at_a_time_is_the_outputs_decode(tokenizers, name, ski
         done = len(output)
         while tok.backend_tokenizer.decode(output[:done], skip_special_tokens=skip).endswith("\ufffd"):
             done -= 1
-        assert streamed_text(tok, [], output, skip) == tok.backend_tokenizer.decode(output[:done],
-                                                                                   skip_special_tokens=skip)
+        decoded = tok.backend_tokenizer.decode(output[:done], skip_special_tokens=skip)
+        assert streamed_text(tok, [], output, skip) == decoded
+        assert streamed_text(tok, [], output, skip, rng) == decoded
 
 
 def test_a_character_the_prompt_leaves_unfinished_goes_whole_to_the_output(tokenizers):
