@@ -101,6 +101,8 @@ class BlockManager:
         # The block the first new token lands in is shared after a fork: copy it first.
         write_idx = num_computed // bs
         cow = write_idx < len(seq.block_table) and self.pool.ref_count(seq.block_table[write_idx]) > 1
+        if needed <= 0 and not cow and not computed_blocks:
+            return []  # most decode steps: the tokens fit the last block, which is the sequence's own
         revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
         if max(needed, 0) + cow > self.pool.num_free_blocks - revived:
             return None
