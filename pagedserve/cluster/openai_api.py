@@ -6,6 +6,7 @@ models; with API keys configured every route but `/health` needs `Authorization:
 No `from __future__ import annotations` here: FastAPI must see real types (Request) on the route methods.
 """
 
+import functools
 import time
 import uuid
 from typing import Any, TypeVar
@@ -29,6 +30,18 @@ from pagedserve.cluster.openai_protocol import (
 BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 api = FastAPI(title="pagedserve", description="OpenAI-compatible completions and chat over pagedserve")
+
+
+def _answers_errors(route):
+    """The route's exceptions as OpenAI error bodies, with the status and field `error_response` gives them."""
+    @functools.wraps(route)  # FastAPI reads the route's parameters through the wrapper
+    async def answered(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except Exception as e:
+            return error_response(e)
+    return answered
+
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(api)
@@ -70,70 +83,58 @@ class Ingress(GrpcService):
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
+    @_answers_errors
     async def models(self, request: Request) -> JSONResponse:
-        try:
-            self._authorize_request(request)
-            return JSONResponse({"object": "list", "data": [await self._model_card()]})
-        except Exception as e:
-            return error_response(e)
+        self._authorize_request(request)
+        return JSONResponse({"object": "list", "data": [await self._model_card()]})
 
     @api.get("/v1/models/{model_id:path}")
+    @_answers_errors
     async def model(self, model_id: str, request: Request) -> JSONResponse:
-        try:
-            self._authorize_request(request)
-            await self._check_model(model_id)
-            return JSONResponse(await self._model_card())
-        except Exception as e:
-            return error_response(e)
+        self._authorize_request(request)
+        await self._check_model(model_id)
+        return JSONResponse(await self._model_card())
 
     @api.post("/tokenize")
+    @_answers_errors
     async def tokenize_route(self, request: Request) -> JSONResponse:
-        try:
-            body, _ = await self._read(request, TokenizeRequest)
-            if (body.prompt is None) == (body.messages is None):
-                raise ValueError("prompt: give exactly one of prompt and messages")
-            messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
-            ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
-                                                            body.add_generation_prompt, body.tools)
-            info = await self.model_info_dict()
-            out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
-            if body.return_token_strs:
-                out["token_strs"] = tokens
-            return JSONResponse(out)
-        except Exception as e:
-            return error_response(e)
+        body, _ = await self._read(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
+        ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
+                                                        body.add_generation_prompt, body.tools)
+        info = await self.model_info_dict()
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tokens
+        return JSONResponse(out)
 
     @api.post("/detokenize")
+    @_answers_errors
     async def detokenize_route(self, request: Request) -> JSONResponse:
-        try:
-            body, _ = await self._read(request, DetokenizeRequest)
-            return JSONResponse({"prompt": await self.engine.detokenize.remote(body.tokens)})
-        except Exception as e:
-            return error_response(e)
+        body, _ = await self._read(request, DetokenizeRequest)
+        return JSONResponse({"prompt": await self.engine.detokenize.remote(body.tokens)})
 
     @api.post("/v1/completions")
+    @_answers_errors
     async def completions(self, request: Request):
-        try:
-            body, model = await self._read(request, CompletionRequest)
-            prompt = body.single_prompt()
-            params = body.to_sampling_params()
-            echo_text = None
-            if body.echo:
-                echo_text = prompt if isinstance(prompt, str) else await self.engine.detokenize.remote(prompt)
-            return await self._respond(prompt, params, body, model, chat=False, echo_text=echo_text)
-        except Exception as e:
-            return error_response(e)
+        body, model = await self._read(request, CompletionRequest)
+        prompt = body.single_prompt()
+        params = body.to_sampling_params()
+        echo_text = None
+        if body.echo:
+            echo_text = prompt if isinstance(prompt, str) else await self.engine.detokenize.remote(prompt)
+        return await self._respond(prompt, params, body, model, chat=False, echo_text=echo_text)
 
     @api.post("/v1/chat/completions")
+    @_answers_errors
     async def chat_completions(self, request: Request):
-        try:
-            body, model = await self._read(request, ChatCompletionRequest)
-            plan = await self.engine.chat_plan.remote([m.as_dict() for m in body.messages], body.to_sampling_params(),
-                                                      body.tools, body.tool_choice, body.parallel_tool_calls,
-                                                      body.add_generation_prompt)
-            return await self._respond(plan, plan.params, body, model, chat=True)
-        except Exception as e:
-            return error_response(e)
+        body, model = await self._read(request, ChatCompletionRequest)
+        plan = await self.engine.chat_plan.remote([m.as_dict() for m in body.messages], body.to_sampling_params(),
+                                                  body.tools, body.tool_choice, body.parallel_tool_calls,
+                                                  body.add_generation_prompt)
+        return await self._respond(plan, plan.params, body, model, chat=True)
 
     async def _respond(self, prompt, params, body, model: str, chat: bool, echo_text: str | None = None):
         """`prompt`: a completion's text or ids, or a chat's `ChatPlan`."""
