@@ -241,6 +241,31 @@ def test_a_held_output_is_built_and_sent_when_the_interval_ends():
     assert asyncio.run(main()) == [([1], 1), ([3], 2), ([4, 6], 4, None)]
 
 
+def test_an_abort_while_an_output_is_held_ends_the_stream_at_once(tiny_random):
+    """With a request's output held for a 10 s interval, `abort` sends its last output at once (every
+    sample aborted, the tokens so far), the held one never follows, and nothing stays behind."""
+    async def main():
+        core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256), stream_interval_ms=10_000)
+        try:
+            params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=200, ignore_eos=True)
+            stream = core.generate([9, 8, 7], params, request_id="held")
+            first = await anext(stream)
+            while core.engine.scheduler.requests["held"].sequences[0].num_output_tokens < 5:
+                await asyncio.sleep(0.01)  # tokens come, their output is held
+            assert core.abort("held")
+            rest = [out async for out in stream]
+            return first, rest, core.stats(), dict(core.engine.detokenizer._states)
+        finally:
+            core.shutdown()
+
+    first, rest, stats, detokenizing = asyncio.run(main())
+    assert not first.finished and len(rest) == 1 and rest[0].finished
+    assert [c.finish_reason for c in rest[0].outputs] == ["abort", "abort"]
+    assert all(len(c.token_ids) >= 5 for c in rest[0].outputs)
+    assert stats["num_streams"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert detokenizing == {}
+
+
 @pytest.mark.parametrize("bad", [-1, "50", True, 10_001, float("nan")])
 def test_a_bad_stream_interval_is_named(tiny_random, bad):
     with pytest.raises(ValueError, match="stream_interval_ms=.* must be a number of milliseconds"):
