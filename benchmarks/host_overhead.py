@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from synthetic_tokenizer import write_synthetic_tokenizer  # noqa: E402
-from throughput import step_until_decoding  # noqa: E402
+from throughput import all_decoding, step_until_decoding  # noqa: E402
 
 from pagedserve.async_engine import AsyncEngine  # noqa: E402
 from pagedserve.cluster.deltas import stream_deltas  # noqa: E402
@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--streams", type=float, nargs="+", metavar="MS",
                    help="time the served step loop instead, at each of these stream intervals (ms)")
     args = p.parse_args()
+    if args.streams and args.final_only:
+        p.error("--final-only: streams read every output; it applies only without --streams")
     torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
     model = tiny_model_config()
     if args.streams:
@@ -139,8 +141,7 @@ async def served_steps(model: str, args: argparse.Namespace, interval_ms: float)
         metrics = None
     core = AsyncEngine(EngineConfig(model=model, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
                                     kv_cache_memory="2GiB"), metrics=metrics, stream_interval_ms=interval_ms)
-    rng = random.Random(args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
+    params = decode_params(args)
     sent = 0
 
     async def read(prompt: list[int]) -> None:
@@ -148,15 +149,13 @@ async def served_steps(model: str, args: argparse.Namespace, interval_ms: float)
         async for _ in stream_deltas(core.generate(prompt, params), params):
             sent += 1
 
-    readers = [asyncio.create_task(read([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))]))
-               for _ in range(args.num_seqs)]
+    readers = [asyncio.create_task(read(prompt)) for prompt in random_prompts(args)]
     engine = core.engine
     marks: list[tuple[float, float, int]] = []  # at each step's start: wall time, this thread's CPU time, sent
     advance = engine.advance_async
 
     async def timed_advance():
-        if not (engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens_with_pending - 1
-                                                for s in engine.scheduler.running)):
+        if all_decoding(engine):
             marks.append((time.perf_counter(), time.thread_time(), sent))
         return await advance()
 
@@ -178,16 +177,25 @@ def decoding_engine(model: str, args: argparse.Namespace, async_scheduling: bool
     """An engine whose `num_seqs` sequences have all been prefilled and decode from here on."""
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
                                     kv_cache_memory="2GiB", async_scheduling=async_scheduling))
-    rng = random.Random(args.seed)
-    penalties = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5) if args.penalties else {}
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True, **penalties)
-    for _ in range(args.num_seqs):
-        request = engine.make_request([rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))],
-                                      params)
+    params = decode_params(args)
+    for prompt in random_prompts(args):
+        request = engine.make_request(prompt, params)
         request.final_output_only = args.final_only
         engine.enqueue(request)
     step_until_decoding(engine)
     return engine
+
+
+def random_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """`num_seqs` prompts of random ids, their lengths drawn from `prompt_len`, the same for every run."""
+    rng = random.Random(args.seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))] for _ in range(args.num_seqs)]
+
+
+def decode_params(args: argparse.Namespace) -> SamplingParams:
+    """Greedy, long enough for every timed step, with the penalties when `--penalties` asks for them."""
+    penalties = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5) if args.penalties else {}
+    return SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True, **penalties)
 
 
 if __name__ == "__main__":

@@ -130,10 +130,15 @@ def device_timeline(kernels: list[tuple[float, float]], span: tuple[float, float
             "kernels": len(kernels), "span_us": round(span[1] - span[0])}
 
 
+def all_decoding(engine) -> bool:
+    """Whether every request of an `LLMEngine` is prefilled: from then on each step decodes one token a row."""
+    return not (engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_tokens_with_pending - 1 for s in engine.scheduler.running))
+
+
 def step_until_decoding(engine) -> None:
-    """Step an `LLMEngine` until every request is prefilled: from then on each step decodes one token a row."""
-    while engine.scheduler.waiting or any(
-            s.num_computed_tokens < s.num_tokens_with_pending - 1 for s in engine.scheduler.running):
+    """Step an `LLMEngine` until every request is prefilled (`all_decoding`)."""
+    while not all_decoding(engine):
         engine.step()
 
 
