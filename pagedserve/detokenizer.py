@@ -46,13 +46,10 @@ class Detokenizer:
         elif state.read_offset == len(token_ids):
             return None  # nothing new since the last call
         prefix_text = self._decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
-        end = len(token_ids)
-        new_text = self._decode(token_ids[state.prefix_offset:end], skip_special_tokens)
-        # A trailing U+FFFD is an unfinished multi-byte character: its tokens wait for the next ones, and the
-        # text before them, when several tokens came at once, goes now.
-        while new_text.endswith("\ufffd") and end > state.read_offset + 1:
-            end -= 1
-            new_text = self._decode(token_ids[state.prefix_offset:end], skip_special_tokens)
+        # An unfinished character's tokens wait for the next ones; the text before them, when several tokens
+        # came at once, goes now.
+        end, new_text = self._complete(token_ids, state.prefix_offset, len(token_ids), state.read_offset + 1,
+                                       skip_special_tokens)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return None
         delta = new_text[len(prefix_text):]
@@ -72,10 +69,18 @@ class Detokenizer:
         whose text is complete: a character the prompt leaves unfinished goes whole to the output that
         finishes it, rather than its first bytes being counted as the prompt's U+FFFD."""
         prefix = max(0, num_prompt_tokens - _CONTEXT_TOKENS)
-        read = num_prompt_tokens
-        while read > prefix and self._decode(token_ids[prefix:read], skip_special_tokens).endswith("\ufffd"):
-            read -= 1
+        read, _ = self._complete(token_ids, prefix, num_prompt_tokens, prefix, skip_special_tokens)
         return _State(prefix, read)
+
+    def _complete(self, token_ids: list[int], start: int, end: int, floor: int,
+                  skip_special_tokens: bool) -> tuple[int, str]:
+        """The last `end`, down to `floor`, at which the text of token_ids[start:end] does not end in an
+        unfinished multi-byte character (U+FFFD), and that text (still unfinished at `floor`)."""
+        text = self._decode(token_ids[start:end], skip_special_tokens)
+        while text.endswith("\ufffd") and end > floor:
+            end -= 1
+            text = self._decode(token_ids[start:end], skip_special_tokens)
+        return end, text
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included (what logprobs show)."""
