@@ -75,11 +75,9 @@ class Ingress(GrpcService):
                 "max_model_len": info["max_model_len"]}
 
     @api.get("/health")
+    @_answers_errors
     async def health(self) -> JSONResponse:
-        try:
-            await self.engine.stats.remote()
-        except Exception as e:
-            return error_response(e)
+        await self.engine.stats.remote()
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
