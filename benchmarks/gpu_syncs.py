@@ -2,9 +2,15 @@
 step N runs; any operation in the launch that synchronizes with the device (a `.item()`, a blocking
 host-to-device copy, `unique`, `nonzero`, ...) makes the GPU idle until the host catches up.
 
-Runs engine steps on CUDA under `torch.cuda.set_sync_debug_mode("error")`, one sampling mix at a time,
-so that the first synchronizing operation fails the step with its name; prints each mix's verdict.
-Exit status 0 when no mix synchronizes. Needs only torch, triton and transformers.
+Two checks per sampling mix, on CUDA:
+
+- torch's sync debug mode ("error"): the first operation that torch knows synchronizes fails the step
+  with its name.
+- a busy device: with a long kernel queued ahead of it, one engine step (launch the next step, read the
+  last one's draws, process them) must return long before the kernel ends. This also catches waits that
+  torch does not see, such as a copy from pageable host memory that the driver makes wait for the stream.
+
+Exit status 0 when no mix waits for the device. Needs only torch, triton and transformers.
 
     PYTHONPATH=. python benchmarks/gpu_syncs.py [--cuda-graphs]
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,6 +44,8 @@ MIXES = {
     "logit_bias, min_tokens": dict(temperature=0, logit_bias={5: 2.0}, min_tokens=8, stop_token_ids=[7]),
 }
 
+BUSY_MS = 200  # the kernel queued ahead of the step in the busy-device check
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +56,7 @@ def main() -> int:
         raise SystemExit("needs CUDA")
     model_dir = make_random_checkpoint(args.preset, torch.bfloat16, "cuda")
     prompts, _ = make_workload(32, (16, 200), (1, 1), 100_000, seed=0)
+    cycles_per_ms = sleep_cycles_per_ms()
     failed = 0
     with LLM(str(model_dir), dtype="bfloat16", cuda_graphs=args.cuda_graphs, kv_cache_memory="4GiB") as llm:
         for name, kw in MIXES.items():
@@ -61,7 +71,41 @@ def main() -> int:
                 print(f"{name:24s} SYNCHRONIZES: {e}")
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            step_ms = step_behind_busy_device(llm.engine, prompts, params, cycles_per_ms)
+            waited = step_ms > BUSY_MS / 2
+            failed += waited
+            print(f"{name:24s} a step with the device busy for {BUSY_MS} ms took {step_ms:.1f} ms: "
+                  f"{'WAITS FOR THE DEVICE' if waited else 'no wait'}")
     return 1 if failed else 0
+
+
+
+def sleep_cycles_per_ms() -> float:
+    """GPU clock cycles that `torch.cuda._sleep` spins per millisecond, timed with events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm-up
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / start.elapsed_time(end)
+
+
+def step_behind_busy_device(engine, prompts, params, cycles_per_ms: float) -> float:
+    """Milliseconds one engine step takes once a BUSY_MS kernel is queued after the step in flight (the
+    next step's launch goes behind it; the draws it reads come before it). The requests run to the end."""
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(6):  # prefilled, decoding, a step in flight
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(BUSY_MS * cycles_per_ms))
+    t0 = time.perf_counter()
+    engine.step()
+    elapsed = (time.perf_counter() - t0) * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
 
 
 if __name__ == "__main__":

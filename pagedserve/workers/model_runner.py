@@ -9,15 +9,27 @@ import torch
 
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.scheduler.batch import StepBatch, StepOutput
-from pagedserve.workers.block_tables import BlockTables
+from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
-from pagedserve.workers.tensors import on_device
+from pagedserve.workers.tensors import host_tensor, on_device, on_device_packed
 
 log = logging.getLogger(__name__)
 
 _PROMPT_LOGITS_CHUNK = 256  # prompt positions whose [n, vocab] logits are held at once
+
+
+@dataclass
+class StepInputs:
+    """A step's tensors on the device."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    ctx: AttentionContext
+    sample_rows: torch.Tensor  # [S] the row of each SampleSpec
+    copy_src: torch.Tensor  # [C] KV blocks copied to copy_dst before the forward (copy-on-write)
+    copy_dst: torch.Tensor  # [C]
 
 
 @dataclass
@@ -43,7 +55,7 @@ class ModelRunner:
         self.dynamic_rope = model.model.rope.dynamic
         self.decode_graphs: DecodeGraphs | None = None
         self.last_tokens: torch.Tensor | None = None  # [D] the last step's draws, for the next one's deferred inputs
-        self.block_tables = BlockTables()
+        self.block_tables = BlockTables(self.device)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -60,15 +72,14 @@ class ModelRunner:
     def launch(self, batch: StepBatch) -> LaunchedStep:
         """Queue the step's work on the device without waiting for it, so that the host can go on while it
         runs, and queue the next step behind it."""
+        inputs = self.prepare(batch)
         if batch.block_copies:
-            src = on_device(self.device, [s for s, _ in batch.block_copies])
-            dst = on_device(self.device, [d for _, d in batch.block_copies])
-            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
-        input_ids, positions, ctx = self.prepare(batch)
+            self.kv_pool[:, :, inputs.copy_dst] = self.kv_pool[:, :, inputs.copy_src]
+        ctx = inputs.ctx
         if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
-            hidden = self.decode_graphs.run(input_ids, positions, ctx)  # [T, H]
+            hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
         else:
-            hidden = self.model(input_ids, positions, self.kv_pool, ctx)  # [T, H]
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_pool, ctx)  # [T, H]
         prompt_scores = self._score_prompts(hidden, batch)
         if prompt_scores is not None:
             prompt_scores.to_host()
@@ -76,8 +87,8 @@ class ModelRunner:
         if not batch.samples:
             return LaunchedStep(None, prompt_scores)
         last_token = ctx.cu_seqlens_q[1:] - 1  # [R]
-        rows = on_device(self.device, [s.row for s in batch.samples])  # [S]
-        logits = self.model.compute_logits(hidden[last_token[rows]])  # [S, V] fp32, a collective under TP
+        # [S, V] fp32; a collective under TP
+        logits = self.model.compute_logits(hidden[last_token[inputs.sample_rows]])
         if self.sampler is None:
             if self.share_draws:
                 self.last_tokens = self._shared_draws(
@@ -127,35 +138,43 @@ class ModelRunner:
                                                  for p in zip(*parts, strict=True))
         return Draws([(len(spec.target_token_ids), spec.k) for spec in specs], tokens, logprobs, top_ids, top_values)
 
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
-        """Positions and slot mapping are derived here, vectorised, not sent per token."""
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """The step's tensors on the device, sent in one copy of what the batch brings (the block tables stay
+        on the device); positions and slot mapping are derived, vectorised, not sent per token."""
         num_rows = batch.num_rows
-        cu = torch.tensor(batch.cu_seqlens_q, dtype=torch.long)  # [R + 1]
+        cu = host_tensor(batch.cu_seqlens_q)  # [R + 1]
         q_lens = cu[1:] - cu[:-1]
-        context_lens = torch.tensor(batch.context_lens, dtype=torch.long)  # [R]
+        context_lens = host_tensor(batch.context_lens)  # [R]
         row_of_token = torch.repeat_interleave(torch.arange(num_rows), q_lens)  # [T]
         offset_in_row = torch.arange(batch.num_tokens) - cu[:-1][row_of_token]
         positions = (context_lens - q_lens)[row_of_token] + offset_in_row  # [T]
+        max_query_len = int(q_lens.max())
+        entry_slots, entry_cols, entry_ids, table_shape = table_entries(batch.table_updates)
+        deferred_index = [i for i, _ in batch.deferred_inputs]
+        deferred_source = [s for _, s in batch.deferred_inputs]
+        (positions, row_of_token, cu, context_lens, input_ids, slots, entry_slots, entry_cols, entry_ids,
+         deferred_index, deferred_source, sample_rows, copy_src, copy_dst) = on_device_packed(self.device, [
+            positions, row_of_token, cu, context_lens, batch.input_ids, batch.slots,
+            entry_slots, entry_cols, entry_ids, deferred_index, deferred_source, [s.row for s in batch.samples],
+            [s for s, _ in batch.block_copies], [d for _, d in batch.block_copies]])
+        # From here on every tensor is the device's.
         bs = self.block_size
-        self.block_tables.update(batch.table_updates)
-        block_tables = self.block_tables.rows(batch.slots, -(-max(batch.context_lens) // bs))  # [R, max_blocks]
+        self.block_tables.write(table_shape, entry_slots, entry_cols, entry_ids)
+        max_context_len = max(batch.context_lens)
+        block_tables = self.block_tables.rows(slots, (max(batch.slots) + 1, -(-max_context_len // bs)))  # [R, blocks]
         slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs  # [T]
-
-        dev = self.device
         ctx = AttentionContext(
             backend=self.backend,
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            cu_seqlens_q=cu.to(dev, non_blocking=True),
-            context_lens=context_lens.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            max_query_len=int(q_lens.max()),
-            max_context_len=max(batch.context_lens),
-            token_seq_lens=context_lens[row_of_token].to(dev, non_blocking=True) if self.dynamic_rope else None,
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
+            token_seq_lens=context_lens[row_of_token] if self.dynamic_rope else None,
         )
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)  # [T]
         if batch.deferred_inputs:
             if self.last_tokens is None:
                 raise RuntimeError("the step has deferred inputs but the step before it drew no tokens")
-            index, source = zip(*batch.deferred_inputs, strict=True)
-            input_ids[on_device(dev, list(index))] = self.last_tokens[on_device(dev, list(source))]
-        return input_ids, positions.to(dev, non_blocking=True), ctx
+            input_ids[deferred_index] = self.last_tokens[deferred_source]
+        return StepInputs(input_ids, positions, ctx, sample_rows, copy_src, copy_dst)

@@ -10,7 +10,7 @@ import xxhash
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
 from pagedserve.workers.penalties import PenaltyCounts
-from pagedserve.workers.tensors import on_device
+from pagedserve.workers.tensors import on_device, to_device
 
 
 def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
@@ -163,7 +163,7 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]
 
 def _allowed(bitmask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
     """A token bitmask as a bool vector [vocab]."""
-    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).to(device, non_blocking=True)  # [ceil(V / 32)]
+    words = to_device(torch.frombuffer(bytearray(bitmask), dtype=torch.int32), device)  # [ceil(V / 32)]
     bits = (words[:, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1  # [W, 32]
     return bits.flatten()[:vocab].bool()
 

@@ -1,0 +1,38 @@
+"""The helpers that turn a step's host lists into tensors and send them to the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.workers.tensors import grown, host_tensor, on_device, on_device_packed
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype,values", [
+    (torch.long, [0, -1, 2**40, 7]), (torch.int32, [3, -2]), (torch.float32, [0.5, 1, -2.25]),
+    (torch.float64, [1e-300, 3]), (torch.bool, [True, False, True]), (torch.bfloat16, [1.5, 2]),
+    (torch.long, []), (torch.float32, []),
+])
+def test_host_tensor_is_torch_tensor(dtype, values):
+    t = host_tensor(values, dtype)
+    expected = torch.tensor(values, dtype=dtype)
+    assert t.dtype == expected.dtype and t.shape == expected.shape and torch.equal(t, expected)
+    assert on_device(CPU, values, dtype).tolist() == expected.tolist()
+
+
+def test_packed_segments_come_back_in_order():
+    segments = [torch.tensor([5, 6]), [1, 2, 3], [], [4], torch.arange(3), [], [9]]
+    out = on_device_packed(CPU, segments)
+    assert [t.tolist() for t in out] == [[5, 6], [1, 2, 3], [], [4], [0, 1, 2], [], [9]]
+    assert all(t.dtype == torch.long for t in out)
+    storage = out[0].untyped_storage().data_ptr()  # one buffer, hence one copy on CUDA
+    assert all(t.untyped_storage().data_ptr() == storage for t in out)
+
+
+def test_grown_keeps_what_it_held():
+    t = torch.tensor([[1, 2], [3, 4]])
+    assert grown(t, (1, 2)) is t
+    g = grown(t, (3, 2))
+    assert g.shape == (4, 2) and g.tolist() == [[1, 2], [3, 4], [0, 0], [0, 0]]
