@@ -224,7 +224,9 @@ class LLMEngine:
             if launched is None:
                 return []
             batch, handle = launched
-            return self._process(batch, self.executor.collect(handle))
+            changed = self._process(batch, self.executor.collect(handle))
+            self._send_late_masks()
+            return changed
         except Exception as e:
             ended, restart = self._fail_step(e)
         if restart:
@@ -239,7 +241,9 @@ class LLMEngine:
             if launched is None:
                 return []
             batch, handle = launched
-            return self._process(batch, await self.executor.collect_async(handle))
+            changed = self._process(batch, await self.executor.collect_async(handle))
+            self._send_late_masks()
+            return changed
         except Exception as e:
             ended, restart = self._fail_step(e)
         if restart:
@@ -257,11 +261,18 @@ class LLMEngine:
                 return None
             self._in_flight = (batch, self.executor.launch(batch))
         current, self._in_flight = self._in_flight, None
-        if self.schedules_ahead and self.scheduler.can_schedule_ahead(current[0]):
+        if self.schedules_ahead and self.scheduler.can_schedule_ahead(current[0], self.executor.takes_late_masks):
             ahead = self._schedule()
             if ahead is not None:
                 self._in_flight = (ahead, self.executor.launch(ahead))
         return current
+
+    def _send_late_masks(self) -> None:
+        """Once the step before it is processed, give the step in flight the grammar masks that waited for
+        that step's draws (`StepBatch.late_masks`): its forward ran meanwhile, and it draws now."""
+        if self._in_flight is not None and self._in_flight[0].late_masks:
+            batch, handle = self._in_flight
+            self.executor.sample(handle, self._grammars.late_masks(batch, self.scheduler.seqs))
 
     def _schedule(self) -> StepBatch | None:
         batch = self.scheduler.schedule()
@@ -276,6 +287,11 @@ class LLMEngine:
         A worker failure loses the KV of every request that holds blocks: those end with the error, and
         queued ones wait for new workers. Any other error is a bug of the engine, and nothing says which
         request caused it, so every request ends with it."""
+        if self._in_flight is not None and self._in_flight[0].late_masks:
+            try:  # let it draw (unmasked, discarded): a worker waiting for masks would hold the steps after it
+                self.executor.sample(self._in_flight[1], [None] * len(self._in_flight[0].late_masks))
+            except Exception:  # the workers are gone: they are replaced below
+                log.debug("releasing a step that waited for grammar masks failed", exc_info=True)
         self._in_flight = None  # its output, if it comes, is for requests ended here
         self.scheduler.discard_pending()
         lost_workers = isinstance(error, WorkerFailure)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedserve.config import EngineConfig
@@ -21,10 +22,15 @@ class WorkerFailure(RuntimeError):
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds (the minimum over ranks)
     device_type: str  # where the workers compute: "cuda" or "cpu"
+    takes_late_masks: bool  # whether `sample` can give a launched step its grammar masks
 
     def launch(self, batch: StepBatch) -> Any:
         """Start one step on every rank, behind the steps launched before it; a handle for `collect`. The
         workers fill its deferred inputs (`StepBatch.deferred_inputs`) from the draws of the step before."""
+
+    def sample(self, handle: Any, masks: list[bytes | None]) -> None:
+        """The masks of a launched step's `StepBatch.late_masks` (None: draw unmasked), which it waits for
+        before it draws; without waiting for the draws."""
 
     def collect(self, handle: Any) -> StepOutput:
         """Wait for a launched step; rank 0's draws. WorkerFailure if a worker died or hung."""
@@ -44,10 +50,20 @@ class Executor(Protocol):
         """Process id of each rank, in rank order."""
 
 
+@dataclass
+class _UnrunStep:
+    """A step launched on a CPU: it runs when collected."""
+
+    batch: StepBatch
+    late_masks: list[bytes | None] | None = None
+
+
 class LocalExecutor:
     """The worker in this process. On CUDA `launch` queues the step's kernels, which run while the host goes
     on, and `collect` waits for its draws. On a CPU a step computes where it is run, so it runs in
     `collect` (off the event loop in `collect_async`), launched steps in the order they were launched."""
+
+    takes_late_masks = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:
@@ -58,13 +74,21 @@ class LocalExecutor:
         self.worker.init_kv_pool(self.num_blocks)
         self.device_type = self.worker.device.type
 
-    def launch(self, batch: StepBatch) -> LaunchedStep | StepBatch:
-        return self.worker.launch(batch) if self.device_type == "cuda" else batch
+    def launch(self, batch: StepBatch) -> LaunchedStep | _UnrunStep:
+        return self.worker.launch(batch) if self.device_type == "cuda" else _UnrunStep(batch)
 
-    def collect(self, handle: LaunchedStep | StepBatch) -> StepOutput:
-        return self.worker.collect(handle) if self.device_type == "cuda" else self.worker.execute(handle)
+    def sample(self, handle: LaunchedStep | _UnrunStep, masks: list[bytes | None]) -> None:
+        if isinstance(handle, _UnrunStep):
+            handle.late_masks = masks  # it draws with them when it runs, in `collect`
+        else:
+            self.worker.sample(handle, masks)
 
-    async def collect_async(self, handle: LaunchedStep | StepBatch) -> StepOutput:
+    def collect(self, handle: LaunchedStep | _UnrunStep) -> StepOutput:
+        if isinstance(handle, _UnrunStep):
+            return self.worker.execute(handle.batch, handle.late_masks)
+        return self.worker.collect(handle)
+
+    async def collect_async(self, handle: LaunchedStep | _UnrunStep) -> StepOutput:
         return await asyncio.to_thread(self.collect, handle)
 
     def restart(self) -> None:

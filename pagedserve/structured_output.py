@@ -86,15 +86,34 @@ class GrammarManager:
         return matcher
 
     def fill_masks(self, batch: StepBatch, running: list[Sequence]) -> None:
-        """Set `token_bitmask` on the batch's constrained samples (all draws of a spec share its state)."""
-        constrained = [s for s in batch.samples if s.params.structured_outputs is not None]
+        """Set `token_bitmask` on the batch's constrained samples (all draws of a spec share its state). A
+        sequence whose last token is still being drawn by the step in flight (this batch was scheduled ahead)
+        gets its mask once that token is known: its sample goes in `batch.late_masks` (`late_masks`)."""
+        constrained = [i for i, s in enumerate(batch.samples) if s.params.structured_outputs is not None]
         if not constrained:
             return
         sequences = {seq.seq_id: seq for seq in running}  # only when a step has constrained rows
+        for i in constrained:
+            spec = batch.samples[i]
+            seq = sequences[spec.seq_id]
+            if seq.num_pending_tokens > 1:  # this batch's draw, and one in flight before it
+                batch.late_masks.append(i)
+            else:
+                spec.token_bitmask = self._mask(seq)
+
+    def late_masks(self, batch: StepBatch, seqs: dict[int, Sequence]) -> list[bytes | None]:
+        """The masks of `batch.late_masks`, once the step before it has been processed; None for a sequence
+        that has ended meanwhile (its draw is discarded)."""
+        masks: list[bytes | None] = []
+        for i in batch.late_masks:
+            seq = seqs.get(batch.samples[i].seq_id)
+            masks.append(None if seq is None or seq.finished else self._mask(seq))
+        return masks
+
+    def _mask(self, seq: Sequence) -> bytes:
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
-        for spec in constrained:
-            self._matcher(sequences[spec.seq_id]).fill_next_token_bitmask(bitmask, 0)
-            spec.token_bitmask = bitmask.numpy().tobytes()
+        self._matcher(seq).fill_next_token_bitmask(bitmask, 0)
+        return bitmask.numpy().tobytes()
 
     def advance(self, seq: Sequence) -> bool:
         """Take the sequence's new tokens; True when the grammar has reached its end (or cannot go on)."""

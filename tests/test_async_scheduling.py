@@ -9,6 +9,9 @@ test_scheduler.py; this runs the embedded SmolLM2 on the in-process worker."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from pagedserve import LLM, LLMEngine, SamplingParams
@@ -27,9 +30,9 @@ SMALL = dict(kv_cache_memory=14 * 16 * 30 * 2 * 3 * 64 * 4, max_num_batched_toke
 
 
 def params_mix(stop_text: str, stop_token: int) -> list[SamplingParams]:
-    # Steps with a draw that the next step must know on the host first (the fork into n samples, a
-    # grammar) are not scheduled ahead: those requests are short, so that most steps are. Penalties are
-    # scheduled ahead: the worker counts each draw of theirs itself.
+    # A step with the fork into n samples is not scheduled ahead (the next step must know the draw on the
+    # host first): that request is short, so that most steps are. Penalties are scheduled ahead: the
+    # worker counts each draw of theirs itself; so is a grammar's, whose mask follows the launch.
     return [
         SamplingParams(temperature=0, max_tokens=40),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32, stop=[stop_text]),
@@ -63,6 +66,7 @@ def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams], **en
         with launched_batches(llm.engine) as batches:
             outs = llm.generate(PROMPTS, params)
         counts = {"ahead": sum(bool(b.deferred_inputs) for b in batches),
+                  "late masks": sum(bool(b.late_masks) for b in batches),
                   "penalties": sum(bool(b.deferred_inputs) and any(s.params.needs_penalties for s in b.samples)
                                    for b in batches),
                   "histories": sum(s.prompt_token_ids is not None for b in batches for s in b.samples)}
@@ -99,6 +103,44 @@ def check_same_outputs(embedded_dir, **engine) -> None:
 
 def test_outputs_match_stepping_one_at_a_time(embedded_dir):
     check_same_outputs(embedded_dir)
+
+
+GRAMMARS = [
+    StructuredOutputs(choice=["alpha", "beta", "gamma delta"]),
+    StructuredOutputs(regex=r"[0-9]{3}-[a-z]{4}"),
+    StructuredOutputs(json={"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                            "required": ["n", "ok"]}),
+]
+
+
+def grammar_mix() -> list[SamplingParams]:
+    """Six constrained requests of three grammars (seeded, so they differ) among three plain ones."""
+    constrained = [SamplingParams(temperature=0.9, seed=i, max_tokens=30, structured_outputs=GRAMMARS[i % 3])
+                   for i in range(6)]
+    return constrained + [SamplingParams(temperature=0, max_tokens=30) for _ in range(3)]
+
+
+def check_grammars_scheduled_ahead(embedded_dir, **engine) -> None:
+    """Grammar steps scheduled ahead, their masks sent once the step before is processed, give the outputs
+    of stepping one at a time, and every output keeps to its grammar."""
+    params = grammar_mix()
+    sync, _, _ = run(embedded_dir, False, params)
+    ahead, stats, counts = run(embedded_dir, True, params, **engine)
+    assert counts["late masks"] > 10 and counts["ahead"] > 20, counts
+    for i, ((want, want_values), (got, got_values)) in enumerate(zip(sync, ahead, strict=True)):
+        assert got == want, f"request {i} ({params[i]})"
+        assert got_values == pytest.approx(want_values, abs=1e-3)
+    texts = [exact[0][1] for exact, _ in ahead]
+    assert texts[0] in ("alpha", "beta", "gamma delta") and texts[3] in ("alpha", "beta", "gamma delta")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{4}", texts[1]) and re.fullmatch(r"[0-9]{3}-[a-z]{4}", texts[4])
+    for i in (2, 5):
+        if ahead[i][0][0][2] == "stop":  # complete (else cut by max_tokens)
+            assert set(json.loads(texts[i])) == {"n", "ok"}, texts[i]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_grammar_steps_are_scheduled_ahead(embedded_dir):
+    check_grammars_scheduled_ahead(embedded_dir)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -21,7 +21,7 @@ from pagedserve.cluster.ray_executor import StepOrder  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 
 from .conftest import launched_batches  # noqa: E402
-from .test_async_scheduling import check_same_outputs  # noqa: E402
+from .test_async_scheduling import PROMPTS, check_grammars_scheduled_ahead, check_same_outputs, grammar_mix  # noqa: E402
 from .test_parity import hf_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -78,6 +78,50 @@ def test_async_scheduling_on_worker_actors(embedded_dir):
     """The mixed workload (stops, seeds, n, penalties, logprobs, a grammar, preemption) scheduled ahead on a
     worker actor gives the in-process engine's outputs stepping one at a time."""
     check_same_outputs(embedded_dir, executor="ray")
+
+
+def test_grammar_masks_reach_a_worker_actor_after_the_launch(embedded_dir):
+    """Rank 0's actor holds a step that waits for its grammar masks, which come by a call of their own."""
+    check_grammars_scheduled_ahead(embedded_dir, executor="ray")
+
+
+def test_a_failed_step_releases_a_worker_waiting_for_grammar_masks(embedded_dir, monkeypatch):
+    """An engine error while a step waits for its masks fails the requests; the waiting step is let go, so
+    the next request runs at once instead of queueing behind it until the step timeout."""
+    from pagedserve.engine import LLMEngine
+    from pagedserve.structured_output import GrammarManager
+
+    engine = LLMEngine(EngineConfig(model=str(embedded_dir), executor="ray", async_scheduling=True))
+    try:
+        grammar = grammar_mix()[2]  # JSON: long enough to be scheduled ahead a few times
+        ids = [engine.add_request(p, grammar) for p in PROMPTS[:3]]
+        late = GrammarManager.late_masks
+        calls = []
+
+        def fails_once(self, batch, seqs):
+            calls.append(len(batch.late_masks))
+            if len(calls) == 3:
+                raise RuntimeError("injected engine fault")
+            return late(self, batch, seqs)
+
+        monkeypatch.setattr(GrammarManager, "late_masks", fails_once)
+        failed = []
+        while engine.has_unfinished_requests():
+            failed += [out for out in engine.step() if out.finished]
+        assert len(calls) == 3 and sorted(out.request_id for out in failed) == sorted(ids)
+        assert all("injected engine fault" in out.error for out in failed)
+
+        t0 = time.monotonic()
+        engine.add_request(PROMPTS[3], GREEDY)
+        done = []
+        while engine.has_unfinished_requests() and time.monotonic() - t0 < 60:
+            done += [out for out in engine.step() if out.finished]
+        assert len(done) == 1 and len(done[0].outputs[0].token_ids) == 16, done
+        assert time.monotonic() - t0 < 60
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    finally:
+        engine.shutdown()
 
 
 def test_step_order_launches_steps_in_their_numbered_order():

@@ -119,7 +119,7 @@ def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000, ahead: bo
             in_flight = (batch, worker.execute(batch))
         batch, out = in_flight
         in_flight = None
-        if ahead and sched.can_schedule_ahead(batch) and (next_batch := sched.schedule()) is not None:
+        if ahead and sched.can_schedule_ahead(batch, late_masks=False) and (next_batch := sched.schedule()) is not None:
             in_flight = (next_batch, worker.execute(next_batch))
         sched.update(batch, out)
         steps += 1

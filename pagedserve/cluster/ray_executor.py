@@ -69,6 +69,26 @@ class StepOrder:
         self._turn.notify_all()
 
 
+class LateMasks:
+    """Grammar masks that the engine sends for a launched step (`StepBatch.late_masks`), by step number,
+    for the step's thread to take: they may arrive before the step does."""
+
+    def __init__(self) -> None:
+        self._arrived = threading.Condition()
+        self._masks: dict[int, list[bytes | None]] = {}
+
+    def put(self, step: int, masks: list[bytes | None]) -> None:
+        with self._arrived:
+            self._masks[step] = masks
+            self._arrived.notify_all()
+
+    def take(self, step: int) -> list[bytes | None]:
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: step in self._masks, timeout=STEP_TIMEOUT_S):
+                raise RuntimeError(f"step {step} waited {STEP_TIMEOUT_S:.0f}s for its grammar masks")
+            return self._masks.pop(step)
+
+
 class WorkerActor:
     """Holds one rank's `Worker`. Created light; `setup` loads the model so errors reach the caller.
 
@@ -84,6 +104,7 @@ class WorkerActor:
         self.world_size = world_size
         self.worker = None
         self.order = StepOrder()
+        self.late_masks = LateMasks()
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -105,14 +126,24 @@ class WorkerActor:
     @ray.method(concurrency_group="steps")
     def execute(self, step: int, batch: StepBatch) -> StepOutput | None:
         """Run step number `step` (numbered from 0 by the executor) once every step before it has launched:
-        its deferred inputs are the draws of the one before it."""
+        its deferred inputs are the draws of the one before it. A step that waits for grammar masks (rank
+        0's, with `StepBatch.late_masks`) draws once `give_late_masks` brings them, before the next step may
+        launch."""
         self.order.wait(step)
         launched = None
         try:
             launched = self.worker.launch(batch)
-        finally:
-            self.order.done(step, ok=launched is not None)
+            if launched.waiting is not None:
+                self.worker.sample(launched, self.late_masks.take(step))
+        except BaseException:
+            self.order.done(step, ok=False)
+            raise
+        self.order.done(step, ok=True)
         return self.worker.collect(launched)
+
+    def give_late_masks(self, step: int, masks: list[bytes | None]) -> None:
+        """The masks of step `step`'s `StepBatch.late_masks` (rank 0 only: it draws)."""
+        self.late_masks.put(step, masks)
 
     def pid(self) -> int:
         return os.getpid()
@@ -225,21 +256,32 @@ class RayExecutor:
             dag = MultiOutputNode([w.execute.bind(step[0], step[1]) for w in self.workers])
         return dag.experimental_compile()
 
-    def launch(self, batch: StepBatch):
-        """The step's refs: a compiled graph's one, or each rank's."""
+    @property
+    def takes_late_masks(self) -> bool:
+        """A compiled graph's actors take no calls besides the graph's: its steps get their masks at launch."""
+        return self.compiled is None
+
+    def launch(self, batch: StepBatch) -> tuple[int, object]:
+        """(the step's number, its refs: a compiled graph's one, or each rank's)."""
         step = self.steps_sent
         self.steps_sent += 1
         if self.compiled is not None:
             try:
-                return self.compiled.execute(step, batch)
+                return step, self.compiled.execute(step, batch)
             except RayError as e:
                 raise WorkerFailure(f"worker failed during a step: {_cause(e)}") from e
         if not self.workers:
             raise WorkerFailure("no worker actors (an earlier restart failed)")
         ref = ray.put(batch)  # one copy in the object store; every rank reads the same ref
-        return [w.execute.remote(step, ref) for w in self.workers]
+        return step, [w.execute.remote(step, ref) for w in self.workers]
 
-    def collect(self, refs) -> StepOutput:
+    def sample(self, handle: tuple[int, object], masks: list[bytes | None]) -> None:
+        if not self.workers:
+            raise WorkerFailure("no worker actors (an earlier restart failed)")
+        self.workers[0].give_late_masks.remote(handle[0], masks)
+
+    def collect(self, handle: tuple[int, object]) -> StepOutput:
+        _, refs = handle
         if self.compiled is not None:
             try:
                 # The graph is torn down when any of its actors dies, so a dead rank fails this at once.
@@ -259,9 +301,10 @@ class RayExecutor:
         except RayError as e:
             raise WorkerFailure(f"worker failed during a step: {_cause(e)}") from e
 
-    async def collect_async(self, refs) -> StepOutput:
+    async def collect_async(self, handle: tuple[int, object]) -> StepOutput:
+        _, refs = handle
         if self.compiled is not None:
-            return await asyncio.to_thread(self.collect, refs)
+            return await asyncio.to_thread(self.collect, handle)
         futures = [asyncio.wrap_future(r.future()) for r in refs]
         done, pending = await asyncio.wait(futures, timeout=STEP_TIMEOUT_S, return_when=asyncio.FIRST_EXCEPTION)
         for f in done:

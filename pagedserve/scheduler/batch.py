@@ -55,7 +55,10 @@ class StepBatch:
 
     A step scheduled before the output of the step ahead of it arrived computes tokens not yet known
     here: `deferred_inputs` holds (index into input_ids, index into the previous step's samples) for
-    each, and the worker puts the previous step's draw there (input_ids holds -1 meanwhile)."""
+    each, and the worker puts the previous step's draw there (input_ids holds -1 meanwhile). A grammar's
+    mask for such a sequence follows its pending token: `late_masks` lists the samples whose
+    `token_bitmask` reaches the workers after the launch (`Executor.sample`), so the forward runs while
+    the host processes the step before and makes the masks."""
 
     input_ids: list[int]
     cu_seqlens_q: list[int]  # [num_rows + 1]
@@ -67,6 +70,7 @@ class StepBatch:
     samples: list[SampleSpec] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     deferred_inputs: list[tuple[int, int]] = field(default_factory=list)
+    late_masks: list[int] = field(default_factory=list)  # indices into samples
 
     @property
     def num_rows(self) -> int:

@@ -214,11 +214,13 @@ class Scheduler:
                 ))
         return batch
 
-    def can_schedule_ahead(self, batch: StepBatch) -> bool:
+    def can_schedule_ahead(self, batch: StepBatch, late_masks: bool) -> bool:
         """Whether the next step may be scheduled before `batch`'s output arrives: not when a draw of it
-        must be known on the host first (a request forking into its n samples, a grammar's next mask).
+        must be known on the host first: a request forking into its n samples, or a grammar's next mask
+        unless the executor takes masks after a launch (`late_masks`, see `StepBatch.late_masks`).
         Penalties count the draw on the worker."""
-        return all(s.num_samples == 1 and s.params.structured_outputs is None for s in batch.samples)
+        return all(s.num_samples == 1 and (late_masks or s.params.structured_outputs is None)
+                   for s in batch.samples)
 
     def discard_pending(self) -> None:
         """Forget the draws of steps that will never report (their step failed): those tokens are drawn

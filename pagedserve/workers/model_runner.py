@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +38,8 @@ class LaunchedStep:
 
     draws: Draws | None
     prompt_scores: Draws | None  # a group per PromptLogprobSpec
+    # A step that waits for its `StepBatch.late_masks` (`ModelRunner.sample`): its batch and logits [S, V].
+    waiting: tuple[StepBatch, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -65,13 +67,14 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.backend, self.block_size, max_num_seqs,
                                           max_model_len, capture)
 
-    def execute(self, batch: StepBatch) -> StepOutput | None:
-        return self.collect(self.launch(batch))
+    def execute(self, batch: StepBatch, late_masks: list[bytes | None] | None = None) -> StepOutput | None:
+        return self.collect(self.launch(batch, late_masks))
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch) -> LaunchedStep:
+    def launch(self, batch: StepBatch, late_masks: list[bytes | None] | None = None) -> LaunchedStep:
         """Queue the step's work on the device without waiting for it, so that the host can go on while it
-        runs, and queue the next step behind it."""
+        runs, and queue the next step behind it. A batch with `late_masks` draws with `late_masks` (the
+        masks of those samples) when given, else it stops before drawing until `sample` gives them."""
         inputs = self.prepare(batch)
         if batch.block_copies:
             self.kv_pool[:, :, inputs.copy_dst] = self.kv_pool[:, :, inputs.copy_src]
@@ -94,10 +97,28 @@ class ModelRunner:
                 self.last_tokens = self._shared_draws(
                     torch.empty(sum(s.num_samples for s in batch.samples), dtype=torch.long, device=self.device))
             return LaunchedStep(None, prompt_scores)
-        draws = self.sampler.draw(logits, batch.samples, [batch.slots[s.row] for s in batch.samples])
+        if batch.late_masks and late_masks is None:
+            return LaunchedStep(None, prompt_scores, waiting=(batch, logits))
+        return LaunchedStep(self._draw(batch, logits, late_masks), prompt_scores)
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, late_masks: list[bytes | None]) -> None:
+        """Queue the draws of a launched step that waits for its masks (`StepBatch.late_masks`)."""
+        if step.waiting is None:
+            raise RuntimeError("the step was given grammar masks but does not wait for any")
+        (batch, logits), step.waiting = step.waiting, None
+        step.draws = self._draw(batch, logits, late_masks)
+
+    def _draw(self, batch: StepBatch, logits: torch.Tensor, late_masks: list[bytes | None] | None) -> Draws:
+        specs = batch.samples
+        if late_masks is not None:
+            specs = list(specs)
+            for i, mask in zip(batch.late_masks, late_masks, strict=True):
+                specs[i] = replace(specs[i], token_bitmask=mask)
+        draws = self.sampler.draw(logits, specs, [batch.slots[s.row] for s in specs])
         self.last_tokens = self._shared_draws(draws.tokens) if self.share_draws else draws.tokens
         draws.to_host()
-        return LaunchedStep(draws, prompt_scores)
+        return draws
 
     @staticmethod
     def _shared_draws(tokens: torch.Tensor) -> torch.Tensor:

@@ -74,13 +74,18 @@ class Worker:
         log.info("rank %d KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                  self.config.block_size, kv_pool.numel() * kv_pool.element_size() / 2**20, self.device)
 
-    def execute(self, batch: StepBatch) -> StepOutput | None:
+    def execute(self, batch: StepBatch, late_masks: list[bytes | None] | None = None) -> StepOutput | None:
         """Every rank runs the step; rank 0 returns the sampled tokens, the others None."""
-        return self.collect(self.launch(batch))
+        return self.collect(self.launch(batch, late_masks))
 
-    def launch(self, batch: StepBatch) -> LaunchedStep:
-        """Queue the step on the device; `collect` waits for it."""
-        return self.runner.launch(batch)
+    def launch(self, batch: StepBatch, late_masks: list[bytes | None] | None = None) -> LaunchedStep:
+        """Queue the step on the device; `collect` waits for it. A batch with `StepBatch.late_masks` draws
+        once `sample` gives them, unless `late_masks` does here."""
+        return self.runner.launch(batch, late_masks)
+
+    def sample(self, step: LaunchedStep, late_masks: list[bytes | None]) -> None:
+        """Queue the draws of a launched step that waited for its grammar masks."""
+        self.runner.sample(step, late_masks)
 
     def collect(self, step: LaunchedStep) -> StepOutput | None:
         return self.runner.collect(step)
