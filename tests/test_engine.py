@@ -33,7 +33,7 @@ def fail_next_step(engine: LLMEngine, error: Exception) -> None:
     worker = engine.executor.worker
     launch = worker.launch
 
-    def failing(batch):
+    def failing(batch, *late_masks):
         worker.launch = launch
         raise error
 
