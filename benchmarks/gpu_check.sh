@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # launches that wait for the GPU; host work per step (streamed and
-#                                              # final-only outputs, the served step loop); 256 requests
+#                                              # final-only outputs, the served step loop); the sampler; 256 requests
 #                                              # vs HF generate and generate_batch, async scheduling on and off
 #   bash benchmarks/gpu_check.sh tune          # the kernels' tile shapes, warps, stages and split counts, timed
 #   bash benchmarks/gpu_check.sh large         # 128 requests on a Llama-3-8B-shaped model vs HF generate
@@ -48,6 +48,7 @@ throughput)
     step host_overhead python3 benchmarks/host_overhead.py
     step host_overhead_final python3 benchmarks/host_overhead.py --final-only --rounds 1
     step host_overhead_streams python3 benchmarks/host_overhead.py --streams 0 100 --rounds 1
+    step sampler python3 benchmarks/sampler.py --vocab 151936
     step throughput python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
         --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs \
         --sync-scheduling --profile-steps 8 --json "$out/throughput.json"

@@ -11,7 +11,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.scheduler.batch import SampleSpec
 from pagedserve.workers.penalties import PenaltyCounts
-from pagedserve.workers.sampler import Sampler
+from pagedserve.workers.sampler import Sampler, _apply_bias_and_bans
 
 from .conftest import launched_batches
 
@@ -47,6 +47,36 @@ def test_top_k_top_p_min_p_restrict_the_support():
     freq = draw(LOGITS, SamplingParams(min_p=0.3))  # keep p >= 0.3 * 0.61
     assert freq[2:].sum() == 0
     assert draw(LOGITS, SamplingParams(top_k=1, temperature=5.0))[0] == 1.0
+
+
+@pytest.mark.parametrize("mask_rows_at_once", [1, 64])  # a CPU's, CUDA's
+def test_bias_bans_and_grammar_masks_of_many_rows_at_once(mask_rows_at_once):
+    """Each row's logit_bias, banned tokens and grammar mask, applied to all rows together (masks in chunks),
+    equal their definition row by row: a bias adds, a ban or a masked-out token is -inf whatever its bias."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, num_rows = 70, 200  # a vocabulary not a multiple of 32; 80 masked rows: more than one chunk
+    logits = torch.randn(num_rows, vocab, generator=gen)
+    rows, expected = [], logits.clone()
+    for r in range(num_rows):
+        kind = r % 5
+        bias = {int(t): float(b) for t, b in zip(torch.randint(vocab, (3,), generator=gen).unique(),
+                                                 torch.randn(3, generator=gen), strict=False)} if kind in (1, 4) else {}
+        banned = torch.randint(vocab, (4,), generator=gen).tolist() if kind in (2, 4) else None
+        allowed = torch.rand(vocab, generator=gen) < 0.3 if kind in (3, 4) else None
+        bitmask = None
+        if allowed is not None:  # bit t % 32 of int32 word t // 32, as xgrammar packs it
+            bits = torch.nn.functional.pad(allowed, (0, -vocab % 32)).view(-1, 32).to(torch.int64)
+            words = (bits << torch.arange(32)).sum(dim=1)
+            bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).numpy().tobytes()
+        rows.append((replace(spec(SamplingParams(logit_bias=bias), row=r), banned_token_ids=banned,
+                             token_bitmask=bitmask), 0))
+        for t, b in bias.items():
+            expected[r, t] += b
+        if banned:
+            expected[r, banned] = float("-inf")
+        if allowed is not None:
+            expected[r, ~allowed] = float("-inf")
+    assert torch.equal(_apply_bias_and_bans(logits, rows, mask_rows_at_once), expected)
 
 
 def test_greedy_rows_and_sampled_rows_mix():

@@ -10,7 +10,7 @@ import xxhash
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
 from pagedserve.workers.penalties import PenaltyCounts
-from pagedserve.workers.tensors import on_device, to_device
+from pagedserve.workers.tensors import on_device, on_device_packed, to_device
 
 
 def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
@@ -75,7 +75,11 @@ class Sampler:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
-        self.penalties = PenaltyCounts(rows_at_once=64 if device.type == "cuda" else 1)
+        # Rows that penalties and grammar masks process together: on CUDA a row at a time is a few kernel
+        # launches per row; on a CPU a row's [V] temporaries stay in cache and [64, V] ones do not (batched
+        # penalties measured 2.3x and masks 3x slower there).
+        self.rows_at_once = 64 if device.type == "cuda" else 1
+        self.penalties = PenaltyCounts(rows_at_once=self.rows_at_once)
 
     def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledTokens]:
         """logits [len(specs), V] fp32, one row per spec; a spec with num_samples=k draws k tokens."""
@@ -94,7 +98,7 @@ class Sampler:
         k = [s.params.logprobs for s in specs if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k else None  # [D, V]
         logits = self.penalties.apply(logits, rows, draw_slots)
-        logits = _apply_bias_and_bans(logits, rows)
+        logits = _apply_bias_and_bans(logits, rows, self.rows_at_once)
         tokens = self._pick(logits, rows)  # [D]
         self.penalties.record(rows, draw_slots, tokens)
         draws = Draws([(s.num_samples, s.params.logprobs) for s in specs], tokens)
@@ -147,25 +151,46 @@ def _top_pairs(ids: list[list[int]], values: list[list[float]], k: int) -> list[
     return [list(zip(i[:k], v[:k], strict=True)) for i, v in zip(ids, values, strict=True)]
 
 
-def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
-    """logit_bias added, then tokens banned by min_tokens or a grammar masked (a bias cannot lift a ban)."""
+def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]],
+                         mask_rows_at_once: int) -> torch.Tensor:
+    """logit_bias added, then tokens banned by min_tokens or a grammar masked (a bias cannot lift a ban):
+    biases and bans for all rows at once, grammar masks `mask_rows_at_once` rows at a time."""
+    dev = logits.device
+    bias_rows, bias_ids, bias_values, ban_rows, ban_ids, masked, masks = [], [], [], [], [], [], []
     for r, (spec, _) in enumerate(rows):
-        if spec.token_bitmask is not None:
-            logits[r].masked_fill_(~_allowed(spec.token_bitmask, logits.shape[-1], logits.device), float("-inf"))
         bias = spec.params.logit_bias
         if bias:
-            ids = on_device(logits.device, list(bias), torch.long)
-            logits[r, ids] += on_device(logits.device, list(bias.values()), logits.dtype)
+            bias_rows += [r] * len(bias)
+            bias_ids += bias
+            bias_values += bias.values()
         if spec.banned_token_ids:
-            logits[r, on_device(logits.device, spec.banned_token_ids, torch.long)] = float("-inf")
+            ban_rows += [r] * len(spec.banned_token_ids)
+            ban_ids += spec.banned_token_ids
+        if spec.token_bitmask is not None:
+            masked.append(r)
+            masks.append(spec.token_bitmask)
+    if bias_rows:
+        index = on_device_packed(dev, [bias_rows, bias_ids])
+        logits.index_put_(tuple(index), on_device(dev, bias_values, logits.dtype), accumulate=True)
+    for c in range(0, len(masked), mask_rows_at_once):
+        part = masked[c:c + mask_rows_at_once]
+        banned = ~_allowed(masks[c:c + mask_rows_at_once], logits.shape[-1], dev)  # [M, V]
+        if len(part) == 1:
+            logits[part[0]].masked_fill_(banned[0], float("-inf"))
+        else:
+            rows_index = on_device(dev, part)
+            logits[rows_index] = logits[rows_index].masked_fill(banned, float("-inf"))
+    if ban_rows:
+        logits[tuple(on_device_packed(dev, [ban_rows, ban_ids]))] = float("-inf")
     return logits
 
 
-def _allowed(bitmask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
-    """A token bitmask as a bool vector [vocab]."""
-    words = to_device(torch.frombuffer(bytearray(bitmask), dtype=torch.int32), device)  # [ceil(V / 32)]
-    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1  # [W, 32]
-    return bits.flatten()[:vocab].bool()
+def _allowed(bitmasks: list[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """Token bitmasks as bool rows [len(bitmasks), vocab]."""
+    words = to_device(torch.frombuffer(bytearray(b"".join(bitmasks)), dtype=torch.int32), device)
+    words = words.view(len(bitmasks), -1)  # [M, ceil(V / 32)]
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1  # [M, W, 32]
+    return bits.flatten(1)[:, :vocab].bool()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
