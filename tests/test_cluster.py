@@ -80,9 +80,11 @@ def test_async_scheduling_on_worker_actors(embedded_dir):
     check_same_outputs(embedded_dir, executor="ray")
 
 
-def test_grammar_masks_reach_a_worker_actor_after_the_launch(embedded_dir):
+# SmolLM2's 9 heads and 3 KV heads split over 3 ranks; ranks 1 and 2 wait for rank 0's draws in a collective.
+@pytest.mark.parametrize("tp", [1, 3])
+def test_grammar_masks_reach_a_worker_actor_after_the_launch(embedded_dir, tp):
     """Rank 0's actor holds a step that waits for its grammar masks, which come by a call of their own."""
-    check_grammars_scheduled_ahead(embedded_dir, executor="ray")
+    check_grammars_scheduled_ahead(embedded_dir, executor="ray", tensor_parallel_size=tp)
 
 
 def test_a_failed_step_releases_a_worker_waiting_for_grammar_masks(embedded_dir, monkeypatch):
