@@ -11,7 +11,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.scheduler.batch import SampleSpec
 from pagedserve.workers.penalties import PenaltyCounts
-from pagedserve.workers.sampler import Sampler, _apply_bias_and_bans
+from pagedserve.workers.sampler import Sampler, _apply_bias_and_bans, _top_k_top_p_among_candidates, _top_k_top_p_sorted
 
 from .conftest import launched_batches
 
@@ -77,6 +77,25 @@ def test_bias_bans_and_grammar_masks_of_many_rows_at_once(mask_rows_at_once):
         if allowed is not None:
             expected[r, ~allowed] = float("-inf")
     assert torch.equal(_apply_bias_and_bans(logits, rows, mask_rows_at_once), expected)
+
+
+def test_top_k_top_p_among_candidates_keeps_what_sorting_keeps():
+    """The CPU's top-k/top-p (a nucleus sought among each row's largest logits, a row sorted whole only when
+    they hold too little mass) keeps exactly the tokens and values that sorting every row keeps."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 5000
+    peaked = 6 * torch.randn(12, vocab, generator=gen)
+    flat = 0.1 * torch.randn(4, vocab, generator=gen)  # nuclei of thousands of tokens: sorted whole
+    logits = torch.cat([peaked, flat])
+    top_k = [-1, 50, -1, 1, 2000, -1, 10, -1, 3000, -1, 7, -1, -1, 40, -1, -1]
+    top_p = [0.9, 1.0, 1.0, 0.5, 0.95, 0.3, 0.8, 0.99, 1.0, 0.0001, 1.0, 0.6, 0.9, 0.9, 1.0, 0.999]
+    candidates = _top_k_top_p_among_candidates(logits, top_k, top_p)
+    sorted_ = _top_k_top_p_sorted(logits, top_k, top_p)
+    assert torch.equal(candidates.isinf(), sorted_.isinf())
+    assert torch.equal(candidates[~candidates.isinf()], sorted_[~sorted_.isinf()])
+    kept = (~candidates.isinf()).sum(dim=1).tolist()
+    assert kept[2] == kept[14] == vocab and kept[1] == 50 and kept[8] == 3000 and kept[3] == kept[9] == 1
+    assert kept[12] > 1024 and kept[15] > 1024, kept  # flat rows whose nucleus passes the candidates
 
 
 def test_greedy_rows_and_sampled_rows_mix():
