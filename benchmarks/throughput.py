@@ -1,7 +1,8 @@
 """Offline throughput: pagedserve vs Hugging Face transformers (and llama.cpp's llama-server on a GGUF) on the
 same model, same machine, one run.
 
-N requests with seeded random prompt and output lengths, ignore_eos, greedy. Output tokens/s counts
+N requests with seeded random prompt and output lengths, ignore_eos, greedy (or, with --temperature and
+--top-p, sampled the same way by every engine: no top-k or min-p of their own). Output tokens/s counts
 the requested output tokens only (padding and tokens HF generates past a request's length do not count).
 llama-server gets all N requests at once over HTTP with N slots (`-np N`, continuous batching).
 
@@ -92,7 +93,8 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
               cuda_graphs=cuda_graphs, gguf_linears=gguf_linears, async_scheduling=async_scheduling)
     load = time.perf_counter() - t0
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
+              for n in outputs]
     sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -182,7 +184,8 @@ def bench_llama_server(gguf: Path, prompts, outputs, args) -> dict:
     slot = max(map(len, prompts)) + max(outputs) + 16
     with llama_server(gguf, parallel=len(prompts), context_per_slot=slot) as url:
         def run(prompt: list[int], n: int) -> int:
-            body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+            body = {"prompt": prompt, "n_predict": n, "temperature": args.temperature, "top_p": args.top_p,
+                    "top_k": 0, "min_p": 0.0, "ignore_eos": True, "cache_prompt": False}
             return post_json(url + "/completion", body)["tokens_predicted"]
 
         run(prompts[0][:8], 4)  # warm-up
@@ -193,6 +196,13 @@ def bench_llama_server(gguf: Path, prompts, outputs, args) -> dict:
     assert produced == sum(outputs), f"llama-server produced {produced} tokens, not {sum(outputs)}"
     return {"name": f"llama.cpp llama-server (-np {len(prompts)}, {gguf.name})", "seconds": elapsed,
             "tokens": produced, "note": "its own quantized kernels on the GGUF's weights"}
+
+
+def hf_sampling(args: argparse.Namespace) -> dict:
+    """HF generation settings that sample as --temperature and --top-p ask (HF's own top-k of 50 off)."""
+    if args.temperature == 0:
+        return dict(do_sample=False)
+    return dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0)
 
 
 def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtype) -> dict:
@@ -208,8 +218,8 @@ def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtyp
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch_prompts], device=args.device)
         new = max(batch_outputs)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad,
-                           eos_token_id=None)
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad, eos_token_id=None,
+                           **hf_sampling(args))
 
     run(prompts[:2], [4, 4])  # warm-up
     sync(args.device)
@@ -229,7 +239,7 @@ def bench_hf_generate_batch(model_dir: Path, prompts, outputs, args, dtype: torc
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     model = model.to(args.device).eval()
     new = max(outputs)  # generate_batch takes one max_new_tokens for all requests
-    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=new, eos_token_id=None, pad_token_id=0, **hf_sampling(args))
     times, tokens = [], 0
     with torch.no_grad():
         for _ in range(2):  # the manager persists from the first call to the second
@@ -253,6 +263,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-cache-memory", default=None)
