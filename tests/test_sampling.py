@@ -11,7 +11,14 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.scheduler.batch import SampleSpec
 from pagedserve.workers.penalties import PenaltyCounts
-from pagedserve.workers.sampler import Sampler, _apply_bias_and_bans, _top_k_top_p_among_candidates, _top_k_top_p_sorted
+from pagedserve.workers.sampler import (
+    Sampler,
+    _apply_bias_and_bans,
+    _top_k_top_p_among_candidates,
+    _top_k_top_p_sorted,
+    draw_uniform,
+    inverse_transform,
+)
 
 from .conftest import launched_batches
 
@@ -96,6 +103,16 @@ def test_top_k_top_p_among_candidates_keeps_what_sorting_keeps():
     kept = (~candidates.isinf()).sum(dim=1).tolist()
     assert kept[2] == kept[14] == vocab and kept[1] == 50 and kept[8] == 3000 and kept[3] == kept[9] == 1
     assert kept[12] > 1024 and kept[15] > 1024, kept  # flat rows whose nucleus passes the candidates
+
+
+def test_inverse_transform_never_picks_a_token_without_mass():
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.2], [0.5, 0.0, 0.0, 0.0, 0.0]])
+    top = 1 - 2**-24  # the largest fp32 uniform below 1
+    # [0, 0.3) picks token 1; 1.0 stands for a uniform that rounding carried to the top of the mass
+    for u, want in [(0.0, [1, 4, 0]), (top, [2, 4, 0]), (0.29, [1, 4, 0]), (0.3, [2, 4, 0]), (1.0, [2, 4, 0])]:
+        uniform = torch.full((3, 1), u)
+        assert inverse_transform(probs, uniform).tolist() == want, u
+    assert all(0 <= draw_uniform(seed, 0, n) < 1 for seed in range(50) for n in range(20))
 
 
 def test_greedy_rows_and_sampled_rows_mix():

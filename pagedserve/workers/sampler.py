@@ -13,11 +13,11 @@ from pagedserve.workers.penalties import PenaltyCounts
 from pagedserve.workers.tensors import on_device, on_device_packed, to_device
 
 
-def draw_seed(seed: int, sample_index: int, output_len: int) -> int:
-    """Seed of one draw: a function of the request's seed and the draw's place only, so the
-    same seed gives the same tokens whatever else is in the batch, even after preemption."""
+def draw_uniform(seed: int, sample_index: int, output_len: int) -> float:
+    """The uniform in [0, 1) of one seeded draw: a hash of the request's seed and the draw's place only, so
+    the same seed gives the same tokens whatever else is in the batch, even after preemption."""
     data = b"".join(x.to_bytes(8, "little", signed=True) for x in (seed, sample_index, output_len))
-    return xxhash.xxh64_intdigest(data) & 0x7FFF_FFFF_FFFF_FFFF
+    return (xxhash.xxh64_intdigest(data) >> 40) * 2.0**-24  # the top 24 bits: exact in fp32, below 1
 
 
 @dataclass
@@ -122,22 +122,28 @@ class Sampler:
             min_p = on_device(dev, [s.params.min_p for s, _ in rows], probs.dtype)
             keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))
-        # Inverse transform: one uniform per draw, looked up in its row's cumulative mass (which need not sum
-        # to 1: min-p leaves it unnormalised). A token without mass is never picked: its cumulative mass
-        # equals its predecessor's. One number per draw instead of V exponentials for a race: 8x less
-        # time on a CPU.
+        # One uniform per draw instead of V exponentials for a race: 8x less time on a CPU.
         uniform = torch.rand(len(rows), 1, generator=self.generator, device=dev, dtype=probs.dtype)  # [D, 1]
-        seeded = [(r, draw_seed(spec.params.seed, spec.sample_index + i, spec.output_len))
+        seeded = [(r, draw_uniform(spec.params.seed, spec.sample_index + i, spec.output_len))
                   for r, (spec, i) in enumerate(rows) if spec.params.seed is not None]
-        if seeded:
-            uniform[on_device(dev, [r for r, _ in seeded])] = torch.cat([
-                torch.rand(1, 1, generator=torch.Generator(device=dev).manual_seed(seed), device=dev,
-                           dtype=probs.dtype) for _, seed in seeded])
-        cumulative = probs.cumsum(dim=-1)  # [D, V]
-        sampled = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)
-        sampled = sampled.clamp_(max=probs.shape[-1] - 1)  # u < 1 keeps it below V, but for rounding
+        if seeded:  # made on the host: no generator or kernel per seeded draw
+            uniform[on_device(dev, [r for r, _ in seeded]), 0] = on_device(dev, [u for _, u in seeded], probs.dtype)
+        sampled = inverse_transform(probs, uniform)
         is_greedy = on_device(dev, [s.params.greedy for s, _ in rows], torch.bool)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token [D] for its uniform in [0, 1) [D, 1], looked up in the row's cumulative mass
+    (probs [D, V] need not sum to 1: min-p leaves them unnormalised). A token without mass is never
+    picked: its cumulative mass equals its predecessor's."""
+    cumulative = probs.cumsum(dim=-1)  # [D, V]
+    total = cumulative[:, -1:]
+    # Strictly below the total, should rounding carry u * total up to it: else the pick would fall past the
+    # last token with mass.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)  # only a row of NaNs gets past its end
 
 
 def token_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
