@@ -48,7 +48,7 @@ throughput)
     step host_overhead python3 benchmarks/host_overhead.py
     step host_overhead_final python3 benchmarks/host_overhead.py --final-only --rounds 1
     step host_overhead_streams python3 benchmarks/host_overhead.py --streams 0 100 --rounds 1
-    step sampler python3 benchmarks/sampler.py --vocab 151936
+    step sampler python3 benchmarks/sampler.py --vocab 151936 --device cuda
     step throughput python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
         --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs \
         --sync-scheduling --profile-steps 8 --json "$out/throughput.json"

@@ -1,7 +1,7 @@
 """The sampler's cost per step for a batch of rows: `Sampler.draw` on random logits, per mix of sampling
 features, on the CPU and on CUDA when there is one (the draws read back: the step's whole sampling).
 
-    python benchmarks/sampler.py [--rows 256] [--vocab 49152] [--iters 20]
+    python benchmarks/sampler.py [--rows 256] [--vocab 49152] [--iters 20] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -69,9 +69,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--device", choices=("cpu", "cuda"), help="only this one (default: the CPU, and CUDA if there)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    names = [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = [torch.device(name) for name in names]
     print(f"{args.rows} rows, vocabulary {args.vocab}, ms per draw (median of {args.iters}):")
     for device in devices:
         for mix in MIXES:
