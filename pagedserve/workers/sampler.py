@@ -248,7 +248,9 @@ def _top_k_top_p_among_candidates(logits: torch.Tensor, top_k: list[int], top_p:
     values = values.masked_fill(torch.arange(width)[None, :] >= k[:, None], float("-inf"))
     # Top-p weighs the top-k distribution: normalised over the k kept, or over the whole row without top-k.
     whole = k[:, None] >= vocab
-    log_norm = torch.where(whole, logits.logsumexp(dim=-1, keepdim=True), values.logsumexp(dim=-1, keepdim=True))
+    log_norm = values.logsumexp(dim=-1, keepdim=True)  # [S, 1]
+    if any(k == vocab for k in ks):  # a pass over the whole rows only when one needs it
+        log_norm = torch.where(whole, logits.logsumexp(dim=-1, keepdim=True), log_norm)
     probs = (values - log_norm).exp()  # [S, W]
     mass = probs.cumsum(dim=-1)
     p = torch.tensor(top_p, dtype=logits.dtype)
