@@ -240,26 +240,26 @@ def _top_k_top_p_among_candidates(logits: torch.Tensor, top_k: list[int], top_p:
     as with the sort: a nucleus inside the candidates is the sorted row's."""
     vocab = logits.shape[-1]
     ks = [vocab if k == -1 else min(k, vocab) for k in top_k]
-    free = [k == vocab and p >= 1.0 for k, p in zip(ks, top_p, strict=True)]  # rows that keep every token
+    whole = [k == vocab for k in ks]  # rows without top-k: top-p weighs the whole row
+    free = [w and p >= 1.0 for w, p in zip(whole, top_p, strict=True)]  # rows that keep every token
     width = min(vocab, max((k if k < vocab else _TOP_P_CANDIDATES for k, f in zip(ks, free, strict=True) if not f),
                            default=1))
     values, order = logits.topk(width, dim=-1)  # [S, W], each row's largest, descending
     k = torch.tensor(ks)
     values = values.masked_fill(torch.arange(width)[None, :] >= k[:, None], float("-inf"))
     # Top-p weighs the top-k distribution: normalised over the k kept, or over the whole row without top-k.
-    whole = k[:, None] >= vocab
     log_norm = values.logsumexp(dim=-1, keepdim=True)  # [S, 1]
-    if any(k == vocab for k in ks):  # a pass over the whole rows only when one needs it
-        log_norm = torch.where(whole, logits.logsumexp(dim=-1, keepdim=True), log_norm)
+    if any(whole):  # a pass over the whole rows only when one needs it
+        log_norm = torch.where(torch.tensor(whole)[:, None], logits.logsumexp(dim=-1, keepdim=True), log_norm)
     probs = (values - log_norm).exp()  # [S, W]
     mass = probs.cumsum(dim=-1)
     p = torch.tensor(top_p, dtype=logits.dtype)
     values = values.masked_fill((mass - probs >= p[:, None]) & (p[:, None] < 1), float("-inf"))
     out = torch.full_like(logits, float("-inf")).scatter(1, order, values)
-    short = (whole[:, 0] & (mass[:, -1] < p)).tolist()  # the nucleus reaches past the candidates
+    short = (mass[:, -1] < p).tolist()  # a row without top-k whose nucleus reaches past the candidates
     for r in range(len(ks)):
         if free[r]:
             out[r] = logits[r]
-        elif short[r]:
+        elif whole[r] and short[r]:
             out[r] = _top_k_top_p_sorted(logits[r:r + 1], [top_k[r]], [top_p[r]])[0]
     return out
