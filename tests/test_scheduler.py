@@ -122,6 +122,9 @@ def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000, ahead: bo
         if ahead and sched.can_schedule_ahead(batch, late_masks=False) and (next_batch := sched.schedule()) is not None:
             in_flight = (next_batch, worker.execute(next_batch))
         sched.update(batch, out)
+        # forks included, no more sequences run than the workers' slots and penalty counts are sized for
+        assert sum(1 if s.request.forked else s.request.params.n for s in sched.running) <= sched.max_num_seqs
+        assert sched._num_slots <= sched.max_num_seqs
         steps += 1
         assert steps < max_steps
     return steps
@@ -266,6 +269,19 @@ def test_max_num_seqs_caps_rows_per_step():
 
 
 @pytest.mark.parametrize("ahead", [False, True])
+def test_forks_count_against_max_num_seqs(ahead):
+    sched, worker = make(max_num_seqs=4)
+    reqs = [add(sched, f"r{i}", [i + 1] * 5, max_tokens=4, n=3) for i in range(3)]
+    with pytest.raises(ValueError, match="n=5 .*max_num_seqs=4"):
+        add(sched, "too-many", [1, 2], max_tokens=2, n=5)
+    run(sched, worker, ahead=ahead)  # checks the cap after every step
+    for i, req in enumerate(reqs):
+        assert outputs(req) == {s: expected([i + 1] * 5, 4, s) for s in range(3)}
+    # one request's 3 samples at a time: a second request's fork would make 6 sequences
+    assert max(b.num_rows for b in worker.batches) == 3
+
+
+@pytest.mark.parametrize("ahead", [False, True])
 def test_stop_token_and_eos(ahead):
     sched, worker = make()
     prompt = [3, 4, 5]
@@ -305,7 +321,7 @@ def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_block
     for i in range(data.draw(st.integers(1, 8))):
         prompt = stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
         max_tokens = rng.randrange(1, 12)
-        n = rng.choice([1, 1, 2, 3])
+        n = min(rng.choice([1, 1, 2, 3]), max_num_seqs)
         if block_size * num_blocks < len(prompt) + max_tokens:
             continue
         scored = rng.choice([None, None, 0])

@@ -21,7 +21,8 @@ def test_profile_batch_is_the_largest_step(num_tokens, max_num_seqs, block_size)
     assert batch.cu_seqlens_q[-1] == num_tokens and sorted(batch.cu_seqlens_q) == batch.cu_seqlens_q
     lens = [b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:], strict=False)]
     assert lens == batch.context_lens and max(lens) - min(lens) <= 1  # fresh rows, evenly spread
-    assert batch.slots == list(range(batch.num_rows))  # each row's whole table, in a slot of its own
+    # each row's whole table, in a slot of its own; the last slots, so the sampler's counts cover them all
+    assert batch.slots == list(range(max_num_seqs - batch.num_rows, max_num_seqs))
     assert [(slot, start) for slot, start, _ in batch.table_updates] == [(r, 0) for r in batch.slots]
     tables = [ids for _, _, ids in batch.table_updates]
     blocks = [b for table in tables for b in table]
@@ -33,14 +34,16 @@ def test_profile_batch_is_the_largest_step(num_tokens, max_num_seqs, block_size)
     assert all(s.params.needs_penalties and s.prompt_token_ids is not None and s.seq_id < 0 for s in batch.samples)
 
 
-def test_profile_step_runs_on_the_worker(tiny_random):
-    engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=100,
+@pytest.mark.parametrize("max_num_batched_tokens,rows", [(100, 8), (5, 5)])
+def test_profile_step_runs_on_the_worker(tiny_random, max_num_batched_tokens, rows):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                     kv_cache_memory="1MiB"))
     worker = engine.executor.worker
     pool_before = worker.runner.kv_pool
     out = worker.profile_step()
-    assert len(out.samples) == 8
-    assert worker.sampler.penalties.output_counts.shape[0] >= 8  # the counts' memory, allocated in the profile
+    assert len(out.samples) == rows
+    # the counts' memory for all 8 slots is allocated in the profile, even when a step holds only 5 rows
+    assert worker.sampler.penalties.output_counts.shape[0] == 8
     assert all(len(s.token_ids) == 1 and len(s.top_logprobs[0]) == 20 for s in out.samples)
     assert worker.runner.kv_pool is pool_before  # the throwaway pool is not the serving one
 

@@ -54,6 +54,9 @@ class Scheduler:
         """Raise ValueError naming the field if the request can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
+        if request.params.n > self.max_num_seqs:
+            raise ValueError(f"n={request.params.n} samples are more sequences than max_num_seqs="
+                             f"{self.max_num_seqs} runs at once")
         num_prompt = len(request.prompt_token_ids)
         if num_prompt > self.max_model_len:
             raise ValueError(f"prompt has {num_prompt} tokens, more than max_model_len={self.max_model_len}")
@@ -139,8 +142,12 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while (self.waiting and not preempted and budget > 0
-               and len(self.running) < self.max_num_seqs and len(scheduled) < self.max_num_seqs):
+        # A request forks into its n samples after its first draw: it is admitted with room for all of them,
+        # so that the running sequences, and the block-table slots and penalty counts they hold on the
+        # workers (sized for max_num_seqs by the profiled step), never outnumber max_num_seqs.
+        num_seqs = sum(_seqs_to_come(s) for s in self.running)
+        while (self.waiting and not preempted and budget > 0 and len(scheduled) < self.max_num_seqs
+               and num_seqs + _seqs_to_come(self.waiting[0]) <= self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break  # preempted while its last token was in flight: it waits for that token
@@ -153,6 +160,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seqs += _seqs_to_come(seq)
             copies.extend(seq_copies)
             scheduled.append((seq, num_new))
             budget -= num_new
@@ -344,3 +352,8 @@ class Scheduler:
 def _logprobs(scored: SampledTokens, j: int) -> Logprob:
     top = scored.top_logprobs[j] if scored.top_logprobs else []
     return Logprob(scored.token_ids[j], scored.logprobs[j], top_logprobs=[Logprob(t, v) for t, v in top])
+
+
+def _seqs_to_come(seq: Sequence) -> int:
+    """How many running sequences `seq` stands for: its request's n samples until it forks into them."""
+    return 1 if seq.request.forked else seq.request.params.n

@@ -146,23 +146,26 @@ def kv_budget(total: int, utilization: float, allocated: int, activation_peak: i
 def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBatch:
     """The worst step the scheduler can send: `num_tokens` fresh tokens spread over as many rows as it
     allows, every row sampled with the costliest sampling path (penalties, top-k/top-p sort, min-p, 20
-    logprobs). The penalties make the sampler allocate its counts for every row's slot, memory that stays
-    and is so counted in the profile. Its sequence ids are negative: no real sequence's counts are these."""
+    logprobs). The penalties make the sampler allocate its counts up to its rows' slots, memory that stays
+    and is so counted in the profile: the rows take the last slots, so that the counts cover all
+    max_num_seqs slots the scheduler may hand out, even when a step holds fewer rows than that. Its
+    sequence ids are negative: no real sequence's counts are these."""
     from pagedserve.sampling_params import SamplingParams
 
     rows = max(1, min(max_num_seqs, num_tokens))
     row_len = [num_tokens // rows + (1 if r < num_tokens % rows else 0) for r in range(rows)]
-    updates, cu, next_block = [], [0], 0  # each row's whole table, in slot r
-    for r, n in enumerate(row_len):
+    slots = list(range(max(rows, max_num_seqs) - rows, max(rows, max_num_seqs)))
+    updates, cu, next_block = [], [0], 0  # each row's whole table, in a slot of its own
+    for slot, n in zip(slots, row_len, strict=True):
         blocks = -(-n // block_size)
-        updates.append((r, 0, list(range(next_block, next_block + blocks))))
+        updates.append((slot, 0, list(range(next_block, next_block + blocks))))
         next_block += blocks
         cu.append(cu[-1] + n)
     costly = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, max_tokens=1,
                             repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
     samples = [SampleSpec(seq_id=-1 - r, row=r, num_samples=1, sample_index=0, output_len=0, params=costly,
                           prompt_token_ids=[0] * n, output_token_ids=[]) for r, n in enumerate(row_len)]
-    return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=list(range(rows)),
+    return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=slots,
                      table_updates=updates, samples=samples)
 
 
