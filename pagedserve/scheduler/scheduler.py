@@ -145,7 +145,7 @@ class Scheduler:
         # A request forks into its n samples after its first draw: it is admitted with room for all of them,
         # so that the running sequences, and the block-table slots and penalty counts they hold on the
         # workers (sized for max_num_seqs by the profiled step), never outnumber max_num_seqs.
-        num_seqs = sum(_seqs_to_come(s) for s in self.running)
+        num_seqs = sum(_seqs_to_come(s) for s in self.running) if self.waiting else 0
         while (self.waiting and not preempted and budget > 0 and len(scheduled) < self.max_num_seqs
                and num_seqs + _seqs_to_come(self.waiting[0]) <= self.max_num_seqs):
             seq = self.waiting[0]
