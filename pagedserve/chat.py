@@ -9,8 +9,10 @@ Hermes text, so the model sees the tools and its history either way, and its cal
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
@@ -50,6 +52,55 @@ class ChatPlan:
     prompt_token_ids: list[int]
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the chat template turns a conversation into a prompt, beyond its messages and tools (vLLM's
+    fields of the same names).
+
+    `add_generation_prompt`: end with the assistant's turn opened, for the model to answer.
+    `continue_final_message`: leave the last message open instead, for the model to go on writing it (the
+    start of its answer, given); not with `add_generation_prompt`.
+    `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`. A template
+    that does not read one renders as without it, as with transformers' `apply_chat_template`."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message=true leaves the last message open for the model to go on "
+                             "writing: it cannot be combined with add_generation_prompt=true, which opens a new "
+                             "turn (set add_generation_prompt to false)")
+        kwargs = self.chat_template_kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(f"chat_template_kwargs={kwargs!r} must be an object of template variables by name")
+        reserved = sorted(set(kwargs) & _reserved_template_names())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved} are set by the server (the conversation, the "
+                             "tools and how they are rendered), not template variables a request may set")
+
+    def changed(self) -> list[str]:
+        """The names of the options that differ from their defaults."""
+        default = ChatOptions()
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+
+@functools.cache
+def _reserved_template_names() -> frozenset[str]:
+    """What a request's template variables may not override: the names the renderer passes to the template
+    itself, and `apply_chat_template`'s own parameters (`tokenize`, `return_dict`, ...), which a variable of
+    that name would set instead."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    own = {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+    return frozenset(own | {"messages", "tools", "documents", "add_generation_prompt"})
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -121,16 +172,22 @@ class ChatTemplate:
         self.renders_tools = self._renders_tools()
         self.tool_format: ToolCallFormat | None = self._tool_format()
 
-    def render(self, messages: Any, tools: list[Tool], add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: Any, tools: list[Tool], options: ChatOptions | None = None) -> list[int]:
         """The conversation with `tools` offered, as token ids; ValueError naming what is wrong."""
+        options = options or ChatOptions()
         checked = check_messages(messages)
         if not self.renders_tools and (tools or any("tool_calls" in m for m in checked)):
             checked = _as_hermes_text(checked, tools)  # only where tools are in play: a plain chat stays as is
         try:
             ids = self.tokenizer.apply_chat_template(
                 checked, tools=[t.as_openai() for t in tools] if tools and self.renders_tools else None,
-                add_generation_prompt=add_generation_prompt, tokenize=True)
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=True,
+                **options.chat_template_kwargs)
         except Exception as e:  # jinja's TemplateError, or raise_exception(...) in the template itself
+            if options.continue_final_message and "continue_final_message" in str(e):
+                raise ValueError("continue_final_message: the model's chat template does not render the last "
+                                 "message's content as given, so it cannot be left open to continue") from None
             raise ValueError(f"messages: the model's chat template refused them: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

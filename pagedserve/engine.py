@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from pagedserve.chat import ChatPlan, ChatTemplate
+from pagedserve.chat import ChatOptions, ChatPlan, ChatTemplate
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
 from pagedserve.executor import Executor, WorkerFailure, make_executor
@@ -127,15 +127,15 @@ class LLMEngine:
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting_requests()
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    options: ChatOptions | None = None) -> list[int]:
         """The model's chat template applied to `messages` (and `tools`, OpenAI's shapes), as token ids;
         ValueError naming what is wrong."""
-        return self._chat_template().render(messages, parse_tools(tools), add_generation_prompt)
+        return self._chat_template().render(messages, parse_tools(tools), options)
 
     def chat_plan(self, messages: list[dict[str, Any]], params: SamplingParams,
                   tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-                  parallel_tool_calls: bool | None = None, add_generation_prompt: bool = True) -> ChatPlan:
+                  parallel_tool_calls: bool | None = None, options: ChatOptions | None = None) -> ChatPlan:
         """A chat request made ready to run: its prompt with the tools offered, `params` with the output
         constraint that `tool_choice` "required" or a named function asks for, and how to parse its tool
         calls. ValueError naming the field that is wrong."""
@@ -158,7 +158,7 @@ class LLMEngine:
                                  f"{str(e).split(': ', 1)[-1]}") from None
             params = dataclasses.replace(params, structured_outputs=constraint)
         shown = offered if choice.mode != "none" else []  # "none": the model is not told of tools it may not call
-        ids = template.render(messages, shown, add_generation_prompt)
+        ids = template.render(messages, shown, options)
         return ChatPlan(ids, params, parsing)
 
     def _chat_template(self) -> ChatTemplate:
@@ -169,14 +169,17 @@ class LLMEngine:
         return self._template
 
     def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                 add_special_tokens: bool = True, add_generation_prompt: bool = True,
-                 tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[str]]:
-        """Token ids and their string forms of `text`, or of `messages` (and `tools`) through the chat
-        template."""
+                 add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None,
+                 options: ChatOptions | None = None) -> tuple[list[int], list[str]]:
+        """Token ids and their string forms of `text`, or of `messages` (and `tools`, rendered as `options`
+        say) through the chat template."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         if messages:
-            ids = self.chat_prompt(messages, add_generation_prompt, tools)
+            ids = self.chat_prompt(messages, tools, options)
+        elif chat_only := (["tools"] if tools else []) + (options.changed() if options is not None else []):
+            raise ValueError(f"{', '.join(chat_only)}: these shape a chat's prompt: give them with messages, "
+                             "not with text")
         elif text:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:

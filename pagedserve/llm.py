@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import asdict
 from typing import Any
 
+from pagedserve.chat import ChatOptions
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
@@ -73,18 +74,21 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
         `tools`, `tool_choice` and `parallel_tool_calls` as OpenAI's; with tools, each output's `tool_calls`
-        holds the calls parsed from its text."""
+        holds the calls parsed from its text. `add_generation_prompt`, `continue_final_message` and
+        `chat_template_kwargs` as vLLM's (see `ChatOptions`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = sampling_params if sampling_params is not None else SamplingParams()
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
         plans = []
         for i, conv in enumerate(conversations):
             try:
-                plans.append(self.engine.chat_plan(conv, params, tools, tool_choice, parallel_tool_calls,
-                                                   add_generation_prompt))
+                plans.append(self.engine.chat_plan(conv, params, tools, tool_choice, parallel_tool_calls, options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         outputs = self.generate([p.prompt_token_ids for p in plans], [p.params for p in plans])

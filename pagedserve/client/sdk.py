@@ -33,7 +33,7 @@ from pagedserve.client.errors import Cancelled, from_rpc_error
 from pagedserve.protos import API_KEY_ENV
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos import pagedserve_pb2_grpc as pb_grpc
-from pagedserve.protos.chat import messages_to_proto, tool_choice_to_proto, tools_to_proto
+from pagedserve.protos.chat import chat_options_to_proto, messages_to_proto, tool_choice_to_proto, tools_to_proto
 from pagedserve.protos.sampling import sampling_to_proto
 from pagedserve.tool_calls import ToolCall, ToolCallDelta, join_deltas
 
@@ -206,20 +206,21 @@ def _prompt_request(prompt: str | Sequence[int], request_id: str,
 
 def _chat_request(messages: Sequence[dict[str, Any]], request_id: str, sampling: pb.SamplingParams,
                   tools: Sequence[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-                  parallel_tool_calls: bool | None) -> pb.ChatRequest:
+                  parallel_tool_calls: bool | None, template: pb.ChatTemplateOptions) -> pb.ChatRequest:
     return pb.ChatRequest(request_id=request_id, messages=messages_to_proto(messages), sampling=sampling,
                           tools=tools_to_proto(tools), tool_choice=tool_choice_to_proto(tool_choice),
-                          parallel_tool_calls=parallel_tool_calls)
+                          parallel_tool_calls=parallel_tool_calls, template=template)
 
 
 def _tokenize_request(text: str | None, messages: Sequence[dict[str, Any]] | None, add_special_tokens: bool,
-                      tools: Sequence[dict[str, Any]] | None) -> pb.TokenizeRequest:
+                      tools: Sequence[dict[str, Any]] | None, template: pb.ChatTemplateOptions) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("tokenize needs exactly one of text= or messages=")
-    if text is not None:
-        return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+    if text is not None:  # the server refuses tools and template options with text, naming them
+        return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens, tools=tools_to_proto(tools),
+                                  template=template)
     return pb.TokenizeRequest(messages=messages_to_proto(messages or []), add_special_tokens=add_special_tokens,
-                              tools=tools_to_proto(tools))
+                              tools=tools_to_proto(tools), template=template)
 
 
 def _model_info_dict(response: pb.ModelInfoResponse) -> dict[str, Any]:
@@ -405,11 +406,14 @@ class Client(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    **sampling: Any) -> ResponseStream:
+                    add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> ResponseStream:
         """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]). `tools`,
-        `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes."""
+        `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes;
+        `add_generation_prompt` (default true), `continue_final_message` and `chat_template_kwargs` vLLM's."""
         params, request_id, timeout = self._split(sampling)
-        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls)
+        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template)
         return ResponseStream(self, self._stub.Chat, request, timeout, params)
 
     def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:
@@ -426,9 +430,13 @@ class Client(_Base):
 
     def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
                  add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
+                 add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+                 chat_template_kwargs: dict[str, Any] | None = None,
                  timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
-        """Token ids of `text`, or of the chat-template prompt for `messages` (offering `tools`)."""
-        request = _tokenize_request(text, messages, add_special_tokens, tools)
+        """Token ids of `text`, or of the chat-template prompt for `messages` (offering `tools`, rendered
+        as `stream_chat`'s template options say)."""
+        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        request = _tokenize_request(text, messages, add_special_tokens, tools, template)
         return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
 
     def model_info(self, *, timeout: float | None = _CLIENT_DEFAULT) -> dict[str, Any]:
@@ -565,9 +573,11 @@ class AsyncClient(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    **sampling: Any) -> AsyncResponseStream:
+                    add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> AsyncResponseStream:
         params, request_id, timeout = self._split(sampling)
-        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls)
+        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template)
         return AsyncResponseStream(self, self._stub.Chat, request, timeout, params)
 
     async def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:
@@ -583,8 +593,11 @@ class AsyncClient(_Base):
 
     async def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
                        add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
+                       add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+                       chat_template_kwargs: dict[str, Any] | None = None,
                        timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
-        request = _tokenize_request(text, messages, add_special_tokens, tools)
+        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        request = _tokenize_request(text, messages, add_special_tokens, tools, template)
         return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
 
     async def model_info(self, *, timeout: float | None = _CLIENT_DEFAULT) -> dict[str, Any]:

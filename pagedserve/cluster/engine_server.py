@@ -16,7 +16,7 @@ from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.async_engine import AsyncEngine
-from pagedserve.chat import ChatPlan
+from pagedserve.chat import ChatOptions, ChatPlan
 from pagedserve.cluster.auth import ApiKeys
 from pagedserve.cluster.deltas import Delta, stream_deltas, with_tool_calls
 from pagedserve.cluster.errors import ClientError
@@ -44,14 +44,13 @@ class EngineServer:
 
     async def chat_plan(self, messages: list[dict[str, Any]], params: SamplingParams,
                         tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-                        parallel_tool_calls: bool | None = None, add_generation_prompt: bool = True) -> ChatPlan:
-        return self.core.engine.chat_plan(messages, params, tools, tool_choice, parallel_tool_calls,
-                                          add_generation_prompt)
+                        parallel_tool_calls: bool | None = None, options: ChatOptions | None = None) -> ChatPlan:
+        return self.core.engine.chat_plan(messages, params, tools, tool_choice, parallel_tool_calls, options)
 
     async def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool,
-                       add_generation_prompt: bool = True,
-                       tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[str]]:
-        return self.core.engine.tokenize(text, messages, add_special_tokens, add_generation_prompt, tools)
+                       tools: list[dict[str, Any]] | None = None,
+                       options: ChatOptions | None = None) -> tuple[list[int], list[str]]:
+        return self.core.engine.tokenize(text, messages, add_special_tokens, tools, options)
 
     async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.core.engine.encode_prompt(prompt)

@@ -23,7 +23,12 @@ from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.outputs import Logprob
 from pagedserve.protos import SERVICE_NAME
 from pagedserve.protos import pagedserve_pb2 as pb
-from pagedserve.protos.chat import messages_from_proto, tool_choice_from_proto, tools_from_proto
+from pagedserve.protos.chat import (
+    chat_options_from_proto,
+    messages_from_proto,
+    tool_choice_from_proto,
+    tools_from_proto,
+)
 from pagedserve.protos.sampling import sampling_from_proto
 from pagedserve.sampling_params import SamplingParams
 
@@ -58,7 +63,8 @@ class GrpcService(EngineClient):
             params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
             parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
             plan = await self.engine.chat_plan.remote(messages, params, tools_from_proto(request.tools),
-                                                      tool_choice_from_proto(request), parallel)
+                                                      tool_choice_from_proto(request), parallel,
+                                                      chat_options_from_proto(request.template))
             async for d in self.chat_deltas(plan, request.request_id or None):
                 yield _delta_to_proto(d)
         except Exception as e:
@@ -69,7 +75,8 @@ class GrpcService(EngineClient):
             self._authorize_call(grpc_context)
             messages = messages_from_proto(request.messages)
             ids, tokens = await self.engine.tokenize.remote(request.text, messages, request.add_special_tokens,
-                                                            True, tools_from_proto(request.tools))
+                                                            tools_from_proto(request.tools),
+                                                            chat_options_from_proto(request.template))
             return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
         except Exception as e:
             return _error(grpc_context, e, pb.TokenizeResponse())

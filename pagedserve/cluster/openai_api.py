@@ -100,8 +100,8 @@ class Ingress(GrpcService):
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("prompt: give exactly one of prompt and messages")
         messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
-        ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
-                                                        body.add_generation_prompt, body.tools)
+        ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, body.tools,
+                                                        body.chat_options())
         info = await self.model_info_dict()
         out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
         if body.return_token_strs:
@@ -131,7 +131,7 @@ class Ingress(GrpcService):
         body, model = await self._read(request, ChatCompletionRequest)
         plan = await self.engine.chat_plan.remote([m.as_dict() for m in body.messages], body.to_sampling_params(),
                                                   body.tools, body.tool_choice, body.parallel_tool_calls,
-                                                  body.add_generation_prompt)
+                                                  body.chat_options())
         return await self._respond(plan, plan.params, body, model, chat=True)
 
     async def _respond(self, prompt, params, body, model: str, chat: bool, echo_text: str | None = None):

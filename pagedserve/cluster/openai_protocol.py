@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from pagedserve.chat import ChatOptions
 from pagedserve.sampling_params import SamplingParams, StructuredOutputs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat runs until the model stops or the context is full
@@ -190,7 +191,18 @@ class ChatMessage(_Body):
         return message
 
 
-class ChatCompletionRequest(_Sampling):
+class _Templated(_Body):
+    """How the chat template renders the messages (`pagedserve.chat.ChatOptions`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+
+
+class ChatCompletionRequest(_Sampling, _Templated):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -199,7 +211,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None  # checked by the engine (pagedserve.tool_calls), as for gRPC
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -211,13 +222,12 @@ class ChatCompletionRequest(_Sampling):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Templated):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None  # with messages: the prompt offers them
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 

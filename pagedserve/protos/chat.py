@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.chat import ChatOptions
 from pagedserve.protos import pagedserve_pb2 as pb
 
 _MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
@@ -99,3 +100,30 @@ def tool_choice_from_proto(request: pb.ChatRequest) -> str | dict[str, Any] | No
     if which == "function":
         return {"type": "function", "function": {"name": request.tool_choice.function}}
     return request.tool_choice.mode if which == "mode" else None
+
+
+def chat_options_to_proto(add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+                          chat_template_kwargs: dict[str, Any] | None = None) -> pb.ChatTemplateOptions:
+    """The template options as the wire carries them: the variables as JSON text."""
+    try:
+        kwargs = json.dumps(chat_template_kwargs) if chat_template_kwargs is not None else ""
+    except TypeError as e:
+        raise ValueError(f"chat_template_kwargs must hold JSON values: {e}") from None
+    return pb.ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, chat_template_kwargs=kwargs)
+
+
+def chat_options_from_proto(options: pb.ChatTemplateOptions) -> ChatOptions:
+    """ValueError naming the field if the variables are not a JSON object."""
+    kwargs: Any = {}
+    if options.chat_template_kwargs:
+        try:
+            kwargs = json.loads(options.chat_template_kwargs)
+        except ValueError:
+            raise ValueError(f"template.chat_template_kwargs is not valid JSON: "
+                             f"{options.chat_template_kwargs[:60]!r}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"template.chat_template_kwargs must be a JSON object, got "
+                             f"{options.chat_template_kwargs[:60]!r}")
+    add = options.add_generation_prompt if options.HasField("add_generation_prompt") else True
+    return ChatOptions(add, options.continue_final_message, kwargs)

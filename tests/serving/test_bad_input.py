@@ -95,6 +95,11 @@ HTTP_CASES = [
      "messages[0].tool_call_id"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MSG, "continue_final_message": "yes"}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ("/tokenize", {"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {}, "prompt"),
     ("/detokenize", {"tokens": ["a"]}, "tokens"),
@@ -165,7 +170,11 @@ def test_grpc_bad_input_is_invalid_argument_naming_the_field(client, kwargs, fie
      "tool_choice"),
     (lambda c: c.chat([{"role": "tool", "content": "1", "tool_calls": [{"function": {"name": "f"}}]}]),
      "messages[0].tool_calls"),
-], ids=[f"grpc-call-{i}" for i in range(12)])
+    (lambda c: c.chat(MSG, continue_final_message=True), "continue_final_message"),
+    (lambda c: c.chat(MSG, chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (lambda c: c.tokenize(text="hi", add_generation_prompt=False), "add_generation_prompt"),
+    (lambda c: c.tokenize(text="hi", tools=[TOOL]), "tools"),
+], ids=[f"grpc-call-{i}" for i in range(16)])
 def test_grpc_bad_requests_name_the_field(client, call, field):
     from pagedserve.client import InvalidArgument
 

@@ -162,6 +162,23 @@ def test_tokenize_detokenize_and_model_routes(model, offline):
         "param": "model", "code": 404}
 
 
+@pytest.mark.parametrize("messages, options", [
+    (MESSAGES, {"chat_template_kwargs": {"enable_thinking": False}}),
+    (MESSAGES + [{"role": "assistant", "content": "Hello"}], {"add_generation_prompt": False,
+                                                             "continue_final_message": True}),
+])
+def test_chat_template_options_as_offline(oai, model, offline, messages, options):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = offline.chat(messages, params, **options)[0]
+    out = oai.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8,
+                                      extra_body={"ignore_eos": True, **options})
+    assert out.choices[0].message.content == ref.outputs[0].text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert ref.prompt_token_ids != offline.engine.chat_prompt(messages)  # the options did change the prompt
+    status, body = post("/tokenize", {"messages": messages, **options})
+    assert status == 200 and body["tokens"] == ref.prompt_token_ids
+
+
 def test_unsupported_fields_are_refused_by_name(oai, model):
     for kwargs, field in [
         (dict(response_format={"type": "xml"}), "response_format"),

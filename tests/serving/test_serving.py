@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from pagedserve import SamplingParams
+from pagedserve.chat import ChatOptions
 from tests.serving.app import GREEDY, GRPC, HTTP, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, wait_idle
 
 
@@ -46,6 +47,18 @@ def test_chat_tokenize_model_info_health(client, offline):
     assert info["max_model_len"] == MAX_MODEL_LEN and info["block_size"] == 16
     assert info["num_kv_blocks"] == POOL_BLOCKS and info["kv_capacity_tokens"] == POOL_BLOCKS * 16
     assert client.health() == "SERVING"
+
+
+def test_chat_template_options_over_grpc_as_offline(client, offline):
+    prefilled = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello"}]
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    ref = offline.chat(prefilled, SamplingParams(**GREEDY), **options)[0]
+    assert client.chat(prefilled, **options, **GREEDY).token_ids == ref.outputs[0].token_ids
+    assert client.tokenize(messages=prefilled, **options) == ref.prompt_token_ids
+    thinking_off = {"enable_thinking": False}
+    ids = client.tokenize(messages=prefilled[:1], chat_template_kwargs=thinking_off)
+    assert ids == offline.engine.chat_prompt(prefilled[:1], options=ChatOptions(chat_template_kwargs=thinking_off))
+    assert offline.tokenizer.decode(ids).endswith("<think>\n\n</think>\n\n")
 
 
 def test_50_concurrent_streams_complete(app, offline):

@@ -1,0 +1,91 @@
+"""How the chat template renders a conversation: template variables (`chat_template_kwargs`), the last
+message left open (`continue_final_message`) and the generation prompt, in the engine and the offline
+`LLM.chat`; bad options refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.chat import ChatOptions
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+PREFILLED = ASK + [{"role": "assistant", "content": "The capital of France is"}]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_random):
+    with LLM(tiny_random) as llm:
+        yield llm
+
+
+def text(llm, messages, options=None) -> str:
+    return llm.tokenizer.decode(llm.engine.chat_prompt(messages, options=options))
+
+
+def test_template_variables_reach_the_template(llm):
+    plain = text(llm, ASK)
+    assert plain.endswith("<|im_start|>assistant\n")
+    # the fixture's template opens an empty thinking block when enable_thinking is false, as Qwen3's does
+    assert text(llm, ASK, ChatOptions(chat_template_kwargs={"enable_thinking": False})) == \
+        plain + "<think>\n\n</think>\n\n"
+    assert text(llm, ASK, ChatOptions(chat_template_kwargs={"enable_thinking": True})) == plain
+    # a variable the template does not read changes nothing, as with transformers' apply_chat_template
+    assert text(llm, ASK, ChatOptions(chat_template_kwargs={"unread": 1})) == plain
+    thinking_off = llm.chat(ASK, GREEDY, chat_template_kwargs={"enable_thinking": False})[0]
+    assert llm.tokenizer.decode(thinking_off.prompt_token_ids) == plain + "<think>\n\n</think>\n\n"
+
+
+def test_continue_final_message_leaves_the_last_message_open(llm):
+    options = ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    ids = llm.engine.chat_prompt(PREFILLED, options=options)
+    assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe capital of France is")
+    # closed and followed by a new turn by default; closed and nothing after without the generation prompt
+    assert text(llm, PREFILLED).endswith("The capital of France is<|im_end|>\n<|im_start|>assistant\n")
+    assert text(llm, PREFILLED, ChatOptions(add_generation_prompt=False)).endswith(
+        "The capital of France is<|im_end|>\n")
+    out = llm.chat(PREFILLED, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="continue_final_message.*add_generation_prompt"):
+        llm.chat(PREFILLED, GREEDY, continue_final_message=True)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"continue_final_message": True}, r"continue_final_message=true .* add_generation_prompt=true"),
+    ({"add_generation_prompt": "yes"}, r"add_generation_prompt='yes' must be true or false"),
+    ({"add_generation_prompt": False, "continue_final_message": 1}, r"continue_final_message=1 must be true"),
+    ({"chat_template_kwargs": {"tokenize": False}}, r"chat_template_kwargs: \['tokenize'\] are set by the server"),
+    ({"chat_template_kwargs": {"messages": [], "tools": []}}, r"chat_template_kwargs: \['messages', 'tools'\]"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, r"chat_template_kwargs=\['enable_thinking'\] must be an object"),
+    ({"chat_template_kwargs": {1: True}}, r"chat_template_kwargs=\{1: True\} must be an object"),
+])
+def test_bad_options_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ChatOptions(**kwargs)
+
+
+def test_a_final_message_the_template_rewrites_cannot_be_continued(llm):
+    engine = llm.engine
+    template = engine._chat_template()
+    saved = template.tokenizer.chat_template
+    template.tokenizer.chat_template = "{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+    try:
+        with pytest.raises(ValueError, match="continue_final_message: the model's chat template does not render"):
+            engine.chat_prompt(PREFILLED, options=ChatOptions(add_generation_prompt=False,
+                                                              continue_final_message=True))
+    finally:
+        template.tokenizer.chat_template = saved
+
+
+def test_chat_options_go_with_messages_not_text(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="continue_final_message, chat_template_kwargs: these shape a chat's prompt"):
+        engine.tokenize("hi", options=ChatOptions(add_generation_prompt=False, continue_final_message=True,
+                                                  chat_template_kwargs={"enable_thinking": False}))
+    with pytest.raises(ValueError, match="tools: these shape a chat's prompt"):
+        engine.tokenize("hi", tools=[{"type": "function", "function": {"name": "f"}}])
+    assert engine.tokenize("hi", options=ChatOptions())[0] == llm.tokenizer.encode("hi")
+    options = ChatOptions(chat_template_kwargs={"enable_thinking": False})
+    assert engine.tokenize(messages=ASK, options=options)[0] == engine.chat_prompt(ASK, options=options)
