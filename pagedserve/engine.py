@@ -78,6 +78,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         token_ids = self.encode_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
         for name, ids in params.token_ids_named().items():
             self._check_token_ids(name, ids)
         if params.structured_outputs is not None:

@@ -90,6 +90,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus the top-k
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # the output must match it; the sequence stops when done
+    allowed_token_ids: list[int] | None = None  # None: any token; else the output's tokens are among these
+    truncate_prompt_tokens: int | None = None  # None: the whole prompt; k: only its last k tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +104,8 @@ class SamplingParams:
         self.validate()
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def validate(self) -> None:
@@ -119,6 +123,7 @@ class SamplingParams:
         _int(self, "min_tokens", lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        _int(self, "truncate_prompt_tokens", lo=1, optional=True)
         _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
@@ -129,6 +134,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of non-negative integers")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
+                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids={self.allowed_token_ids!r} must be a non-empty list of token ids "
+                             "(or unset: any token)")
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to numbers")
         for token, bias in self.logit_bias.items():
@@ -141,10 +151,15 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise ValueError("structured_outputs must be a StructuredOutputs (or a dict of its fields)")
             self.structured_outputs.validate()
+            if self.allowed_token_ids is not None:
+                # Two masks that may leave nothing to draw: the grammar alone says what may come.
+                raise ValueError("allowed_token_ids cannot be combined with structured_outputs: the grammar "
+                                 "decides which tokens may come")
 
     def token_ids_named(self) -> dict[str, list[int]]:
         """The token ids this request names, by field: checked against the vocabulary by the engine."""
-        return {"stop_token_ids": list(self.stop_token_ids), "logit_bias": list(self.logit_bias)}
+        return {"stop_token_ids": list(self.stop_token_ids), "logit_bias": list(self.logit_bias),
+                "allowed_token_ids": list(self.allowed_token_ids or ())}
 
     @property
     def greedy(self) -> bool:

@@ -58,8 +58,9 @@ def test_top_k_top_p_min_p_restrict_the_support():
 
 @pytest.mark.parametrize("mask_rows_at_once", [1, 64])  # a CPU's, CUDA's
 def test_bias_bans_and_grammar_masks_of_many_rows_at_once(mask_rows_at_once):
-    """Each row's logit_bias, banned tokens and grammar mask, applied to all rows together (masks in chunks),
-    equal their definition row by row: a bias adds, a ban or a masked-out token is -inf whatever its bias."""
+    """Each row's logit_bias, allowed_token_ids, banned tokens and grammar mask, applied to all rows together
+    (masks in chunks), equal their definition row by row: a bias adds, a token not allowed, banned or masked
+    out is -inf whatever its bias."""
     gen = torch.Generator().manual_seed(3)
     vocab, num_rows = 70, 200  # a vocabulary not a multiple of 32; 80 masked rows: more than one chunk
     logits = torch.randn(num_rows, vocab, generator=gen)
@@ -75,10 +76,13 @@ def test_bias_bans_and_grammar_masks_of_many_rows_at_once(mask_rows_at_once):
             bits = torch.nn.functional.pad(allowed, (0, -vocab % 32)).view(-1, 32).to(torch.int64)
             words = (bits << torch.arange(32)).sum(dim=1)
             bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).numpy().tobytes()
-        rows.append((replace(spec(SamplingParams(logit_bias=bias), row=r), banned_token_ids=banned,
-                             token_bitmask=bitmask), 0))
+        only = torch.randint(vocab, (5,), generator=gen).tolist() if r % 3 == 1 else None  # repeats allowed
+        rows.append((replace(spec(SamplingParams(logit_bias=bias, allowed_token_ids=only), row=r),
+                             banned_token_ids=banned, token_bitmask=bitmask), 0))
         for t, b in bias.items():
             expected[r, t] += b
+        if only is not None:
+            expected[r, [t for t in range(vocab) if t not in only]] = float("-inf")
         if banned:
             expected[r, banned] = float("-inf")
         if allowed is not None:
@@ -384,3 +388,46 @@ def test_logit_bias_steers_and_unbounded_chat_runs_to_eos(smol):
     say_hi = [{"role": "user", "content": "Say hi"}]
     out = smol.chat(say_hi, SamplingParams(temperature=0, max_tokens=None))[0].outputs[0]
     assert out.finish_reason == "stop" and len(out.token_ids) > 16
+
+
+def test_allowed_token_ids_hold_greedy_sampled_and_min_tokens_draws(smol):
+    first = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0]
+    ranked = [e.token_id for e in first.logprobs[0].top_logprobs]  # the model's first choices, best first
+    allowed = [ranked[5], ranked[2], 42] if 42 not in ranked[:3] else [ranked[5], ranked[2]]
+    greedy = SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=allowed)
+    out = smol.chat(CAPITAL, greedy)[0].outputs[0]
+    assert out.token_ids[0] == ranked[2]  # greedy among the allowed: the allowed token ranked highest
+    for c in [out, *smol.chat(CAPITAL, SamplingParams(temperature=1.0, top_p=0.9, seed=1, n=3, max_tokens=6,
+                                                      allowed_token_ids=allowed, repetition_penalty=1.3))[0].outputs]:
+        assert len(c.token_ids) == 6 and set(c.token_ids) <= set(allowed), c.token_ids
+    # only EOS allowed, and min_tokens would ban it: EOS is still drawn, nothing else
+    eos = smol.engine.eos_token_ids[0]
+    out = smol.generate("Hello", SamplingParams(temperature=0, max_tokens=5, min_tokens=3,
+                                                allowed_token_ids=[eos]))[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(smol):
+    prompt = smol.tokenizer.encode("One two three four five six seven eight nine ten")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    cut = smol.generate(prompt, replace(params, truncate_prompt_tokens=5))[0]
+    assert cut.prompt_token_ids == prompt[-5:]
+    assert cut.outputs[0].token_ids == smol.generate(prompt[-5:], params)[0].outputs[0].token_ids
+    assert smol.generate(prompt, replace(params, truncate_prompt_tokens=1000))[0].prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=0"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(allowed_token_ids=[]), r"allowed_token_ids=\[\] must be a non-empty list"),
+    (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1], structured_outputs={"regex": "a+"}), "allowed_token_ids cannot be combined"),
+])
+def test_bad_allowed_token_ids_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_named(smol):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        smol.generate("Hello", SamplingParams(allowed_token_ids=[10**7]))

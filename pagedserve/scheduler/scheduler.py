@@ -249,7 +249,10 @@ class Scheduler:
         if num_output >= params.min_tokens or params.structured_outputs is not None:
             return None
         eos = () if params.ignore_eos else seq.request.eos_token_ids
-        return sorted({*eos, *params.stop_token_ids}) or None
+        banned = {*eos, *params.stop_token_ids}
+        if params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids):
+            return None  # min_tokens cannot hold back every allowed token: something must be drawn
+        return sorted(banned) or None
 
     def update(self, batch: StepBatch, output: StepOutput) -> list[Sequence]:
         """Apply a finished step: file its full blocks in the prefix cache, append its draws, end the

@@ -165,16 +165,23 @@ def _top_pairs(ids: list[list[int]], values: list[list[float]], k: int) -> list[
 
 def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]],
                          mask_rows_at_once: int) -> torch.Tensor:
-    """logit_bias added, then tokens banned by min_tokens or a grammar masked (a bias cannot lift a ban):
-    biases and bans for all rows at once, grammar masks `mask_rows_at_once` rows at a time."""
+    """logit_bias added, then tokens outside allowed_token_ids, banned by min_tokens or a grammar masked (a
+    bias cannot lift a ban): biases and bans for all rows at once, grammar masks `mask_rows_at_once` rows
+    at a time."""
     dev = logits.device
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids, masked, masks = [], [], [], [], [], [], []
+    allowed_rows, allowed_ids, allowing = [], [], []
     for r, (spec, _) in enumerate(rows):
         bias = spec.params.logit_bias
         if bias:
             bias_rows += [r] * len(bias)
             bias_ids += bias
             bias_values += bias.values()
+        allowed = spec.params.allowed_token_ids
+        if allowed is not None:
+            allowed_rows += [len(allowing)] * len(allowed)
+            allowed_ids += allowed
+            allowing.append(r)
         if spec.banned_token_ids:
             ban_rows += [r] * len(spec.banned_token_ids)
             ban_ids += spec.banned_token_ids
@@ -184,6 +191,11 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]
     if bias_rows:
         index = on_device_packed(dev, [bias_rows, bias_ids])
         logits.index_put_(tuple(index), on_device(dev, bias_values, logits.dtype), accumulate=True)
+    if allowing:
+        outside = torch.ones(len(allowing), logits.shape[-1], dtype=torch.bool, device=dev)  # [A, V]
+        outside[tuple(on_device_packed(dev, [allowed_rows, allowed_ids]))] = False
+        index = on_device(dev, allowing)
+        logits[index] = logits[index].masked_fill(outside, float("-inf"))
     for c in range(0, len(masked), mask_rows_at_once):
         part = masked[c:c + mask_rows_at_once]
         banned = ~_allowed(masks[c:c + mask_rows_at_once], logits.shape[-1], dev)  # [M, V]

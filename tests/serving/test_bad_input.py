@@ -47,6 +47,10 @@ HTTP_CASES = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, "prompt"),
@@ -142,6 +146,8 @@ GRPC_CASES = [
     (dict(logit_bias={10**7: 1.0}), "logit_bias"),
     (dict(logit_bias={5: -101.0}), "logit_bias"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(allowed_token_ids=[10**7]), "allowed_token_ids"),
+    (dict(truncate_prompt_tokens=-1), "truncate_prompt_tokens"),
 ]
 
 

@@ -179,6 +179,20 @@ def test_chat_template_options_as_offline(oai, model, offline, messages, options
     assert status == 200 and body["tokens"] == ref.prompt_token_ids
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(oai, model, client, offline):
+    allowed = offline.tokenizer.encode(" a b c d e", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
+                            truncate_prompt_tokens=3)
+    ref = offline.generate(PROMPT, params)[0]
+    assert len(ref.prompt_token_ids) == 3 and set(ref.outputs[0].token_ids) <= set(allowed)
+    extra = {"ignore_eos": True, "allowed_token_ids": allowed, "truncate_prompt_tokens": 3}
+    out = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=6, extra_body=extra)
+    assert out.choices[0].text == ref.outputs[0].text and out.usage.prompt_tokens == 3
+    grpc = client.generate(PROMPT, temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
+                           truncate_prompt_tokens=3)
+    assert grpc.token_ids == ref.outputs[0].token_ids and grpc.usage["prompt_tokens"] == 3
+
+
 def test_unsupported_fields_are_refused_by_name(oai, model):
     for kwargs, field in [
         (dict(response_format={"type": "xml"}), "response_format"),
