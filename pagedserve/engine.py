@@ -75,8 +75,10 @@ class LLMEngine:
         """Validate and tokenize; raises ValueError naming the bad field. Adds nothing."""
         _check_params(params)
         params.validate()
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name}: words need a tokenizer, and this model has none (name tokens by id: "
+                                 "stop_token_ids, logit_bias)")
         token_ids = self.encode_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -86,9 +88,21 @@ class LLMEngine:
             self.grammars().compile(params.structured_outputs)  # ValueError now, not mid-generation
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
-                          prompt=prompt if isinstance(prompt, str) else None)
+                          prompt=prompt if isinstance(prompt, str) else None,
+                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         self.scheduler.check_admissible(request)
         return request
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the token sequences that spell it: alone, and after a space (mid-text, where a
+        tokenizer folds the space into the word's first token), as vLLM tokenizes them."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: text through the tokenizer, ids checked against the vocabulary. ValueError

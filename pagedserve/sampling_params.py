@@ -91,6 +91,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # the output must match it; the sequence stops when done
     allowed_token_ids: list[int] | None = None  # None: any token; else the output's tokens are among these
+    bad_words: list[str] = field(default_factory=list)  # words the output never completes (as tokenized)
     truncate_prompt_tokens: int | None = None  # None: the whole prompt; k: only its last k tokens
 
     def __post_init__(self) -> None:
@@ -104,6 +105,7 @@ class SamplingParams:
         self.validate()
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.bad_words = list(self.bad_words)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -134,6 +136,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of non-negative integers")
+        if not isinstance(self.bad_words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words={self.bad_words!r} must be a list of words (non-blank strings)")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
                 or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
@@ -151,10 +156,11 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise ValueError("structured_outputs must be a StructuredOutputs (or a dict of its fields)")
             self.structured_outputs.validate()
-            if self.allowed_token_ids is not None:
-                # Two masks that may leave nothing to draw: the grammar alone says what may come.
-                raise ValueError("allowed_token_ids cannot be combined with structured_outputs: the grammar "
-                                 "decides which tokens may come")
+            # Masks beside the grammar's may leave nothing to draw: the grammar alone says what may come.
+            for name in ("allowed_token_ids", "bad_words"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} cannot be combined with structured_outputs: the grammar decides "
+                                     "which tokens may come")
 
     def token_ids_named(self) -> dict[str, list[int]]:
         """The token ids this request names, by field: checked against the vocabulary by the engine."""

@@ -431,3 +431,40 @@ def test_bad_allowed_token_ids_are_named(kwargs, message):
 def test_allowed_token_ids_outside_the_vocabulary_are_named(smol):
     with pytest.raises(ValueError, match="allowed_token_ids"):
         smol.generate("Hello", SamplingParams(allowed_token_ids=[10**7]))
+
+
+def contains(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_bad_words_are_never_completed_with_or_without_async_scheduling(smol, embedded_dir):
+    plain = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert plain.text == "The capital of France is Paris."
+    words = ["Paris", "France is"]  # one token after a space; two tokens, the second banned after the first
+    spelled = smol.engine._bad_words_token_ids(words)
+    assert [smol.tokenizer.decode(ids) for ids in spelled] == ["Paris", " Paris", "France is", " France is"]
+    assert any(len(ids) == 2 and contains(plain.token_ids, ids) for ids in spelled)
+    params = [SamplingParams(temperature=0, max_tokens=40, bad_words=words),
+              SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=40, bad_words=words)]
+    outs = smol.chat(CAPITAL, params[0])[0].outputs + smol.chat(CAPITAL, params[1])[0].outputs
+    for c in outs:
+        assert not any(contains(c.token_ids, ids) for ids in spelled), c.text
+    assert outs[0].text.startswith("The capital of France") and "Paris" not in outs[0].text
+    with LLM(str(embedded_dir), async_scheduling=True) as ahead:
+        with launched_batches(ahead.engine) as batches:
+            again = ahead.chat(CAPITAL, params[0])[0].outputs + ahead.chat(CAPITAL, params[1])[0].outputs
+        # a draw whose bans read the draw before it is never scheduled ahead of it
+        assert not any(b.deferred_inputs for b in batches)
+        single = ahead.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40, bad_words=["Paris"]))[0]
+    assert [c.token_ids for c in again] == [c.token_ids for c in outs]
+    assert "Paris" not in single.outputs[0].text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(bad_words=[""]), "bad_words"),
+    (dict(bad_words="Paris"), "bad_words"),
+    (dict(bad_words=["Paris"], structured_outputs={"regex": "a+"}), "bad_words cannot be combined"),
+])
+def test_bad_bad_words_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -68,6 +68,7 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
     request_id: str | None = None  # the id to abort it by (gRPC Abort); one is made when absent
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
@@ -116,7 +117,7 @@ class _Sampling(_Body):
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                      "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
                      "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "stop",
-                     "allowed_token_ids", "truncate_prompt_tokens"):
+                     "allowed_token_ids", "truncate_prompt_tokens", "bad_words"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value

@@ -33,12 +33,19 @@ class Request:
     final_output_only: bool = False
     # Why a failed step ended it (a worker lost, an engine error); None otherwise.
     error: str | None = None
+    # params.bad_words as the token sequences the output may not complete (`LLMEngine.make_request`).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
             self.max_tokens = self.params.max_tokens
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [Logprob(self.prompt_token_ids[0], None)]
+
+    @property
+    def bans_by_history(self) -> bool:
+        """Whether a draw's banned tokens depend on the tokens before it (a bad word of several tokens)."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -224,11 +224,16 @@ class Scheduler:
 
     def can_schedule_ahead(self, batch: StepBatch, late_masks: bool) -> bool:
         """Whether the next step may be scheduled before `batch`'s output arrives: not when a draw of it
-        must be known on the host first: a request forking into its n samples, or a grammar's next mask
-        unless the executor takes masks after a launch (`late_masks`, see `StepBatch.late_masks`).
+        must be known on the host first: a request forking into its n samples, a grammar's next mask
+        unless the executor takes masks after a launch (`late_masks`, see `StepBatch.late_masks`), or the
+        next bans of a bad word of several tokens.
         Penalties count the draw on the worker."""
         return all(s.num_samples == 1 and (late_masks or s.params.structured_outputs is None)
-                   for s in batch.samples)
+                   and not self._bans_by_history(s.seq_id) for s in batch.samples)
+
+    def _bans_by_history(self, seq_id: int) -> bool:
+        seq = self.seqs.get(seq_id)
+        return seq is not None and seq.request.bans_by_history
 
     def discard_pending(self) -> None:
         """Forget the draws of steps that will never report (their step failed): those tokens are drawn
@@ -243,15 +248,21 @@ class Scheduler:
 
     @staticmethod
     def _banned_tokens(seq: Sequence, num_output: int) -> list[int] | None:
-        """What this draw may not be, `num_output` tokens being out before it."""
-        params = seq.request.params
+        """What this draw may not be, `num_output` tokens being out before it: a bad word's last token
+        where the output ends with the rest of it, and the tokens that end the output before min_tokens."""
+        request = seq.request
+        params = request.params
+        banned: set[int] = set()
+        if request.bad_words_token_ids:
+            # The whole output: no step is scheduled ahead of a draw whose bans read it (`can_schedule_ahead`).
+            tokens, num_out = seq.token_ids, len(seq.token_ids) - seq.num_prompt_tokens
+            banned = {ids[-1] for ids in request.bad_words_token_ids
+                      if len(ids) - 1 <= num_out and tokens[len(tokens) - len(ids) + 1:] == ids[:-1]}
         # A grammar says itself when the output may end; banning its ending could leave nothing to draw.
-        if num_output >= params.min_tokens or params.structured_outputs is not None:
-            return None
-        eos = () if params.ignore_eos else seq.request.eos_token_ids
-        banned = {*eos, *params.stop_token_ids}
-        if params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids):
-            return None  # min_tokens cannot hold back every allowed token: something must be drawn
+        if num_output < params.min_tokens and params.structured_outputs is None:
+            ending = {*(() if params.ignore_eos else request.eos_token_ids), *params.stop_token_ids}
+            if params.allowed_token_ids is None or not (banned | ending).issuperset(params.allowed_token_ids):
+                banned |= ending  # unless min_tokens would hold back every allowed token
         return sorted(banned) or None
 
     def update(self, batch: StepBatch, output: StepOutput) -> list[Sequence]:

@@ -51,6 +51,8 @@ HTTP_CASES = [
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": "hi"}, "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": [" "]}, "bad_words"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, "prompt"),

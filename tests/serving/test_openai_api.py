@@ -179,18 +179,24 @@ def test_chat_template_options_as_offline(oai, model, offline, messages, options
     assert status == 200 and body["tokens"] == ref.prompt_token_ids
 
 
-def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(oai, model, client, offline):
+def test_allowed_token_ids_truncate_prompt_tokens_and_bad_words_as_offline(oai, model, client, offline):
     allowed = offline.tokenizer.encode(" a b c d e", add_special_tokens=False)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
-                            truncate_prompt_tokens=3)
-    ref = offline.generate(PROMPT, params)[0]
-    assert len(ref.prompt_token_ids) == 3 and set(ref.outputs[0].token_ids) <= set(allowed)
-    extra = {"ignore_eos": True, "allowed_token_ids": allowed, "truncate_prompt_tokens": 3}
-    out = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=6, extra_body=extra)
-    assert out.choices[0].text == ref.outputs[0].text and out.usage.prompt_tokens == 3
-    grpc = client.generate(PROMPT, temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
-                           truncate_prompt_tokens=3)
-    assert grpc.token_ids == ref.outputs[0].token_ids and grpc.usage["prompt_tokens"] == 3
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    first = offline.generate(PROMPT, SamplingParams(**greedy))[0].outputs[0].text.split()[0]
+    for extra in ({"allowed_token_ids": allowed, "truncate_prompt_tokens": 3}, {"bad_words": [first]}):
+        ref = offline.generate(PROMPT, SamplingParams(**greedy, **extra))[0]
+        out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True, **extra})
+        assert out.choices[0].text == ref.outputs[0].text and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+        grpc = client.generate(PROMPT, **greedy, **extra)
+        assert grpc.token_ids == ref.outputs[0].token_ids
+        assert grpc.usage["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert len(ref.prompt_token_ids) == len(offline.tokenizer.encode(PROMPT))  # bad_words cut nothing
+    tokens = ref.outputs[0].token_ids
+    for ids in offline.engine._bad_words_token_ids([first]):  # the word, never spelled as tokenized
+        assert not any(tokens[i:i + len(ids)] == ids for i in range(len(tokens))), (first, tokens)
+    cut = offline.generate(PROMPT, SamplingParams(**greedy, allowed_token_ids=allowed, truncate_prompt_tokens=3))[0]
+    assert len(cut.prompt_token_ids) == 3 and set(cut.outputs[0].token_ids) <= set(allowed)
 
 
 def test_unsupported_fields_are_refused_by_name(oai, model):
