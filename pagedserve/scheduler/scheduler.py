@@ -251,6 +251,8 @@ class Scheduler:
         """What this draw may not be, `num_output` tokens being out before it: a bad word's last token
         where the output ends with the rest of it, and the tokens that end the output before min_tokens."""
         request = seq.request
+        if num_output >= request.params.min_tokens and not request.bad_words_token_ids:
+            return None  # most draws: nothing to ban
         params = request.params
         banned: set[int] = set()
         if request.bad_words_token_ids:
