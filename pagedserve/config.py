@@ -28,6 +28,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | triton | cpu | reference
     executor: str = "local"  # local: the worker in this process; ray: worker actors (one per GPU / CPU slot)
     tensor_parallel_size: int = 1  # ranks of one model replica (needs executor="ray" when > 1)
+    # CPUs each Ray worker actor reserves and computes on (its torch threads). None: it reserves one and
+    # computes on the node's cores shared among its replica's ranks, which replicas sharing a node of CPUs
+    # then oversubscribe: give them worker_cpus that add up to the node's cores.
+    worker_cpus: int | None = None
     # Replay decode steps from CUDA graphs (CUDA only). Off until checked against HF on a GPU.
     cuda_graphs: bool = False
     # On a CPU in fp32, linear layers of a GGUF checkpoint compute from its own Q4_0/Q4_1/Q8_0 blocks (the
@@ -56,7 +60,7 @@ class EngineConfig:
         for name in ("cuda_graphs", "gguf_linears"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "worker_cpus"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")

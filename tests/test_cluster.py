@@ -170,6 +170,25 @@ def test_smollm2_tp3_matches_tp1_and_transformers(embedded_dir):
         LLM(str(embedded_dir), executor="ray", tensor_parallel_size=2)
 
 
+def test_worker_cpus_are_reserved_and_computed_on(tiny_qwen2, caplog):
+    from pagedserve.cluster.engine_server import engine_options
+
+    path, prompts, expected = tiny_qwen2
+    with LLM(path, executor="ray", tensor_parallel_size=2, worker_cpus=3) as llm:
+        executor = llm.engine.executor
+        assert executor.placement_group.bundle_specs == [{"CPU": 3.0}, {"CPU": 3.0}]
+        threads = ray.get([w.__ray_call__.remote(lambda actor: torch.get_num_threads()) for w in executor.workers])
+        assert threads == [3, 3]
+        assert tokens(llm.generate(prompts, GREEDY)) == expected
+    config = EngineConfig(model=path, worker_cpus=2, device="cpu")
+    assert engine_options(config, num_replicas=2)["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 2}]
+    assert "without worker_cpus" not in caplog.text
+    engine_options(EngineConfig(model=path, device="cpu"), num_replicas=2)
+    assert "several model replicas on CPUs without worker_cpus" in caplog.text
+    with pytest.raises(ValueError, match="worker_cpus=0 must be an integer >= 1"):
+        EngineConfig(worker_cpus=0)
+
+
 def test_tensor_parallel_needs_ray_executor(tiny_qwen2):
     with pytest.raises(ValueError, match="executor='ray'"):
         LLM(tiny_qwen2[0], tensor_parallel_size=2)

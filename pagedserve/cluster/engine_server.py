@@ -5,6 +5,7 @@ ingress's view of it through a deployment handle."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,8 @@ from pagedserve.cluster.errors import ClientError
 from pagedserve.cluster.prefix_router import PrefixAwareRouter, PrefixRouting, summarize
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, health_check_period_s=10)
@@ -127,6 +130,11 @@ def engine_options(config: EngineConfig, num_replicas: int | None = None,
     engine_bundle = {k: v for k, v in engine_bundle.items() if v}
     bundles = [engine_bundle] + [worker_bundle(config) for _ in range(config.tensor_parallel_size)]
     _check_fits(bundles, config.tensor_parallel_size)
+    if "GPU" not in bundles[1] and config.worker_cpus is None and (autoscaling_config is not None
+                                                                   or (num_replicas or 1) > 1):
+        log.warning("several model replicas on CPUs without worker_cpus: the workers of replicas that share a "
+                    "node each compute on all its cores, and slow one another down; give each worker "
+                    "worker_cpus so that they add up to a node's cores")
     options: dict[str, Any] = {"ray_actor_options": actor, "placement_group_bundles": bundles,
                                "placement_group_strategy": "STRICT_PACK"}
     if prefix_routing is not None:

@@ -174,8 +174,14 @@ def uses_gpus(config: EngineConfig) -> bool:
 
 
 def worker_bundle(config: EngineConfig) -> dict[str, float]:
-    """The resources of one worker actor (one rank): a GPU and a CPU, or a CPU."""
-    return {"GPU": 1, "CPU": 1} if uses_gpus(config) else {"CPU": 1}
+    """The resources of one worker actor (one rank): a GPU and `worker_cpus` CPUs (default one), or the CPUs."""
+    cpus = config.worker_cpus or 1
+    return {"GPU": 1, "CPU": cpus} if uses_gpus(config) else {"CPU": cpus}
+
+
+def worker_threads(config: EngineConfig) -> int:
+    """A worker's torch threads: its `worker_cpus`, else this node's cores shared among the replica's ranks."""
+    return config.worker_cpus or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
 class RayExecutor:
@@ -190,8 +196,8 @@ class RayExecutor:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.world_size = config.tensor_parallel_size
-        ensure_ray(self.world_size + 1)
         self.bundle = worker_bundle(config)
+        ensure_ray(int(self.world_size * self.bundle["CPU"]) + 1)
         self.workers: list = []
         self.placement_group = None  # one this executor made (and removes); never the Serve replica's
         self.compiled = None
@@ -217,7 +223,7 @@ class RayExecutor:
 
     def _start(self) -> None:
         pg, first = self._placement_group()
-        cpu_threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        cpu_threads = worker_threads(self.config)
         # Two step threads: a step in flight (its launch, then the wait for its draws) and the one sent behind it.
         actor_cls = ray.remote(concurrency_groups={"steps": 2})(WorkerActor)
         self.steps_sent = 0  # the new actors number steps from 0
