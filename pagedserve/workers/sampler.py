@@ -165,40 +165,32 @@ def _top_pairs(ids: list[list[int]], values: list[list[float]], k: int) -> list[
 
 def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]],
                          mask_rows_at_once: int) -> torch.Tensor:
-    """logit_bias added, then tokens outside allowed_token_ids, banned by min_tokens or a grammar masked (a
-    bias cannot lift a ban): biases and bans for all rows at once, grammar masks `mask_rows_at_once` rows
-    at a time."""
+    """logit_bias added, then tokens banned by min_tokens or a bad word, outside allowed_token_ids or
+    masked by a grammar set to -inf (a bias cannot lift a ban): biases and bans for all rows at once,
+    masks over the whole vocabulary (allowed_token_ids, a grammar's) `mask_rows_at_once` rows at a time."""
     dev = logits.device
-    bias_rows, bias_ids, bias_values, ban_rows, ban_ids, masked, masks = [], [], [], [], [], [], []
-    allowed_rows, allowed_ids, allowing = [], [], []
+    bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
+    masked: list[int] = []
+    masks: list[bytes | list[int]] = []  # a grammar's token bitmask, or the allowed token ids
     for r, (spec, _) in enumerate(rows):
         bias = spec.params.logit_bias
         if bias:
             bias_rows += [r] * len(bias)
             bias_ids += bias
             bias_values += bias.values()
-        allowed = spec.params.allowed_token_ids
-        if allowed is not None:
-            allowed_rows += [len(allowing)] * len(allowed)
-            allowed_ids += allowed
-            allowing.append(r)
         if spec.banned_token_ids:
             ban_rows += [r] * len(spec.banned_token_ids)
             ban_ids += spec.banned_token_ids
-        if spec.token_bitmask is not None:
+        mask = spec.token_bitmask if spec.token_bitmask is not None else spec.params.allowed_token_ids
+        if mask is not None:  # never both: SamplingParams refuses allowed_token_ids with a grammar
             masked.append(r)
-            masks.append(spec.token_bitmask)
+            masks.append(mask)
     if bias_rows:
         index = on_device_packed(dev, [bias_rows, bias_ids])
         logits.index_put_(tuple(index), on_device(dev, bias_values, logits.dtype), accumulate=True)
-    if allowing:
-        outside = torch.ones(len(allowing), logits.shape[-1], dtype=torch.bool, device=dev)  # [A, V]
-        outside[tuple(on_device_packed(dev, [allowed_rows, allowed_ids]))] = False
-        index = on_device(dev, allowing)
-        logits[index] = logits[index].masked_fill(outside, float("-inf"))
     for c in range(0, len(masked), mask_rows_at_once):
         part = masked[c:c + mask_rows_at_once]
-        banned = ~_allowed(masks[c:c + mask_rows_at_once], logits.shape[-1], dev)  # [M, V]
+        banned = ~_allowed_rows(masks[c:c + mask_rows_at_once], logits.shape[-1], dev)  # [M, V]
         if len(part) == 1:
             logits[part[0]].masked_fill_(banned[0], float("-inf"))
         else:
@@ -207,6 +199,20 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]
     if ban_rows:
         logits[tuple(on_device_packed(dev, [ban_rows, ban_ids]))] = float("-inf")
     return logits
+
+
+def _allowed_rows(masks: list[bytes | list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Grammar bitmasks and allowed token ids as bool rows [len(masks), vocab]."""
+    listed = [i for i, m in enumerate(masks) if not isinstance(m, bytes)]
+    if not listed:
+        return _allowed(masks, vocab, device)
+    allowed = torch.zeros(len(masks), vocab, dtype=torch.bool, device=device)  # [M, V]
+    if len(listed) < len(masks):
+        bitmasked = [i for i, m in enumerate(masks) if isinstance(m, bytes)]
+        allowed[on_device(device, bitmasked)] = _allowed([masks[i] for i in bitmasked], vocab, device)
+    pairs = [(i, t) for i in listed for t in masks[i]]
+    allowed[tuple(on_device_packed(device, [[i for i, _ in pairs], [t for _, t in pairs]]))] = True
+    return allowed
 
 
 def _allowed(bitmasks: list[bytes], vocab: int, device: torch.device) -> torch.Tensor:

@@ -154,7 +154,7 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBa
 
     rows = max(1, min(max_num_seqs, num_tokens))
     row_len = [num_tokens // rows + (1 if r < num_tokens % rows else 0) for r in range(rows)]
-    slots = list(range(max(rows, max_num_seqs) - rows, max(rows, max_num_seqs)))
+    slots = list(range(max_num_seqs - rows, max_num_seqs))
     updates, cu, next_block = [], [0], 0  # each row's whole table, in a slot of its own
     for slot, n in zip(slots, row_len, strict=True):
         blocks = -(-n // block_size)
