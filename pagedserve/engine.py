@@ -86,10 +86,13 @@ class LLMEngine:
             self._check_token_ids(name, ids)
         if params.structured_outputs is not None:
             self.grammars().compile(params.structured_outputs)  # ValueError now, not mid-generation
+        bad_words = self._bad_words_token_ids(params.bad_words)
+        if params.allowed_token_ids is not None and {ids[0] for ids in bad_words if len(ids) == 1}.issuperset(
+                params.allowed_token_ids):
+            raise ValueError("bad_words ban every token of allowed_token_ids: nothing would be left to draw")
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
-                          prompt=prompt if isinstance(prompt, str) else None,
-                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+                          prompt=prompt if isinstance(prompt, str) else None, bad_words_token_ids=bad_words)
         self.scheduler.check_admissible(request)
         return request
 

@@ -429,9 +429,12 @@ def test_bad_allowed_token_ids_are_named(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_allowed_token_ids_outside_the_vocabulary_are_named(smol):
+def test_allowed_token_ids_outside_the_vocabulary_or_all_bad_are_named(smol):
     with pytest.raises(ValueError, match="allowed_token_ids"):
         smol.generate("Hello", SamplingParams(allowed_token_ids=[10**7]))
+    paris = smol.tokenizer.encode(" Paris", add_special_tokens=False)
+    with pytest.raises(ValueError, match="bad_words ban every token of allowed_token_ids"):
+        smol.generate("Hello", SamplingParams(allowed_token_ids=paris, bad_words=["Paris"]))
 
 
 def contains(tokens: list[int], seq: list[int]) -> bool:
