@@ -132,7 +132,7 @@ class Ingress(GrpcService):
         plan = await self.engine.chat_plan.remote([m.as_dict() for m in body.messages], body.to_sampling_params(),
                                                   body.tools, body.tool_choice, body.parallel_tool_calls,
                                                   body.chat_options())
-        return await self._respond(plan, plan.params, body, model, chat=True)
+        return await self._respond(plan, plan.params, body, model, chat=True, echo_text=body.echoed())
 
     async def _respond(self, prompt, params, body, model: str, chat: bool, echo_text: str | None = None):
         """`prompt`: a completion's text or ids, or a chat's `ChatPlan`."""

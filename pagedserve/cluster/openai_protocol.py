@@ -215,6 +215,15 @@ class ChatCompletionRequest(_Sampling, _Templated):
     tools: list[dict[str, Any]] | None = None  # checked by the engine (pagedserve.tool_calls), as for gRPC
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    echo: bool = False  # vLLM's: the answer starts with the last message when that is the assistant's
+
+    def echoed(self) -> str | None:
+        """The text the answer starts with under `echo`: the last message's, when the assistant wrote it (a
+        start of the answer the model goes on from, with continue_final_message)."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != "assistant":
+            return None
+        return last.as_dict().get("content") or ""
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -103,6 +103,7 @@ HTTP_CASES = [
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
     ("/v1/chat/completions", {"messages": MSG, "continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"messages": MSG, "continue_final_message": "yes"}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MSG, "echo": 1}, "echo"),
     ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     ("/tokenize", {"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),

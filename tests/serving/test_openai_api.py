@@ -179,6 +179,22 @@ def test_chat_template_options_as_offline(oai, model, offline, messages, options
     assert status == 200 and body["tokens"] == ref.prompt_token_ids
 
 
+def test_chat_echo_starts_the_answer_with_the_continued_message(oai, model, offline):
+    prefilled = MESSAGES + [{"role": "assistant", "content": "Hello"}]
+    go_on = {"add_generation_prompt": False, "continue_final_message": True}
+    ref = offline.chat(prefilled, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), **go_on)[0]
+    kwargs = dict(model=model, messages=prefilled, temperature=0, max_tokens=8)
+    whole = oai.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "echo": True, **go_on})
+    assert whole.choices[0].message.content == "Hello" + ref.outputs[0].text
+    chunks = oai.chat.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True, "echo": True, **go_on})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello" + ref.outputs[0].text
+    # the last message is the user's: nothing to echo
+    plain = oai.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=8,
+                                        extra_body={"ignore_eos": True, "echo": True})
+    assert plain.choices[0].message.content == offline.chat(
+        MESSAGES, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+
+
 def test_allowed_token_ids_truncate_prompt_tokens_and_bad_words_as_offline(oai, model, client, offline):
     allowed = offline.tokenizer.encode(" a b c d e", add_special_tokens=False)
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
