@@ -229,7 +229,7 @@ class Scheduler:
         next bans of a bad word of several tokens.
         Penalties count the draw on the worker."""
         return all(s.num_samples == 1 and (late_masks or s.params.structured_outputs is None)
-                   and not self._bans_by_history(s.seq_id) for s in batch.samples)
+                   and not (s.params.bad_words and self._bans_by_history(s.seq_id)) for s in batch.samples)
 
     def _bans_by_history(self, seq_id: int) -> bool:
         seq = self.seqs.get(seq_id)
