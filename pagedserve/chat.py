@@ -63,14 +63,21 @@ class ChatOptions:
     `continue_final_message`: leave the last message open instead, for the model to go on writing it (the
     start of its answer, given); not with `add_generation_prompt`.
     `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`. A template
-    that does not read one renders as without it, as with transformers' `apply_chat_template`."""
+    that does not read one renders as without it, as with transformers' `apply_chat_template`.
+    `documents`: texts for a template that grounds its answers in them (retrieval-augmented generation),
+    each an object of strings such as {"title": ..., "text": ...}; a template without a place for them
+    renders as without them.
+    `add_special_tokens`: the tokenizer's special tokens (such as a BOS) added to the rendered prompt, on top
+    of those the template writes itself (most templates write them all)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("add_generation_prompt", "continue_final_message"):
+        for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.add_generation_prompt and self.continue_final_message:
@@ -80,6 +87,12 @@ class ChatOptions:
         kwargs = self.chat_template_kwargs
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             raise ValueError(f"chat_template_kwargs={kwargs!r} must be an object of template variables by name")
+        docs = self.documents
+        if docs is not None and (not isinstance(docs, list | tuple) or not all(
+                isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+                for d in docs)):
+            raise ValueError(f"documents={docs!r} must be a list of objects of strings, such as "
+                             "{\"title\": ..., \"text\": ...}")
         reserved = sorted(set(kwargs) & _reserved_template_names())
         if reserved:
             raise ValueError(f"chat_template_kwargs: {reserved} are set by the server (the conversation, the "
@@ -179,19 +192,18 @@ class ChatTemplate:
         if not self.renders_tools and (tools or any("tool_calls" in m for m in checked)):
             checked = _as_hermes_text(checked, tools)  # only where tools are in play: a plain chat stays as is
         try:
-            ids = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 checked, tools=[t.as_openai() for t in tools] if tools and self.renders_tools else None,
-                add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message, tokenize=True,
+                documents=options.documents or None, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=False,
                 **options.chat_template_kwargs)
         except Exception as e:  # jinja's TemplateError, or raise_exception(...) in the template itself
             if options.continue_final_message and "continue_final_message" in str(e):
                 raise ValueError("continue_final_message: the model's chat template does not render the last "
                                  "message's content as given, so it cannot be left open to continue") from None
             raise ValueError(f"messages: the model's chat template refused them: {e}") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        # What apply_chat_template(tokenize=True) does, with the special tokens only when asked for
+        return list(self.tokenizer.encode(text, add_special_tokens=options.add_special_tokens))
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)

@@ -188,19 +188,22 @@ class LLMEngine:
         return self._template
 
     def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                 add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None,
+                 add_special_tokens: bool | None = None, tools: list[dict[str, Any]] | None = None,
                  options: ChatOptions | None = None) -> tuple[list[int], list[str]]:
         """Token ids and their string forms of `text`, or of `messages` (and `tools`, rendered as `options`
-        say) through the chat template."""
+        say) through the chat template. `add_special_tokens` unset: true for text, as `options` say for
+        messages (false by default: the template writes them)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         if messages:
+            if add_special_tokens:
+                options = dataclasses.replace(options or ChatOptions(), add_special_tokens=True)
             ids = self.chat_prompt(messages, tools, options)
         elif chat_only := (["tools"] if tools else []) + (options.changed() if options is not None else []):
             raise ValueError(f"{', '.join(chat_only)}: these shape a chat's prompt: give them with messages, "
                              "not with text")
         elif text:
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens is not False)
         else:
             raise ValueError("text is empty (give text or messages)")
         return ids, self.tokenizer.convert_ids_to_tokens(ids)

@@ -76,15 +76,18 @@ class LLM:
         parallel_tool_calls: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
         `tools`, `tool_choice` and `parallel_tool_calls` as OpenAI's; with tools, each output's `tool_calls`
-        holds the calls parsed from its text. `add_generation_prompt`, `continue_final_message` and
-        `chat_template_kwargs` as vLLM's (see `ChatOptions`)."""
+        holds the calls parsed from its text. `add_generation_prompt`, `continue_final_message`,
+        `chat_template_kwargs`, `documents` and `add_special_tokens` as vLLM's (see `ChatOptions`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = sampling_params if sampling_params is not None else SamplingParams()
-        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {}, documents,
+                              add_special_tokens)
         plans = []
         for i, conv in enumerate(conversations):
             try:

@@ -50,7 +50,8 @@ def embedded_dir():
 def tiny_random(tmp_path_factory, embedded_dir) -> str:
     """`random:<config.json>` for a 2-layer Llama that shares SmolLM2's vocabulary and tokenizer. Its chat
     template is SmolLM2's with Qwen3's switch for an empty thinking block after the generation prompt
-    (`enable_thinking`), a variable requests may set: unset, it renders as SmolLM2's."""
+    (`enable_thinking`), a variable requests may set, and a system turn listing `documents` first, as
+    templates for retrieval-augmented generation do: with neither, it renders as SmolLM2's."""
     d = tmp_path_factory.mktemp("tiny_random")
     config = json.loads((embedded_dir / "config.json").read_text())
     config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -61,9 +62,11 @@ def tiny_random(tmp_path_factory, embedded_dir) -> str:
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, d / f.name)
     template = d / "chat_template.jinja"
-    template.write_text(template.read_text() + THINKING_OFF)
+    template.write_text(DOCUMENTS + template.read_text() + THINKING_OFF)
     return f"random:{d / 'config.json'}"
 
 
+DOCUMENTS = ("{% if documents %}{{ '<|im_start|>system\nDocuments:\n' }}{% for d in documents %}"
+             "{{ d.title ~ ': ' ~ d.text ~ '\n' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}")
 THINKING_OFF = ("{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
                 "{{ '<think>\n\n</think>\n\n' }}{% endif %}")

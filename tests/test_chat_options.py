@@ -52,7 +52,36 @@ def test_continue_final_message_leaves_the_last_message_open(llm):
         llm.chat(PREFILLED, GREEDY, continue_final_message=True)
 
 
+def test_documents_reach_the_template(llm):
+    docs = [{"title": "Paris", "text": "The capital of France."}, {"title": "Lyon", "text": "A city."}]
+    grounded = text(llm, ASK, ChatOptions(documents=docs))
+    assert grounded == ("<|im_start|>system\nDocuments:\nParis: The capital of France.\nLyon: A city.\n<|im_end|>\n"
+                        + text(llm, ASK))
+    assert text(llm, ASK, ChatOptions(documents=[])) == text(llm, ASK)  # none: as without them
+    out = llm.chat(ASK, GREEDY, documents=docs)[0]
+    assert llm.tokenizer.decode(out.prompt_token_ids) == grounded
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_on_top_of_the_templates(tiny_random):
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from pagedserve.chat import ChatTemplate
+
+    # The fixture's tokenizer adds no BOS (SmolLM2's); this copy adds one, as Llama 3's does.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_random.removeprefix("random:").removesuffix("config.json"))
+    plain = ChatTemplate(tokenizer).render(ASK, [])
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                             special_tokens=[("<|endoftext|>", 0)])
+    template = ChatTemplate(tokenizer)
+    assert template.render(ASK, []) == plain  # the template's tokens alone, by default
+    assert template.render(ASK, [], ChatOptions(add_special_tokens=True)) == [0] + plain
+
+
 @pytest.mark.parametrize("kwargs, message", [
+    ({"documents": {"title": "a"}}, r"documents=\{'title': 'a'\} must be a list of objects of strings"),
+    ({"documents": [{"title": 1}]}, r"documents=\[\{'title': 1\}\] must be a list"),
+    ({"add_special_tokens": "no"}, r"add_special_tokens='no' must be true or false"),
     ({"continue_final_message": True}, r"continue_final_message=true .* add_generation_prompt=true"),
     ({"add_generation_prompt": "yes"}, r"add_generation_prompt='yes' must be true or false"),
     ({"add_generation_prompt": False, "continue_final_message": 1}, r"continue_final_message=1 must be true"),

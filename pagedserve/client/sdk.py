@@ -33,7 +33,13 @@ from pagedserve.client.errors import Cancelled, from_rpc_error
 from pagedserve.protos import API_KEY_ENV
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos import pagedserve_pb2_grpc as pb_grpc
-from pagedserve.protos.chat import chat_options_to_proto, messages_to_proto, tool_choice_to_proto, tools_to_proto
+from pagedserve.protos.chat import (
+    TEMPLATE_OPTIONS,
+    chat_options_to_proto,
+    messages_to_proto,
+    tool_choice_to_proto,
+    tools_to_proto,
+)
 from pagedserve.protos.sampling import sampling_to_proto
 from pagedserve.tool_calls import ToolCall, ToolCallDelta, join_deltas
 
@@ -202,6 +208,11 @@ def _prompt_request(prompt: str | Sequence[int], request_id: str,
     if isinstance(prompt, bytes):
         raise TypeError("prompt must be a str or a list of token ids, not bytes")
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling)
+
+
+def _template_options(keywords: dict[str, Any]) -> pb.ChatTemplateOptions:
+    """The chat template options among a chat call's keywords, taken out of them (the rest is sampling)."""
+    return chat_options_to_proto(**{name: keywords.pop(name) for name in TEMPLATE_OPTIONS if name in keywords})
 
 
 def _chat_request(messages: Sequence[dict[str, Any]], request_id: str, sampling: pb.SamplingParams,
@@ -406,13 +417,13 @@ class Client(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> ResponseStream:
+                    **sampling: Any) -> ResponseStream:
         """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]). `tools`,
-        `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes;
-        `add_generation_prompt` (default true), `continue_final_message` and `chat_template_kwargs` vLLM's."""
+        `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes; the chat template
+        options (`add_generation_prompt`, default true, `continue_final_message`, `chat_template_kwargs`,
+        `documents`, `add_special_tokens`) vLLM's; the other keywords are sampling parameters."""
+        template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
-        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
         request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template)
         return ResponseStream(self, self._stub.Chat, request, timeout, params)
 
@@ -430,12 +441,10 @@ class Client(_Base):
 
     def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
                  add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
-                 add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                 chat_template_kwargs: dict[str, Any] | None = None,
-                 timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
+                 timeout: float | None = _CLIENT_DEFAULT, **template_options: Any) -> list[int]:
         """Token ids of `text`, or of the chat-template prompt for `messages` (offering `tools`, rendered
         as `stream_chat`'s template options say)."""
-        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        template = chat_options_to_proto(**template_options)
         request = _tokenize_request(text, messages, add_special_tokens, tools, template)
         return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
 
@@ -573,10 +582,9 @@ class AsyncClient(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> AsyncResponseStream:
+                    **sampling: Any) -> AsyncResponseStream:
+        template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
-        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
         request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template)
         return AsyncResponseStream(self, self._stub.Chat, request, timeout, params)
 
@@ -593,10 +601,8 @@ class AsyncClient(_Base):
 
     async def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
                        add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
-                       add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                       chat_template_kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = _CLIENT_DEFAULT) -> list[int]:
-        template = chat_options_to_proto(add_generation_prompt, continue_final_message, chat_template_kwargs)
+                       timeout: float | None = _CLIENT_DEFAULT, **template_options: Any) -> list[int]:
+        template = chat_options_to_proto(**template_options)
         request = _tokenize_request(text, messages, add_special_tokens, tools, template)
         return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
 

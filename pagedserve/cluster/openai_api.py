@@ -123,6 +123,8 @@ class Ingress(GrpcService):
         echo_text = None
         if body.echo:
             echo_text = prompt if isinstance(prompt, str) else await self.engine.detokenize.remote(prompt)
+        if isinstance(prompt, str) and not body.add_special_tokens:
+            prompt, _ = await self.engine.tokenize.remote(prompt, None, False)
         return await self._respond(prompt, params, body, model, chat=False, echo_text=echo_text)
 
     @api.post("/v1/chat/completions")

@@ -30,27 +30,36 @@ def _token_bytes(token: str | None) -> list[int] | None:
     return list(token.encode("utf-8", errors="replace")) if token is not None else None
 
 
+def _token_name(as_ids: bool):
+    """How logprobs name a token: its text, or "token_id:<id>" (`return_tokens_as_token_ids`, for tokens
+    whose text is not valid UTF-8 alone, such as one byte of a multi-byte character)."""
+    return (lambda lp: f"token_id:{lp.token_id}") if as_ids else (lambda lp: lp.token)
+
+
 class _CompletionLogprobs:
     """The legacy completions `logprobs` object, built token by token (text_offset runs across chunks)."""
 
-    def __init__(self, offset: int = 0) -> None:
+    def __init__(self, as_ids: bool, offset: int = 0) -> None:
+        self.name = _token_name(as_ids)
         self.offset = offset
 
     def render(self, entries: list[Logprob]) -> dict[str, Any]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            out["tokens"].append(e.token)
+            out["tokens"].append(self.name(e))
             out["token_logprobs"].append(e.logprob)
             # the prompt's first token (echo) has no logprob and no alternatives: nothing predicts it
-            out["top_logprobs"].append({t.token: t.logprob for t in e.top_logprobs} if e.logprob is not None else None)
-            out["text_offset"].append(self.offset)
+            out["top_logprobs"].append({self.name(t): t.logprob for t in e.top_logprobs}
+                                       if e.logprob is not None else None)
+            out["text_offset"].append(self.offset)  # offsets into the text, whatever names the tokens
             self.offset += len(e.token or "")
         return out
 
 
-def _chat_logprobs(entries: list[Logprob]) -> dict[str, Any]:
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token),
-                         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)}
+def _chat_logprobs(entries: list[Logprob], as_ids: bool) -> dict[str, Any]:
+    name = _token_name(as_ids)
+    return {"content": [{"token": name(e), "logprob": e.logprob, "bytes": _token_bytes(name(e)),
+                         "top_logprobs": [{"token": name(t), "logprob": t.logprob, "bytes": _token_bytes(name(t))}
                                           for t in e.top_logprobs]} for e in entries]}
 
 
@@ -61,6 +70,7 @@ class ResponseFormatter:
                  body: CompletionRequest | ChatCompletionRequest, echo_text: str | None) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.with_logprobs = params.logprobs is not None
+        self.tokens_as_ids = bool(body.return_tokens_as_token_ids)
         self.with_prompt_logprobs = body.prompt_logprobs is not None
         self.echo_text = echo_text
         options = body.stream_options
@@ -83,8 +93,10 @@ class ResponseFormatter:
         if not self.with_logprobs:
             return None
         if self.chat:
-            return _chat_logprobs(entries)
-        return self.offsets.setdefault(index, _CompletionLogprobs()).render(entries)
+            return _chat_logprobs(entries, self.tokens_as_ids)
+        if index not in self.offsets:
+            self.offsets[index] = _CompletionLogprobs(self.tokens_as_ids)
+        return self.offsets[index].render(entries)
 
     def _choice(self, index: int, text: str, token_ids: list[int], entries: list[Logprob],
                 finish_reason: str | None, stop_reason: str | int | None, first: bool, whole: bool,

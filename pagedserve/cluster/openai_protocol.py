@@ -8,6 +8,7 @@ is refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -70,6 +71,21 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
     request_id: str | None = None  # the id to abort it by (gRPC Abort); one is made when absent
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens as "token_id:<id>" (vLLM's)
+    # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    logits_processors: list[Any] | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None  # the client's tags, for its own records: no effect on the output
+    safety_identifier: str | None = None  # as `user`
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's: the engine's own type, checked as it is parsed
@@ -112,6 +128,10 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed with stream=true")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of equal to n)")
+        for name, (accepted, why) in _NOTHING.items():
+            value = getattr(self, name) if name in type(self).model_fields else accepted[0]
+            if value not in accepted:
+                raise ValueError(f"{name}={_short(value)} is not supported: {why}")
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": self.n,
                                   "prompt_logprobs": prompt_logprobs, "structured_outputs": self.constraint()}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
@@ -131,12 +151,33 @@ class _Sampling(_Body):
         return SamplingParams(**kwargs)
 
 
+# field -> (the values that ask for nothing, why others cannot be honoured)
+_NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "this server samples or decodes greedily, it does not search beams"),
+    "length_penalty": ((1.0,), "it weighs beams by length, and this server does not search beams"),
+    "spaces_between_special_tokens": ((True,), "the text is the tokenizer's own decode, spaces and all"),
+    "logits_processors": ((None, []), "this server runs no code named by a request"),
+    "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs are decoded by xgrammar"),
+    "guided_whitespace_pattern": ((None,), "JSON outputs follow xgrammar's whitespace rules"),
+    "structural_tag": ((None,), "give the constraint as structured_outputs or response_format"),
+    "kv_transfer_params": ((None, {}), "this server does not transfer KV caches between servers"),
+    "vllm_xargs": ((None, {}), "this server has no extensions that read them"),
+    "store": ((None, False), "this server keeps no completions for later retrieval"),
+    "service_tier": ((None, "auto", "default"), "this server has one tier"),
+    "chat_template": ((None,), "the model's own chat template renders the messages"),
+    "reasoning_effort": ((None,), "a chat template that reads it takes it from chat_template_kwargs"),
+    "include_reasoning": ((True,), "the reasoning is not parsed out of the answer, so it cannot be left out"),
+    "mm_processor_kwargs": ((None, {}), "this server serves text only"),
+}
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's special tokens (such as a BOS) around a text prompt
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -201,9 +242,12 @@ class _Templated(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool | None = None  # None: false, the template writes the special tokens
 
     def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
+                           self.documents, bool(self.add_special_tokens))
 
 
 class ChatCompletionRequest(_Sampling, _Templated):
@@ -216,6 +260,10 @@ class ChatCompletionRequest(_Sampling, _Templated):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False  # vLLM's: the answer starts with the last message when that is the assistant's
+    chat_template: str | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def echoed(self) -> str | None:
         """The text the answer starts with under `echo`: the last message's, when the assistant wrote it (a
@@ -240,8 +288,11 @@ class TokenizeRequest(_Templated):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None  # with messages: the prompt offers them
-    add_special_tokens: bool = True
     return_token_strs: bool = False
+
+    def chat_options(self) -> ChatOptions:
+        # add_special_tokens goes to the engine on its own: unset, it is true for a prompt, false for messages
+        return dataclasses.replace(super().chat_options(), add_special_tokens=False)
 
 
 class DetokenizeRequest(_Body):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 from pagedserve.chat import ChatOptions
@@ -102,15 +103,26 @@ def tool_choice_from_proto(request: pb.ChatRequest) -> str | dict[str, Any] | No
     return request.tool_choice.mode if which == "mode" else None
 
 
+TEMPLATE_OPTIONS = tuple(f.name for f in fields(ChatOptions))  # the SDK's keywords for them
+
+
 def chat_options_to_proto(add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                          chat_template_kwargs: dict[str, Any] | None = None) -> pb.ChatTemplateOptions:
-    """The template options as the wire carries them: the variables as JSON text."""
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          documents: Sequence[dict[str, str]] | None = None,
+                          add_special_tokens: bool = False) -> pb.ChatTemplateOptions:
+    """The template options (`ChatOptions`'s fields) as the wire carries them: the variables as JSON text."""
     try:
         kwargs = json.dumps(chat_template_kwargs) if chat_template_kwargs is not None else ""
     except TypeError as e:
         raise ValueError(f"chat_template_kwargs must hold JSON values: {e}") from None
+    docs = []
+    for i, doc in enumerate(documents or []):
+        if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+            raise ValueError(f"documents[{i}] must be a dict of strings, got {_short(doc)}")
+        docs.append(pb.Document(fields=doc))
     return pb.ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message, chat_template_kwargs=kwargs)
+                                  continue_final_message=continue_final_message, chat_template_kwargs=kwargs,
+                                  documents=docs, add_special_tokens=add_special_tokens)
 
 
 def chat_options_from_proto(options: pb.ChatTemplateOptions) -> ChatOptions:
@@ -126,4 +138,10 @@ def chat_options_from_proto(options: pb.ChatTemplateOptions) -> ChatOptions:
             raise ValueError(f"template.chat_template_kwargs must be a JSON object, got "
                              f"{options.chat_template_kwargs[:60]!r}")
     add = options.add_generation_prompt if options.HasField("add_generation_prompt") else True
-    return ChatOptions(add, options.continue_final_message, kwargs)
+    documents = [dict(d.fields) for d in options.documents] or None
+    return ChatOptions(add, options.continue_final_message, kwargs, documents, options.add_special_tokens)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

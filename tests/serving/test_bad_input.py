@@ -78,6 +78,8 @@ HTTP_CASES = [
      "messages.0.content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "documents": [{"title": 1}]}, "documents"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),

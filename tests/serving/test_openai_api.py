@@ -162,8 +162,12 @@ def test_tokenize_detokenize_and_model_routes(model, offline):
         "param": "model", "code": 404}
 
 
+DOCS = [{"title": "Greeting", "text": "Hello is said on meeting."}]
+
+
 @pytest.mark.parametrize("messages, options", [
     (MESSAGES, {"chat_template_kwargs": {"enable_thinking": False}}),
+    (MESSAGES, {"documents": DOCS}),
     (MESSAGES + [{"role": "assistant", "content": "Hello"}], {"add_generation_prompt": False,
                                                              "continue_final_message": True}),
 ])
@@ -213,6 +217,58 @@ def test_allowed_token_ids_truncate_prompt_tokens_and_bad_words_as_offline(oai, 
         assert not any(tokens[i:i + len(ids)] == ids for i in range(len(tokens))), (first, tokens)
     cut = offline.generate(PROMPT, SamplingParams(**greedy, allowed_token_ids=allowed, truncate_prompt_tokens=3))[0]
     assert len(cut.prompt_token_ids) == 3 and set(cut.outputs[0].token_ids) <= set(allowed)
+
+
+def test_fields_asking_for_nothing_pass_and_others_are_refused_by_name(oai, model):
+    nothing = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+               "logits_processors": [], "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": None,
+               "structural_tag": None, "kv_transfer_params": {}, "vllm_xargs": {}, "store": False,
+               "service_tier": "auto", "metadata": {"team": "search"}, "safety_identifier": "u-1",
+               "add_special_tokens": True}
+    plain = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
+    out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=nothing)
+    assert out.choices[0].text == plain.choices[0].text
+    chat_nothing = {"chat_template": None, "reasoning_effort": None, "include_reasoning": True,
+                    "mm_processor_kwargs": {}, "add_special_tokens": False}
+    plain = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0)
+    out = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                      extra_body={**nothing, **chat_nothing})
+    assert out.choices[0].message.content == plain.choices[0].message.content
+    for field, value in [("use_beam_search", True), ("length_penalty", 0.8), ("spaces_between_special_tokens", False),
+                         ("logits_processors", ["my.Processor"]), ("guided_decoding_backend", "outlines"),
+                         ("guided_whitespace_pattern", " "), ("structural_tag", "{}"), ("kv_transfer_params", {"a": 1}),
+                         ("vllm_xargs", {"a": 1}), ("store", True), ("service_tier", "flex")]:
+        with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not supported"):
+            oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={field: value})
+    for field, value in [("chat_template", "{{ messages }}"), ("reasoning_effort", "low"),
+                         ("include_reasoning", False), ("mm_processor_kwargs", {"a": 1})]:
+        with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not supported"):
+            oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={field: value})
+
+
+def test_completion_prompt_without_special_tokens(oai, model, offline):
+    ids = offline.tokenizer.encode(PROMPT, add_special_tokens=False)
+    ref = offline.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                 extra_body={"ignore_eos": True, "add_special_tokens": False})
+    assert out.choices[0].text == PROMPT + ref.outputs[0].text and out.usage.prompt_tokens == len(ids)
+
+
+def test_logprobs_name_tokens_by_id_when_asked(oai, model):
+    kwargs = dict(model=model, max_tokens=5, temperature=0, logprobs=2)
+    by_text = oai.completions.create(prompt=PROMPT, **kwargs)
+    by_id = oai.completions.create(prompt=PROMPT, **kwargs, extra_body={"return_tokens_as_token_ids": True})
+    ids = by_id.choices[0].model_extra["token_ids"]
+    assert by_id.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert by_id.choices[0].logprobs.text_offset == by_text.choices[0].logprobs.text_offset
+    assert by_id.choices[0].logprobs.token_logprobs == by_text.choices[0].logprobs.token_logprobs
+    assert all(k.startswith("token_id:") for top in by_id.choices[0].logprobs.top_logprobs for k in top)
+    chat = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
 
 
 def test_unsupported_fields_are_refused_by_name(oai, model):

@@ -59,6 +59,13 @@ def test_chat_template_options_over_grpc_as_offline(client, offline):
     ids = client.tokenize(messages=prefilled[:1], chat_template_kwargs=thinking_off)
     assert ids == offline.engine.chat_prompt(prefilled[:1], options=ChatOptions(chat_template_kwargs=thinking_off))
     assert offline.tokenizer.decode(ids).endswith("<think>\n\n</think>\n\n")
+    docs = [{"title": "Greeting", "text": "Hello is said on meeting."}]
+    ref = offline.chat(prefilled[:1], SamplingParams(**GREEDY), documents=docs)[0]
+    assert client.chat(prefilled[:1], documents=docs, **GREEDY).token_ids == ref.outputs[0].token_ids
+    assert client.tokenize(messages=prefilled[:1], documents=docs) == ref.prompt_token_ids
+    assert ref.prompt_token_ids != offline.engine.chat_prompt(prefilled[:1])
+    with pytest.raises(ValueError, match=r"documents\[0\] must be a dict of strings"):
+        client.chat(prefilled[:1], documents=[{"title": 1}], **GREEDY)
 
 
 def test_50_concurrent_streams_complete(app, offline):
