@@ -21,6 +21,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes for the KV pool; default 1 GiB on CPU
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
+    # "fcfs": requests run in the order they came; "priority": by their SamplingParams.priority (lower first),
+    # a more urgent request preempting less urgent ones when there is no room for it
+    scheduling_policy: str = "fcfs"
     max_num_batched_tokens: int | None = None  # default 2048 on CPU, 8192 on CUDA
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
@@ -49,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(_DTYPES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
         if self.executor not in ("local", "ray"):
             raise ValueError(f"executor={self.executor!r} must be 'local' or 'ray'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

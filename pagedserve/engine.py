@@ -59,7 +59,7 @@ class LLMEngine:
         # The workers' device, not this process's: a served engine's actor holds no GPU.
         device_type = self.executor.device_type
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
-                                   self.max_model_len)
+                                   self.max_model_len, config.scheduling_policy)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._grammars: GrammarManager | None = None  # made on the first constrained request
         self._template: ChatTemplate | None = None  # made on the first chat request

@@ -93,6 +93,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # None: any token; else the output's tokens are among these
     bad_words: list[str] = field(default_factory=list)  # words the output never completes (as tokenized)
     truncate_prompt_tokens: int | None = None  # None: the whole prompt; k: only its last k tokens
+    # Under the engine's scheduling_policy "priority": lower runs first (vLLM's convention); ties go in the order
+    # requests came. Other than 0 it is refused by a first-come-first-served engine.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +129,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         _int(self, "truncate_prompt_tokens", lo=1, optional=True)
+        _int(self, "priority")
         _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):

@@ -339,3 +339,34 @@ def test_the_engine_and_its_asyncio_wrapper_import_without_ray_or_grpc():
     code = "import sys, pagedserve.async_engine, pagedserve.llm; print(sorted({'ray', 'grpc'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_scheduling_runs_the_urgent_first_with_the_same_tokens(tiny_random, reference, async_scheduling):
+    config = dict(max_model_len=256, max_num_seqs=2, async_scheduling=async_scheduling)
+    with LLM(tiny_random, scheduling_policy="priority", **config) as llm:
+        engine = llm.engine
+        for i in range(3):
+            engine.add_request([9, 8, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, priority=1),
+                               f"batch{i}")
+        engine.step()
+        engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "urgent")
+        finished: list[str] = []
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished.append(out.request_id)
+                    outputs[out.request_id] = out.outputs[0].token_ids
+        # it came last, after a step, into a full batch: it preempted the batch request admitted last, and
+        # ended before it and the one still waiting (first come, first served, it would have ended last)
+        assert finished.index("urgent") < min(finished.index("batch1"), finished.index("batch2"))
+        assert engine.scheduler.num_preemptions >= 1
+        assert outputs.pop("urgent") == reference[(5, 6, 7, 8)]
+        assert all(ids == reference[(9, 8, 7)] for ids in outputs.values()) and len(outputs) == 3
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    with LLM(tiny_random, **config) as fcfs:
+        with pytest.raises(ValueError, match="priority=1 needs scheduling_policy='priority'"):
+            fcfs.generate([[1, 2]], SamplingParams(priority=1))
+    with pytest.raises(ValueError, match="scheduling_policy='urgent' must be 'fcfs' or 'priority'"):
+        EngineConfig(scheduling_policy="urgent")

@@ -102,9 +102,10 @@ class SlotWorker:
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
-         caching=True):
+         caching=True, policy="fcfs"):
     bm = BlockManager(num_blocks, block_size, caching)
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len), SlotWorker(num_blocks, block_size)
+    return (Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, policy),
+            SlotWorker(num_blocks, block_size))
 
 
 def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000, ahead: bool = False) -> int:
@@ -130,8 +131,8 @@ def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000, ahead: bo
     return steps
 
 
-def add(sched, rid, prompt, max_tokens, n=1, prompt_logprobs=None, stop_token_ids=None):
-    req = Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=0,
+def add(sched, rid, prompt, max_tokens, n=1, prompt_logprobs=None, stop_token_ids=None, priority=0):
+    req = Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=0, priority=priority,
                                               prompt_logprobs=prompt_logprobs, stop_token_ids=stop_token_ids or []))
     sched.add_request(req)
     return req
@@ -301,7 +302,65 @@ def test_stop_token_and_eos(ahead):
     assert outputs(ignore)[0] == full and ignore.sequences[0].finish_reason == "length"
 
 
-@settings(max_examples=60, deadline=None)
+def step(sched, worker):
+    batch = sched.schedule()
+    sched.update(batch, worker.execute(batch))
+    return batch
+
+
+def rows(sched, batch) -> list[str]:
+    return [sched.seqs[i].request.request_id if i in sched.seqs else "done" for i in batch.seq_ids]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_priority_admits_the_most_urgent_first_and_preempts_the_least_urgent_for_it(ahead):
+    sched, worker = make(max_num_seqs=2, policy="priority")
+    low = [add(sched, f"low{i}", [i] * 5, max_tokens=12, priority=5) for i in range(2)]
+    step(sched, worker)
+    assert sched.num_preemptions == 0
+    late_low = add(sched, "late_low", [7] * 5, max_tokens=4, priority=5)
+    urgent = add(sched, "urgent", [9] * 5, max_tokens=4, priority=-1)
+    batch = step(sched, worker)
+    # the seat goes to the urgent request: the low one admitted last gives way; the equally low one waits
+    assert sorted(rows(sched, batch)) == ["low0", "urgent"]
+    assert sched.num_preemptions == 1
+    assert [s.request.request_id for s in sched.waiting] == ["low1", "late_low"]
+    run(sched, worker, ahead=ahead)
+    for req, prompt, n in [(low[0], [0] * 5, 12), (low[1], [1] * 5, 12), (late_low, [7] * 5, 4),
+                           (urgent, [9] * 5, 4)]:
+        assert outputs(req)[0] == expected(prompt, n, 0)
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_priority_preempts_for_blocks_and_orders_the_queue():
+    # 6 blocks of 4: two 10-token sequences fill the pool
+    sched, worker = make(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy="priority")
+    a = add(sched, "a", [1] * 9, max_tokens=3, priority=2)
+    b = add(sched, "b", [2] * 9, max_tokens=3, priority=1)
+    batch = step(sched, worker)
+    assert rows(sched, batch) == ["b", "a"]  # running in order of urgency
+    c = add(sched, "c", [3] * 9, max_tokens=3, priority=0)
+    d = add(sched, "d", [4] * 9, max_tokens=3, priority=3)  # less urgent than all: waits, preempts nobody
+    batch = step(sched, worker)
+    assert "c" in rows(sched, batch) and "a" not in rows(sched, batch)
+    assert [s.request.request_id for s in sched.waiting] == ["a", "d"]
+    run(sched, worker)
+    for req, tok in [(a, 1), (b, 2), (c, 3), (d, 4)]:
+        assert outputs(req)[0] == expected([tok] * 9, 3, 0)
+    assert sched.block_manager.num_free_blocks == 6
+
+
+def test_first_come_first_served_refuses_priorities():
+    sched, _ = make()
+    with pytest.raises(ValueError, match="priority=1 needs scheduling_policy='priority'"):
+        add(sched, "a", [1, 2], max_tokens=2, priority=1)
+    with pytest.raises(ValueError, match="scheduling_policy='lifo' must be one of"):
+        make(policy="lifo")
+    with pytest.raises(ValueError, match="priority=1.5 must be an integer"):
+        SamplingParams(priority=1.5)
+
+
+@settings(max_examples=150, deadline=None)
 @given(
     data=st.data(),
     num_blocks=st.integers(8, 40),
@@ -310,11 +369,12 @@ def test_stop_token_and_eos(ahead):
     max_num_seqs=st.integers(1, 6),
     caching=st.booleans(),
     ahead=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_blocks, block_size, budget,
-                                                                 max_num_seqs, caching, ahead):
+                                                                 max_num_seqs, caching, ahead, policy):
     sched, worker = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=num_blocks * block_size,
-                         caching=caching)
+                         caching=caching, policy=policy)
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     stem = [rng.randrange(VOCAB) for _ in range(3 * block_size)]
     reqs = []
@@ -326,7 +386,8 @@ def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_block
             continue
         scored = rng.choice([None, None, 0])
         stop = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 3]))]  # ends some outputs early
-        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n, scored, stop), prompt, max_tokens))
+        priority = rng.randrange(3) if policy == "priority" else 0
+        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n, scored, stop, priority), prompt, max_tokens))
         if rng.random() < 0.3:  # arrivals between steps
             if (b := sched.schedule()) is not None:
                 sched.update(b, worker.execute(b))

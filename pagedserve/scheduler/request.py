@@ -35,6 +35,7 @@ class Request:
     error: str | None = None
     # params.bad_words as the token sequences the output may not complete (`LLMEngine.make_request`).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    arrival: int = 0  # the order the scheduler took it in (set by `Scheduler.add_request`)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:

@@ -1,7 +1,13 @@
-"""Continuous batching: each step, running sequences first, then waiting ones fill the token budget."""
+"""Continuous batching: each step, running sequences first, then waiting ones fill the token budget.
+
+Two policies order the queues. "fcfs": requests run in the order they came, and a sequence preempted for
+room is the one admitted last. "priority": by each request's `priority` (lower first, then the order they
+came): the running and waiting sequences are kept in that order, room is made by preempting the least
+urgent, and a waiting request more urgent than a running one preempts it to be admitted."""
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import deque
@@ -19,7 +25,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy={policy!r} must be one of {POLICIES}")
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)]:
             if value < 1:
@@ -28,12 +37,14 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self.num_preemptions = 0
         self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
         # Rows of the workers' block table: a sequence holds one while it holds blocks. The lowest free one
         # is reused first, so the table stays as small as the most sequences that ever ran at once.
         self._free_slots: list[int] = []
@@ -46,14 +57,21 @@ class Scheduler:
         self.check_admissible(request)
         seq = Sequence(next(self._seq_ids), request, list(request.prompt_token_ids), sample_index=0)
         request.sequences.append(seq)
+        request.arrival = next(self._arrivals)
         self.requests[request.request_id] = request
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=_urgency)
+        else:
+            self.waiting.append(seq)
 
     def check_admissible(self, request: Request) -> None:
         """Raise ValueError naming the field if the request can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
+        if request.params.priority != 0 and not self.by_priority:
+            raise ValueError(f"priority={request.params.priority} needs scheduling_policy='priority' (this engine "
+                             "runs requests first come, first served)")
         if request.params.n > self.max_num_seqs:
             raise ValueError(f"n={request.params.n} samples are more sequences than max_num_seqs="
                              f"{self.max_num_seqs} runs at once")
@@ -146,20 +164,34 @@ class Scheduler:
         # so that the running sequences, and the block-table slots and penalty counts they hold on the
         # workers (sized for max_num_seqs by the profiled step), never outnumber max_num_seqs.
         num_seqs = sum(_seqs_to_come(s) for s in self.running) if self.waiting else 0
-        while (self.waiting and not preempted and budget > 0 and len(scheduled) < self.max_num_seqs
-               and num_seqs + _seqs_to_come(self.waiting[0]) <= self.max_num_seqs):
+        while self.waiting and not preempted and budget > 0:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break  # preempted while its last token was in flight: it waits for that token
-            hit_blocks, hit_hashes = (([], []) if seq.request.needs_prompt_logprobs
-                                      else bm.get_computed_blocks(seq))
-            num_new = min(seq.num_tokens - len(hit_blocks) * bm.block_size, budget)
-            seq_copies = bm.allocate_slots(seq, num_new, hit_blocks, hit_hashes)
+            seq_copies = None
+            if len(scheduled) < self.max_num_seqs and num_seqs + _seqs_to_come(seq) <= self.max_num_seqs:
+                hit_blocks, hit_hashes = (([], []) if seq.request.needs_prompt_logprobs
+                                          else bm.get_computed_blocks(seq))
+                num_new = min(seq.num_tokens - len(hit_blocks) * bm.block_size, budget)
+                seq_copies = bm.allocate_slots(seq, num_new, hit_blocks, hit_hashes)
             if seq_copies is None:
-                break
+                # No room: under "priority", the least urgent running sequence gives way to a more urgent one.
+                if not (self.by_priority and self.running
+                        and self.running[-1].request.params.priority > seq.request.params.priority):
+                    break
+                victim = self.running.pop()
+                num_seqs -= _seqs_to_come(victim)
+                for j, (s, n) in enumerate(scheduled):
+                    if s is victim:  # it had its rows of this step: they go too
+                        del scheduled[j]
+                        budget += n
+                        break
+                copies = [c for c in copies if c[1] not in victim.block_table]
+                self._preempt(victim)
+                continue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             num_seqs += _seqs_to_come(seq)
             copies.extend(seq_copies)
             scheduled.append((seq, num_new))
@@ -304,7 +336,7 @@ class Scheduler:
                     bm.fork(seq, child)
                     child.status = SequenceStatus.RUNNING
                     self.seqs[child.seq_id] = child
-                    self.running.append(child)
+                    self._run(child)
                     request.sequences.append(child)
                     targets.append(child)
             for j, target in enumerate(targets):
@@ -327,10 +359,19 @@ class Scheduler:
         elif self._ends_by_length(seq, seq.num_tokens):
             self.finish(seq, "length")
 
+    def _run(self, seq: Sequence) -> None:
+        if self.by_priority:
+            bisect.insort(self.running, seq, key=_urgency)
+        else:
+            self.running.append(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self._free_blocks(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=_urgency)
+        else:
+            self.waiting.appendleft(seq)  # admitted before every sequence still waiting
         self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence) -> None:
@@ -368,6 +409,14 @@ class Scheduler:
 def _logprobs(scored: SampledTokens, j: int) -> Logprob:
     top = scored.top_logprobs[j] if scored.top_logprobs else []
     return Logprob(scored.token_ids[j], scored.logprobs[j], top_logprobs=[Logprob(t, v) for t, v in top])
+
+
+POLICIES = ("fcfs", "priority")
+
+
+def _urgency(seq: Sequence) -> tuple[int, int, int]:
+    """The "priority" policy's order: the request's priority (lower first), then the order requests came."""
+    return seq.request.params.priority, seq.request.arrival, seq.sample_index
 
 
 def _seqs_to_come(seq: Sequence) -> int:

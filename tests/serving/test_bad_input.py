@@ -80,6 +80,8 @@ HTTP_CASES = [
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "documents": [{"title": 1}]}, "documents"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "hi", "priority": 3}, "priority"),
+    ("/v1/chat/completions", {"messages": MSG, "priority": 1.5}, "priority"),
     ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
@@ -153,6 +155,7 @@ GRPC_CASES = [
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(allowed_token_ids=[10**7]), "allowed_token_ids"),
     (dict(truncate_prompt_tokens=-1), "truncate_prompt_tokens"),
+    (dict(priority=2), "priority"),  # the served engine runs first come, first served
 ]
 
 

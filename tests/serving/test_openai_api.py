@@ -224,7 +224,7 @@ def test_fields_asking_for_nothing_pass_and_others_are_refused_by_name(oai, mode
                "logits_processors": [], "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": None,
                "structural_tag": None, "kv_transfer_params": {}, "vllm_xargs": {}, "store": False,
                "service_tier": "auto", "metadata": {"team": "search"}, "safety_identifier": "u-1",
-               "add_special_tokens": True}
+               "add_special_tokens": True, "priority": 0}
     plain = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
     out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=nothing)
     assert out.choices[0].text == plain.choices[0].text
