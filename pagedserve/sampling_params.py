@@ -96,6 +96,9 @@ class SamplingParams:
     # Under the engine's scheduling_policy "priority": lower runs first (vLLM's convention); ties go in the order
     # requests came. Other than 0 it is refused by a first-come-first-served engine.
     priority: int = 0
+    # Prefix caching among requests with the same salt only (vLLM's): tenants that keep theirs secret cannot
+    # reuse, or detect by its speed, another's cached prompt. Make it long and random (e.g. 32 random bytes).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +133,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         _int(self, "truncate_prompt_tokens", lo=1, optional=True)
         _int(self, "priority")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt={self.cache_salt!r} must be a non-empty string (or unset)")
         _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):

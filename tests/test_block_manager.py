@@ -16,8 +16,8 @@ from pagedserve.scheduler.request import Request, Sequence
 BS = 4
 
 
-def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    request = Request(f"r{seq_id}", list(tokens), SamplingParams(max_tokens=1))
+def make_seq(tokens: list[int], seq_id: int = 0, cache_salt: str | None = None) -> Sequence:
+    request = Request(f"r{seq_id}", list(tokens), SamplingParams(max_tokens=1, cache_salt=cache_salt))
     return Sequence(seq_id, request, list(tokens), sample_index=0)
 
 
@@ -61,6 +61,24 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
     assert bm.pool.ref_count(a.block_table[0]) == 2
     assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 10 + 11
+
+
+def test_a_salted_prefix_is_found_only_under_the_same_salt():
+    bm = BlockManager(32, BS)
+    prompt = list(range(10))
+    first = make_seq(prompt, 0, cache_salt="tenant-a")
+    admit(bm, first)
+    compute(bm, first, 10)
+    hits = []
+    for seq_id, salt in enumerate([None, "tenant-b", "tenant-a", "tenant-a2"], start=1):
+        seq = make_seq(prompt, seq_id, cache_salt=salt)
+        admit(bm, seq)
+        hits.append(seq.num_computed_tokens)
+        compute(bm, seq, 10 - seq.num_computed_tokens)
+    assert hits == [0, 0, 8, 0]
+    # the unsalted copy of the prompt is cached under its own hashes, as before
+    assert len(bm.get_computed_blocks(make_seq(prompt, 9))[0]) == 2
+    assert bm.get_computed_blocks(make_seq(prompt, 10, "tenant-c")) == ([], [])
 
 
 def test_reset_forgets_blocks_and_prefixes_but_keeps_counting():

@@ -49,6 +49,29 @@ def test_the_router_finds_the_blocks_the_block_manager_cached():
     assert leading(cached_mask(summarize(bm.pool.cached_hashes()), prefix_hashes(next_turn, BS))) == 0
 
 
+def test_the_router_hashes_a_salted_prompt_as_the_block_manager_files_it():
+    from types import SimpleNamespace
+
+    from pagedserve.cluster.prefix_router import ROUTED_METHOD, PrefixAwareRouter
+
+    bm = BlockManager(64, BS)
+    prompt = list(range(3 * BS))
+    seq = Sequence(0, Request("r", prompt, SamplingParams(cache_salt="s1")), list(prompt), sample_index=0)
+    assert bm.allocate_slots(seq, len(prompt)) is not None
+    seq.num_computed_tokens = len(prompt)
+    bm.cache_full_blocks(seq)
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.block_size = BS
+
+    def pending(salt):
+        return SimpleNamespace(metadata=SimpleNamespace(call_method=ROUTED_METHOD),
+                               args=[prompt, SamplingParams(cache_salt=salt), "rid"])
+
+    assert router.prompt_hashes(pending("s1")) == seq.block_hashes == prefix_hashes(prompt, BS, "s1")
+    assert not set(router.prompt_hashes(pending("s2"))) & set(seq.block_hashes)
+    assert not set(router.prompt_hashes(pending(None))) & set(seq.block_hashes)
+
+
 def test_prefix_hashes_cover_full_blocks_only():
     assert prefix_hashes(list(range(BS - 1)), BS) == []
     hashes = prefix_hashes(list(range(2 * BS + 1)), BS)

@@ -71,6 +71,7 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
     priority: int | None = None  # with the server's scheduling_policy "priority": lower runs first
+    cache_salt: str | None = None  # the prefix cache is shared only among requests with the same salt
     request_id: str | None = None  # the id to abort it by (gRPC Abort); one is made when absent
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens as "token_id:<id>" (vLLM's)
     # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
@@ -138,7 +139,7 @@ class _Sampling(_Body):
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                      "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
                      "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "stop",
-                     "allowed_token_ids", "truncate_prompt_tokens", "bad_words", "priority"):
+                     "allowed_token_ids", "truncate_prompt_tokens", "bad_words", "priority", "cache_salt"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value

@@ -110,7 +110,8 @@ class PrefixAwareRouter(RequestRouter):
         prompt = request.args[0]
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return []  # text: the engine tokenizes it; the ingress sends token ids when this router is on
-        return prefix_hashes(prompt, self.block_size)
+        params = request.args[1] if len(request.args) > 1 else None
+        return prefix_hashes(prompt, self.block_size, getattr(params, "cache_salt", None))
 
     def cached_blocks(self, replica: RunningReplica, hashes: list[int], now: float) -> int:
         """Leading blocks of the prompt that `replica` holds: published, or sent there lately by us."""

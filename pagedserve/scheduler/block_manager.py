@@ -19,10 +19,17 @@ def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
     return xxhash.xxh64_intdigest(prefix + array("q", token_ids).tobytes())
 
 
-def prefix_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
+def chain_root(cache_salt: str | None) -> int | None:
+    """The parent of a sequence's first block: None, or one derived from the request's `cache_salt`. A salted
+    prompt's blocks then hash (and are found) only under the same salt, so requests of other tenants can
+    neither reuse them nor tell from their speed that a prompt was seen."""
+    return None if cache_salt is None else xxhash.xxh64_intdigest(b"pagedserve-salt\x00" + cache_salt.encode())
+
+
+def prefix_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None = None) -> list[int]:
     """The chained hashes of every full block of `token_ids`, as the prefix cache files them."""
     hashes: list[int] = []
-    parent = None
+    parent = chain_root(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start:start + block_size])
         hashes.append(parent)
@@ -68,7 +75,7 @@ class BlockManager:
         bs = self.block_size
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent = None
+        parent = chain_root(seq.request.params.cache_salt)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
@@ -132,7 +139,7 @@ class BlockManager:
         step scheduled ahead computes it) waits: its hash needs that token."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_tokens) // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq.request.params.cache_salt)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
             if self.enable_prefix_caching:

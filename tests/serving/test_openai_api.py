@@ -271,6 +271,27 @@ def test_logprobs_name_tokens_by_id_when_asked(oai, model):
     assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
 
 
+def test_cached_prompts_are_shared_only_under_the_same_cache_salt(oai, model, client):
+    prompt = "Salted: a prompt of its own, long enough to fill a few blocks of the prefix cache. " * 2
+
+    def run(**extra) -> tuple[int, str]:
+        before = wait_idle()["prefix_cache_hits"]
+        out = oai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+        return wait_idle()["prefix_cache_hits"] - before, out.choices[0].text
+
+    first = run(cache_salt="tenant-a")
+    assert first[0] == 0
+    assert run(cache_salt="tenant-b") == (0, first[1])
+    assert run() == (0, first[1])
+    again = run(cache_salt="tenant-a")
+    assert again[0] >= 16 and again[1] == first[1]
+    before = wait_idle()["prefix_cache_hits"]
+    assert client.generate(prompt, max_tokens=4, temperature=0, cache_salt="tenant-b").text == first[1]
+    assert wait_idle()["prefix_cache_hits"] - before == again[0]
+    status, body = post("/v1/completions", {"prompt": prompt, "cache_salt": ""})
+    assert status == 400 and body["error"]["param"] == "cache_salt"
+
+
 def test_unsupported_fields_are_refused_by_name(oai, model):
     for kwargs, field in [
         (dict(response_format={"type": "xml"}), "response_format"),
