@@ -118,7 +118,7 @@ def chat_options_to_proto(add_generation_prompt: bool | None = None, continue_fi
     docs = []
     for i, doc in enumerate(documents or []):
         if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
-            raise ValueError(f"documents[{i}] must be a dict of strings, got {_short(doc)}")
+            raise ValueError(f"documents[{i}] must be a dict of strings, got {doc!r:.60}")
         docs.append(pb.Document(fields=doc))
     return pb.ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message, chat_template_kwargs=kwargs,
@@ -140,8 +140,3 @@ def chat_options_from_proto(options: pb.ChatTemplateOptions) -> ChatOptions:
     add = options.add_generation_prompt if options.HasField("add_generation_prompt") else True
     documents = [dict(d.fields) for d in options.documents] or None
     return ChatOptions(add, options.continue_final_message, kwargs, documents, options.add_special_tokens)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
