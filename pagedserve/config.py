@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.scheduler.scheduler import POLICIES
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -52,8 +54,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(_DTYPES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {POLICIES}")
         if self.executor not in ("local", "ray"):
             raise ValueError(f"executor={self.executor!r} must be 'local' or 'ray'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -71,6 +71,8 @@ class SlotWorker:
             assert start <= len(table), f"update of slot {slot} from {start} leaves a gap"
             table[start:] = ids  # what a freed slot held before is never read, so drop it here
         assert len(set(batch.slots)) == batch.num_rows, "two rows share a slot"
+        held = {b for slot in batch.slots for b in self.tables[slot]}
+        assert all(dst in held for _, dst in batch.block_copies), "a copy into a block no row of the step holds"
         row_context: list[list[int]] = []
         for r in range(batch.num_rows):
             q = input_ids[batch.cu_seqlens_q[r]:batch.cu_seqlens_q[r + 1]]
@@ -330,6 +332,21 @@ def test_priority_admits_the_most_urgent_first_and_preempts_the_least_urgent_for
                            (urgent, [9] * 5, 4)]:
         assert outputs(req)[0] == expected(prompt, n, 0)
     assert sched.block_manager.num_free_blocks == 64
+
+
+def test_a_sequence_preempted_for_an_urgent_one_leaves_no_rows_or_copies_in_the_step():
+    sched, worker = make(block_size=4, max_num_seqs=2, policy="priority")
+    low = add(sched, "low", [1] * 5, max_tokens=6, n=2, priority=1)
+    step(sched, worker)  # prefill; the draw forks it into two samples sharing the partial second block
+    urgent = add(sched, "urgent", [2] * 5, max_tokens=3, n=2, priority=0)
+    batch = step(sched, worker)
+    # both samples had their rows, and the first its copy-on-write of the shared block, before the urgent
+    # request (two seats) preempted them: none of it may reach the worker
+    assert rows(sched, batch) == ["urgent"] and batch.block_copies == []
+    assert sched.num_preemptions == 2
+    run(sched, worker)
+    assert outputs(low) == {i: expected([1] * 5, 6, i) for i in range(2)}
+    assert outputs(urgent) == {i: expected([2] * 5, 3, i) for i in range(2)}
 
 
 def test_priority_preempts_for_blocks_and_orders_the_queue():
