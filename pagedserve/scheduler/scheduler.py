@@ -60,10 +60,7 @@ class Scheduler:
         request.arrival = next(self._arrivals)
         self.requests[request.request_id] = request
         self.seqs[seq.seq_id] = seq
-        if self.by_priority:
-            bisect.insort(self.waiting, seq, key=_urgency)
-        else:
-            self.waiting.append(seq)
+        self._enqueue(self.waiting, seq)
 
     def check_admissible(self, request: Request) -> None:
         """Raise ValueError naming the field if the request can never run."""
@@ -191,7 +188,7 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self._run(seq)
+            self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)
             copies.extend(seq_copies)
             scheduled.append((seq, num_new))
@@ -336,7 +333,7 @@ class Scheduler:
                     bm.fork(seq, child)
                     child.status = SequenceStatus.RUNNING
                     self.seqs[child.seq_id] = child
-                    self._run(child)
+                    self._enqueue(self.running, child)
                     request.sequences.append(child)
                     targets.append(child)
             for j, target in enumerate(targets):
@@ -359,11 +356,12 @@ class Scheduler:
         elif self._ends_by_length(seq, seq.num_tokens):
             self.finish(seq, "length")
 
-    def _run(self, seq: Sequence) -> None:
+    def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
+        """Into the running or waiting queue: at its place in order of urgency ("priority"), else at the end."""
         if self.by_priority:
-            bisect.insort(self.running, seq, key=_urgency)
+            bisect.insort(queue, seq, key=_urgency)
         else:
-            self.running.append(seq)
+            queue.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._free_blocks(seq)
