@@ -26,7 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from pagedserve.scheduler.block_manager import prefix_hashes
 
-ROUTED_METHOD = "generate_deltas"  # the one EngineServer method whose first argument is the prompt
+ROUTED_METHOD = "generate_deltas"  # the one EngineServer method taking (prompt, params, ...)
 _MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
 
 
@@ -110,8 +110,7 @@ class PrefixAwareRouter(RequestRouter):
         prompt = request.args[0]
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return []  # text: the engine tokenizes it; the ingress sends token ids when this router is on
-        params = request.args[1] if len(request.args) > 1 else None
-        return prefix_hashes(prompt, self.block_size, getattr(params, "cache_salt", None))
+        return prefix_hashes(prompt, self.block_size, request.args[1].cache_salt)
 
     def cached_blocks(self, replica: RunningReplica, hashes: list[int], now: float) -> int:
         """Leading blocks of the prompt that `replica` holds: published, or sent there lately by us."""
