@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.loader import ModelSource
@@ -95,7 +97,11 @@ class LocalExecutor:
         self.worker.init_kv_pool(self.num_blocks)  # a fresh pool: nothing cached survives a failure
 
     def shutdown(self) -> None:
-        pass
+        self.worker = None  # the model and the KV pool go now
+        if self.device_type == "cuda":
+            # Give the freed pool back to the driver: left cached, a later engine of this process would
+            # carve its weights out of it and find no room for its own pool.
+            torch.cuda.empty_cache()
 
     async def check_health(self) -> None:
         pass  # the worker is this process

@@ -245,20 +245,19 @@ def test_tuning_sweep_times_every_point_and_checks_it():
     shapes then try each split count with their fastest tiles, and the time budget cuts it short."""
     from benchmarks import kernels as bench
 
-    cpu = torch.device("cpu")
     shapes = [bench.DecodeShape(2, 40, 4, 2, 64), bench.PrefillShape(1, 24, 16, 4, 2, 64)]
     decode_points = bench.grid(decode_n=(16, 32), decode_warps=(4,), decode_stages=(1,))
-    rows = bench.sweep(shapes[:1], cpu, True, decode_points, (1, 2), time.monotonic() + 600)
+    rows = bench.sweep(shapes[:1], DEVICE, True, decode_points, (1, 2), time.monotonic() + 600)
     assert [(r["point"]["decode_n"], r["splits"]) for r in rows] == [(16, None), (32, None), (rows[2]["point"][
         "decode_n"], 1), (rows[2]["point"]["decode_n"], 2)]
     assert all(r["err"] < bench.MAX_REL_ERR and r["us"] > 0 and r["rate"] > 0 for r in rows)
     assert rows[2]["point"] == min(rows[:2], key=lambda r: r["us"])["point"]
     prefill_points = bench.grid(prefill_m=(32,), prefill_n=(16,), prefill_warps=(4,), prefill_stages=(1,))
-    rows += bench.sweep(shapes[1:], cpu, True, prefill_points, (1, 2), time.monotonic() + 600)
+    rows += bench.sweep(shapes[1:], DEVICE, True, prefill_points, (1, 2), time.monotonic() + 600)
     assert rows[-1]["splits"] is None and rows[-1]["err"] < bench.MAX_REL_ERR  # no split counts for prefill
     pick = bench.closest_to_fastest(rows[:4])
     assert pick is not None and pick[0] == rows[2]["point"] and pick[1] == 1.0
-    late = bench.sweep(shapes, cpu, True, decode_points, (1,), time.monotonic() - 1)
+    late = bench.sweep(shapes, DEVICE, True, decode_points, (1,), time.monotonic() - 1)
     assert [r["failed"] for r in late] == ["skipped: past the time budget"] * 2 * len(decode_points)
 
 

@@ -39,10 +39,13 @@ class Worker:
         self.model_config = model_config
         self.rank = rank
         self.device = config.torch_device()
+        if self.device.type == "cuda":
+            if self.device.index is None:  # set_device refuses a bare "cuda", and tensors report "cuda:N"
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()  # the weights must not land inside a cached segment the pool needs whole
         self.dtype = config.torch_dtype(self.device, model_config.torch_dtype)
         self.max_model_len = max_model_len
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         if world_size > 1:
             _init_distributed(self.device, rank, world_size, dist_init_method)
         self.tp = TPLayout.make(model_config, rank, world_size)
@@ -66,7 +69,7 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
                                   self.sampler if self.rank == 0 else None,
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
-        if self.config.cuda_graphs:
+        if self.config.replays_graphs(self.device.type):
             if self.device.type == "cuda":
                 self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
             else:
