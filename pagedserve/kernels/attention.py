@@ -93,7 +93,10 @@ def _find_row(cu_q_ptr, tile, num_rows, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The kernels' `do_not_specialize` name their integer arguments that change from step to step. Triton would
+# otherwise compile a variant of a kernel for each of their values that is 1 or a multiple of 16 (and one for
+# the rest), mid-run: on an H100 those compilations cost seconds of the first minute's throughput.
+@triton.jit(do_not_specialize=["num_rows", "stride_table"])
 def _prefill_kernel(
     q_ptr, kv_ptr, cu_q_ptr, ctx_ptr, table_ptr, out_ptr,
     scale_log2, num_rows,
@@ -153,7 +156,7 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "stride_table"])
 def _decode_kernel(
     q_ptr, kv_ptr, cu_q_ptr, ctx_ptr, table_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, tokens_per_split, num_q_heads,
@@ -223,7 +226,7 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])
 def _merge_kernel(
     cu_q_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     tokens_per_split, num_splits, num_q_heads, stride_ot, stride_oh,
@@ -276,11 +279,11 @@ def _check_power_of_two(name: str, value: int, least: int) -> None:
         raise ValueError(f"Tiles.{name} must be a power of two of at least {least}, got {value}")
 
 
-# Starting points for H100/H200, checked only for register spills when compiled for sm_90 (not
-# timed yet). head_dim > 128 halves the tiles; fp32 storage (a debugging path) uses exact fp32
-# FMA dots, which need far more registers than tensor-core bf16/fp16 dots.
-GPU_TILES = Tiles(prefill_m=128, prefill_n=64, prefill_warps=8, prefill_stages=2,
-                  decode_n=64, decode_warps=4, decode_stages=3)
+# Timed on an H100 (benchmarks/kernels.py --sweep, bf16): the one point closest to the fastest on every
+# shape of the sweep. head_dim > 128 halves the tiles (not timed); fp32 storage (a debugging path) uses
+# exact fp32 FMA dots, which need far more registers than tensor-core bf16/fp16 dots.
+GPU_TILES = Tiles(prefill_m=128, prefill_n=32, prefill_warps=4, prefill_stages=3,
+                  decode_n=128, decode_warps=2, decode_stages=2)
 GPU_TILES_LARGE_D = Tiles(prefill_m=64, prefill_n=32, prefill_warps=4, prefill_stages=2,
                           decode_n=32, decode_warps=4, decode_stages=2)
 GPU_TILES_FP32 = Tiles(prefill_m=32, prefill_n=32, prefill_warps=8, prefill_stages=2,
