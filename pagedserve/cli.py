@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--executor", choices=["local", "ray"], default="local",
                      help="ray: worker actors on the Ray cluster of RAY_ADDRESS (else a local one)")
     gen.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    gen.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA only)")
+    gen.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                     help="replay decode steps from CUDA graphs (default: on CUDA)")
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
     register_client(sub)
     return parser

@@ -37,8 +37,9 @@ class EngineConfig:
     # computes on the node's cores shared among its replica's ranks, which replicas sharing a node of CPUs
     # then oversubscribe: give them worker_cpus that add up to the node's cores.
     worker_cpus: int | None = None
-    # Replay decode steps from CUDA graphs (CUDA only). Off until checked against HF on a GPU.
-    cuda_graphs: bool = False
+    # Replay decode steps from CUDA graphs. None: on when the workers run on CUDA (on an H100 a small model
+    # decodes several times faster: its eager step waits on kernel launches); a CPU has none.
+    cuda_graphs: bool | None = None
     # On a CPU in fp32, linear layers of a GGUF checkpoint compute from its own Q4_0/Q4_1/Q8_0 blocks (the
     # same weights as the fp32 conversion, a sixth to a quarter of the bytes per decode step); False: from fp32.
     gguf_linears: bool = True
@@ -64,9 +65,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs executor='ray'")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be true, false or null (auto)")
-        for name in ("cuda_graphs", "gguf_linears"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be true, false or null (auto)")
+        if not isinstance(self.gguf_linears, bool):
+            raise ValueError(f"gguf_linears={self.gguf_linears!r} must be true or false")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "worker_cpus"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -89,6 +91,10 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 8192 if device_type == "cuda" else 2048
+
+    def replays_graphs(self, device_type: str) -> bool:
+        """Whether decode steps replay CUDA graphs (`cuda_graphs`) for workers on `device_type`."""
+        return self.cuda_graphs if self.cuda_graphs is not None else device_type == "cuda"
 
     def schedules_ahead(self, device_type: str) -> bool:
         """Whether steps are scheduled ahead (`async_scheduling`) for workers on `device_type`."""

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from pagedserve import LLM
+from pagedserve.cli import _parser
+from pagedserve.config import EngineConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.cuda_graph import graph_batch_sizes
 
@@ -71,3 +73,20 @@ def test_captured_graphs_match_the_plain_path(tiny_llama):
     for (tokens_p, lp_p), (tokens_g, lp_g) in zip(plain, graphed, strict=True):
         assert tokens_g == tokens_p
         assert lp_g == pytest.approx(lp_p, abs=1e-4)
+
+
+def test_graphs_are_on_by_default_for_cuda_workers_only():
+    assert EngineConfig().replays_graphs("cuda") and not EngineConfig().replays_graphs("cpu")
+    assert not EngineConfig(cuda_graphs=False).replays_graphs("cuda")
+    assert EngineConfig(cuda_graphs=True).replays_graphs("cuda")
+    with pytest.raises(ValueError, match="cuda_graphs='yes' must be true, false or null"):
+        EngineConfig(cuda_graphs="yes")
+    # The command line leaves the choice to the engine unless told either way.
+    assert _parser().parse_args(["generate", "hi"]).cuda_graphs is None
+    assert _parser().parse_args(["generate", "hi", "--no-cuda-graphs"]).cuda_graphs is False
+
+
+def test_a_cpu_engine_left_at_the_default_replays_no_graphs(tiny_llama):
+    with LLM(tiny_llama, max_model_len=256, device="cpu") as llm:
+        assert llm.engine.config.cuda_graphs is None
+        assert llm.engine.executor.worker.runner.decode_graphs is None
