@@ -355,6 +355,20 @@ def test_unary_unavailable_is_retried(server):
     assert info["model"] == "tiny" and info["num_kv_blocks"] == 2**40 and info["tensor_parallel_size"] == 0
 
 
+def test_tokenize_leaves_special_tokens_to_the_server_unless_told(server):
+    """Unset, the server adds a tokenizer's special tokens to text (as to a prompt generated from text) and
+    not to messages; false or true is sent as such."""
+    servicer, target = server
+    with client_for(target) as client:
+        client.tokenize("ab")
+        client.tokenize("ab", add_special_tokens=False)
+        client.tokenize(messages=[{"role": "user", "content": "abc"}], add_special_tokens=True)
+    unset, off, on = servicer.requests
+    assert not unset.HasField("add_special_tokens")
+    assert off.HasField("add_special_tokens") and off.add_special_tokens is False
+    assert on.HasField("add_special_tokens") and on.add_special_tokens is True and on.messages
+
+
 def test_unavailable_after_first_message_is_raised_not_retried(server):
     servicer, target = server
 

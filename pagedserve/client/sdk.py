@@ -223,15 +223,16 @@ def _chat_request(messages: Sequence[dict[str, Any]], request_id: str, sampling:
                           parallel_tool_calls=parallel_tool_calls, template=template)
 
 
-def _tokenize_request(text: str | None, messages: Sequence[dict[str, Any]] | None, add_special_tokens: bool,
+def _tokenize_request(text: str | None, messages: Sequence[dict[str, Any]] | None, add_special_tokens: bool | None,
                       tools: Sequence[dict[str, Any]] | None, template: pb.ChatTemplateOptions) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("tokenize needs exactly one of text= or messages=")
-    if text is not None:  # the server refuses tools and template options with text, naming them
-        return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens, tools=tools_to_proto(tools),
-                                  template=template)
-    return pb.TokenizeRequest(messages=messages_to_proto(messages or []), add_special_tokens=add_special_tokens,
-                              tools=tools_to_proto(tools), template=template)
+    # The server refuses tools and template options with text, naming them.
+    prompt = {"text": text} if text is not None else {"messages": messages_to_proto(messages or [])}
+    request = pb.TokenizeRequest(**prompt, tools=tools_to_proto(tools), template=template)
+    if add_special_tokens is not None:  # unset: the server's default, true for text and false for messages
+        request.add_special_tokens = add_special_tokens
+    return request
 
 
 def _model_info_dict(response: pb.ModelInfoResponse) -> dict[str, Any]:
@@ -440,10 +441,11 @@ class Client(_Base):
         return acc.result()
 
     def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
-                 add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
+                 add_special_tokens: bool | None = None, tools: Sequence[dict[str, Any]] | None = None,
                  timeout: float | None = _CLIENT_DEFAULT, **template_options: Any) -> list[int]:
         """Token ids of `text`, or of the chat-template prompt for `messages` (offering `tools`, rendered
-        as `stream_chat`'s template options say)."""
+        as `stream_chat`'s template options say). `add_special_tokens` unset: the tokenizer's special tokens
+        (such as a BOS) are added to text, as to a prompt generated from text, and not to messages."""
         template = chat_options_to_proto(**template_options)
         request = _tokenize_request(text, messages, add_special_tokens, tools, template)
         return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
@@ -600,7 +602,7 @@ class AsyncClient(_Base):
         return acc.result()
 
     async def tokenize(self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, *,
-                       add_special_tokens: bool = False, tools: Sequence[dict[str, Any]] | None = None,
+                       add_special_tokens: bool | None = None, tools: Sequence[dict[str, Any]] | None = None,
                        timeout: float | None = _CLIENT_DEFAULT, **template_options: Any) -> list[int]:
         template = chat_options_to_proto(**template_options)
         request = _tokenize_request(text, messages, add_special_tokens, tools, template)

@@ -50,7 +50,7 @@ class EngineServer:
                         parallel_tool_calls: bool | None = None, options: ChatOptions | None = None) -> ChatPlan:
         return self.core.engine.chat_plan(messages, params, tools, tool_choice, parallel_tool_calls, options)
 
-    async def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool,
+    async def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool | None,
                        tools: list[dict[str, Any]] | None = None,
                        options: ChatOptions | None = None) -> tuple[list[int], list[str]]:
         return self.core.engine.tokenize(text, messages, add_special_tokens, tools, options)

@@ -74,7 +74,8 @@ class GrpcService(EngineClient):
         try:
             self._authorize_call(grpc_context)
             messages = messages_from_proto(request.messages)
-            ids, tokens = await self.engine.tokenize.remote(request.text, messages, request.add_special_tokens,
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+            ids, tokens = await self.engine.tokenize.remote(request.text, messages, special,
                                                             tools_from_proto(request.tools),
                                                             chat_options_from_proto(request.template))
             return pb.TokenizeResponse(token_ids=ids, tokens=tokens)

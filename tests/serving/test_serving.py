@@ -42,7 +42,9 @@ def test_chat_tokenize_model_info_health(client, offline):
     messages = [{"role": "user", "content": "Say hello."}]
     out = client.chat(messages, **GREEDY)
     assert out.token_ids == offline.chat(messages, SamplingParams(**GREEDY))[0].outputs[0].token_ids
-    assert client.tokenize(text="Hello world") == offline.tokenizer.encode("Hello world", add_special_tokens=False)
+    assert client.tokenize(text="Hello world") == offline.tokenizer.encode("Hello world")
+    assert client.tokenize(text="Hello world", add_special_tokens=False) == offline.tokenizer.encode(
+        "Hello world", add_special_tokens=False)
     info = client.model_info()
     assert info["max_model_len"] == MAX_MODEL_LEN and info["block_size"] == 16
     assert info["num_kv_blocks"] == POOL_BLOCKS and info["kv_capacity_tokens"] == POOL_BLOCKS * 16
