@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in four parts of about ten minutes each (not yet timed; no ray, no gguf needed):
+# The checks that need a GPU, in five parts meant to take under ten minutes each (no ray, no gguf needed). Timed
+# on an H100: correctness about 6 minutes (its tests 4, on a cold Triton cache); throughput's 256-request run 5,
+# the steps after it not yet; tune 3 (the whole grid); large under 5; profile not yet.
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
-#   bash benchmarks/gpu_check.sh throughput    # launches that wait for the GPU; host work per step (streamed and
-#                                              # final-only outputs, the served step loop); the sampler; 256 requests
-#                                              # vs HF generate and generate_batch, async scheduling on and off
+#   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch, async scheduling on
+#                                              # and off, a profile of decode steps; then launches that wait for the
+#                                              # GPU, host work per step (streamed and final-only outputs, the served
+#                                              # step loop), the sampler
 #   bash benchmarks/gpu_check.sh tune          # the kernels' tile shapes, warps, stages and split counts, timed
 #   bash benchmarks/gpu_check.sh large         # 128 requests on a Llama-3-8B-shaped model vs HF generate
+#   bash benchmarks/gpu_check.sh profile       # Nsight Compute on the prefill kernel (2048 new tokens, no prefix):
+#                                              # its speed of light, occupancy and stall reasons, and SDPA's beside it
 #
 # Logs and JSON land in $GPU_CHECK_OUT (default /tmp/gpu_check).
 set -uo pipefail
@@ -26,9 +31,9 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember a failure, go 
 }
 
 case "${1:-}" in
-correctness | throughput | tune | large) ;;
+correctness | throughput | tune | large | profile) ;;
 *)
-    echo "usage: $0 correctness|throughput|tune|large" >&2
+    echo "usage: $0 correctness|throughput|tune|large|profile" >&2
     exit 2
     ;;
 esac
@@ -44,14 +49,15 @@ correctness)
     step parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs
     ;;
 throughput)
+    # The headline run first (about 5 minutes): a part cut short by its caller's time limit still has it.
+    step throughput python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
+        --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs \
+        --sync-scheduling --profile-steps 8 --json "$out/throughput.json"
     step syncs python3 benchmarks/gpu_syncs.py
     step host_overhead python3 benchmarks/host_overhead.py
     step host_overhead_final python3 benchmarks/host_overhead.py --final-only --rounds 1
     step host_overhead_streams python3 benchmarks/host_overhead.py --streams 0 100 --rounds 1
     step sampler python3 benchmarks/sampler.py --vocab 151936 --device cuda
-    step throughput python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
-        --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs \
-        --sync-scheduling --profile-steps 8 --json "$out/throughput.json"
     ;;
 tune)
     step sweep python3 benchmarks/kernels.py --sweep --budget-s 480 --json "$out/sweep.json"
@@ -60,6 +66,20 @@ large)
     step throughput_8b python3 benchmarks/throughput.py --random llama-3-8b --dtype bfloat16 --num-requests 128 \
         --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --cuda-graphs --profile-steps 8 \
         --json "$out/throughput_8b.json"
+    ;;
+profile)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
+    # The first shape's second launch: the first is its check against the reference, the rest are timed.
+    # shellcheck disable=SC2086
+    step prefill_ncu "$ncu" --kernel-name regex:_prefill_kernel --launch-skip 1 --launch-count 1 $sections \
+        python3 benchmarks/kernels.py --only prefill
+    # SDPA's bf16 kernel on the same shape (flash, cuDNN or memory-efficient: whichever torch picks; the fp32
+    # reference's kernels do not match), for what the same work costs there.
+    # shellcheck disable=SC2086
+    step sdpa_ncu "$ncu" --kernel-name "regex:flash|cudnn|fmha_cutlassF_bf16" --launch-skip 1 --launch-count 1 $sections \
+        python3 benchmarks/kernels.py --only prefill
     ;;
 esac
 exit $status

@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/kernels.py --smoke    # tiny shapes on CPU (Triton interpreter)
     PYTHONPATH=. python benchmarks/kernels.py --sweep    # time a grid of tile shapes, warps, stages and
                                                          # split counts per shape; print the fastest
+    PYTHONPATH=. python benchmarks/kernels.py --only prefill   # the prefill shapes alone
 
 Decode: bf16, block_size 16, shuffled block tables; each result is checked against the plain-torch
 reference (fp32 on upcast inputs) and timed with triton.testing.do_bench (median). Bandwidth counts
@@ -413,6 +414,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time a grid of kernel configurations per shape")
     parser.add_argument("--budget-s", type=float, default=420.0, help="the sweep stops timing after this long")
     parser.add_argument("--json", help="write the sweep's every point here")
+    parser.add_argument("--only", choices=["decode", "prefill"],
+                        help="time only these shapes (e.g. under a profiler that follows one kernel)")
     args = parser.parse_args()
     if args.smoke:
         device = torch.device("cpu")
@@ -423,6 +426,8 @@ def main() -> None:
         device = torch.device("cuda")
         decode_shapes, prefill_shapes = GPU_DECODE, GPU_PREFILL
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {_triton_version()}")
+    if args.only:
+        decode_shapes, prefill_shapes = ((decode_shapes, []) if args.only == "decode" else ([], prefill_shapes))
     torch.manual_seed(0)
     if args.sweep:
         run_sweep(device, args.smoke, args.budget_s, args.json)

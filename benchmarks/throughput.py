@@ -113,6 +113,13 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
     if timeline:
         note += (f"; {timeline['steps']} decode steps of {timeline['rows']} rows: device busy "
                  f"{timeline['busy_fraction']:.0%}, largest idle gaps {timeline['largest_gaps_us']} µs")
+    print(f"{name}: {produced / elapsed:,.1f} output tokens/s ({elapsed:.1f} s; load {load:.1f} s); {note}",
+          flush=True)  # now, so that a later failure of the run does not lose it
+    if timeline:
+        print(f"  host time per decode step, by phase: {timeline['host_phases_us']} µs", flush=True)
+    for kind in ("host_ops", "device_ops") if timeline else ():
+        print(f"  {kind} per decode step:", "; ".join(f"{op['name']} x{op['calls_per_step']} {op['us_per_step']} µs"
+                                                   for op in timeline[kind]), flush=True)
     return {"name": name, "seconds": elapsed, "tokens": produced, "load_s": load, "note": note,
             "timeline": timeline}
 
@@ -146,7 +153,8 @@ def step_until_decoding(engine) -> None:
 
 def profile_decode(llm, prompts, outputs, steps: int) -> dict | None:
     """Profile `steps` engine steps once every request decodes (CUDA): the device's busy fraction and its
-    largest idle gaps. The requests are aborted after."""
+    largest idle gaps; the host time of the step's phases (scheduling, launching, waiting for the draws,
+    processing them), and the largest host and device ops. The requests are aborted after."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -161,10 +169,19 @@ def profile_decode(llm, prompts, outputs, steps: int) -> dict | None:
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
+    phases = [(engine, "_schedule"), (engine.executor, "launch"), (engine.executor, "collect"),
+              (engine, "_process")]
+    for obj, name in phases:  # instance attributes over the methods, for this profile only
+        setattr(obj, name, _labelled(getattr(obj, name), f"phase {name.lstrip('_')}"))
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+    finally:
+        for obj, name in phases:
+            delattr(obj, name)
+    phase_times = {e.key: round(e.cpu_time_total / steps, 1) for e in prof.key_averages() if e.key.startswith("phase")}
     events = prof.events()
     kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
     host = [e for e in events if e.device_type == DeviceType.CPU]
@@ -173,7 +190,26 @@ def profile_decode(llm, prompts, outputs, steps: int) -> dict | None:
     for rid in ids:
         engine.abort_request(rid)
     engine.step()  # processes the step still in flight
-    return device_timeline(kernels, span) | {"steps": steps, "rows": rows}
+    return device_timeline(kernels, span) | {"steps": steps, "rows": rows, "host_phases_us": phase_times,
+                                             "host_ops": top_ops(prof, "self_cpu_time_total", steps),
+                                             "device_ops": top_ops(prof, "self_device_time_total", steps)}
+
+
+def _labelled(fn, label: str):
+    from torch.profiler import record_function
+
+    def call(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return call
+
+
+def top_ops(prof, key: str, steps: int, limit: int = 12) -> list[dict]:
+    """The profile's `limit` largest ops by `key` (a FunctionEventAvg total, µs): where a step's host time or
+    device time goes, per step."""
+    ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
+    return [{"name": e.key[:60], "calls_per_step": round(e.count / steps, 1),
+             "us_per_step": round(getattr(e, key) / steps, 1)} for e in ops if getattr(e, key) > 0]
 
 
 def bench_llama_server(gguf: Path, prompts, outputs, args) -> dict:
