@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 from ray import serve
-from ray.exceptions import ActorDiedError
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
@@ -263,10 +263,14 @@ class EngineClient:
                 except (RequestCancelledError, asyncio.CancelledError):
                     if not running.aborted:
                         raise
-                except ActorDiedError:
+                except RayActorError:
+                    # The replica died, or Serve cannot reach it and calls it unavailable (as it may a replica
+                    # just killed, before its death is known): nothing of the request reached the client, so
+                    # it runs on a replica the router still trusts. Should an unreachable one still be running
+                    # it, that run ends by its own limits, its output read by no one.
                     if started or running.aborted or attempt + 1 == _RUNS_PER_REQUEST:
                         raise
-                    continue  # nothing of it reached the client: the router has dropped the dead replica
+                    continue
                 break
             if running.aborted:
                 left = [i for i in range(params.n) if i not in finished]

@@ -1,0 +1,90 @@
+"""The ingress's retry of a request whose replica failed it: run again while nothing of it reached the client,
+whichever way Ray reports the replica gone; ended once something did. (The same on a real Serve app, with a
+replica killed under load: tests/serving/test_prefix_routing.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from pagedserve.cluster.deltas import Delta
+from pagedserve.cluster.engine_server import EngineClient
+from pagedserve.sampling_params import SamplingParams
+
+
+class _Stream:
+    """One call's streamed deltas; an exception among them is raised where it stands."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for item in self.items:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Replicas:
+    """Stands in for the EngineServer handle: call i streams `runs[i]`."""
+
+    def __init__(self, runs: list[list]) -> None:
+        self.runs = runs
+        self.calls = 0
+
+    def options(self, stream: bool) -> _Replicas:
+        return self
+
+    @property
+    def generate_deltas(self) -> _Replicas:
+        return self
+
+    def remote(self, prompt, params, request_id) -> _Stream:
+        self.calls += 1
+        return _Stream(self.runs[self.calls - 1])
+
+
+def _collect(client: EngineClient) -> list[Delta]:
+    async def run() -> list[Delta]:
+        return [d async for d in client.deltas([1, 2, 3], SamplingParams(max_tokens=2), "r")]
+    return asyncio.run(run())
+
+
+def _done(text: str) -> Delta:
+    return Delta("r", 0, text, [7], finish_reason="length", final=True)
+
+
+@pytest.mark.parametrize("gone", [ActorDiedError(), ActorUnavailableError("connection lost", None)],
+                         ids=["died", "unavailable"])
+def test_a_request_failed_before_its_first_delta_runs_again(gone):
+    replicas = _Replicas([[gone], [gone], [_done("ok")]])
+    assert [d.text for d in _collect(EngineClient(replicas))] == ["ok"]
+    assert replicas.calls == 3
+
+
+def test_a_request_runs_at_most_three_times():
+    replicas = _Replicas([[ActorUnavailableError("connection lost", None)]] * 4)
+    with pytest.raises(ActorUnavailableError):
+        _collect(EngineClient(replicas))
+    assert replicas.calls == 3
+
+
+def test_a_request_that_sent_a_delta_ends_with_its_replica():
+    replicas = _Replicas([[Delta("r", 0, "a", [5]), ActorUnavailableError("connection lost", None)], [_done("b")]])
+    seen: list[str] = []
+
+    async def run() -> None:
+        async for d in EngineClient(replicas).deltas([1], SamplingParams(max_tokens=2), "r"):
+            seen.append(d.text)
+
+    with pytest.raises(ActorUnavailableError):
+        asyncio.run(run())
+    assert seen == ["a"] and replicas.calls == 1  # never run twice where the client has part of it
