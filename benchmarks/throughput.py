@@ -111,13 +111,19 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
         "" if async_scheduling else " (async_scheduling=False)")
     note = f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"
     if timeline:
-        note += (f"; {timeline['steps']} decode steps of {timeline['rows']} rows: device busy "
-                 f"{timeline['busy_fraction']:.0%}, largest idle gaps {timeline['largest_gaps_us']} µs")
+        note += (f"; {timeline['steps']} decode steps of {timeline['rows']} rows: "
+                 f"{timeline['step_us_unprofiled']} µs a step unprofiled")
+    if timeline and "busy_us" in timeline:
+        note += (f" for {timeline['device_us_per_step']} µs of device work "
+                 f"({timeline['busy_fraction_unprofiled']:.0%} busy; {timeline['busy_fraction']:.0%} profiled, "
+                 f"largest idle gaps {timeline['largest_gaps_us']} µs)")
     print(f"{name}: {produced / elapsed:,.1f} output tokens/s ({elapsed:.1f} s; load {load:.1f} s); {note}",
           flush=True)  # now, so that a later failure of the run does not lose it
     if timeline:
         print(f"  host time per decode step, by phase: {timeline['host_phases_us']} µs", flush=True)
     for kind in ("host_ops", "device_ops") if timeline else ():
+        if kind not in timeline:
+            continue
         print(f"  {kind} per decode step:", "; ".join(f"{op['name']} x{op['calls_per_step']} {op['us_per_step']} µs"
                                                    for op in timeline[kind]), flush=True)
     return {"name": name, "seconds": elapsed, "tokens": produced, "load_s": load, "note": note,
@@ -136,7 +142,7 @@ def device_timeline(kernels: list[tuple[float, float]], span: tuple[float, float
     busy = sum(end - start for start, end in merged)
     gaps = sorted((b[0] - a[1] for a, b in itertools.pairwise(merged)), reverse=True)
     return {"busy_fraction": busy / max(span[1] - span[0], 1e-9), "largest_gaps_us": [round(g) for g in gaps[:5]],
-            "kernels": len(kernels), "span_us": round(span[1] - span[0])}
+            "kernels": len(kernels), "span_us": round(span[1] - span[0]), "busy_us": round(busy)}
 
 
 def all_decoding(engine) -> bool:
@@ -151,48 +157,68 @@ def step_until_decoding(engine) -> None:
         engine.step()
 
 
-def profile_decode(llm, prompts, outputs, steps: int) -> dict | None:
-    """Profile `steps` engine steps once every request decodes (CUDA): the device's busy fraction and its
-    largest idle gaps; the host time of the step's phases (scheduling, launching, waiting for the draws,
-    processing them), and the largest host and device ops. The requests are aborted after."""
+def profile_decode(llm, prompts, outputs, steps: int) -> dict:
+    """Profile `steps` engine steps once every request decodes, run as `LLM.generate` runs them: the host
+    time of the step's phases (scheduling, launching, waiting for the draws, processing them) and its largest
+    ops, and the step's time unprofiled (the profiler adds host time to every op it records). On CUDA also
+    the device's work per step, its busy fraction (profiled and unprofiled), its largest idle gaps and ops.
+    The requests are aborted after."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from pagedserve import SamplingParams
 
-    if not torch.cuda.is_available():
-        return None
     engine = llm.engine
-    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n + steps + 64, ignore_eos=True))
-           for p, n in zip(prompts, outputs, strict=True)]
+    on_cuda = engine.executor.device_type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    ids = []
+    for p, n in zip(prompts, outputs, strict=True):
+        request = engine.make_request(p, SamplingParams(temperature=0, max_tokens=n + 2 * steps + 64,
+                                                        ignore_eos=True))
+        request.final_output_only = True  # as `LLM.generate` runs the timed requests: no output built per step
+        engine.enqueue(request)
+        ids.append(request.request_id)
     step_until_decoding(engine)
     for _ in range(4):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    plain_step_us = (time.perf_counter() - start) / steps * 1e6
     phases = [(engine, "_schedule"), (engine.executor, "launch"), (engine.executor, "collect"),
               (engine, "_process")]
     for obj, name in phases:  # instance attributes over the methods, for this profile only
         setattr(obj, name, _labelled(getattr(obj, name), f"phase {name.lstrip('_')}"))
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=activities) as prof:
             for _ in range(steps):
                 engine.step()
-            torch.cuda.synchronize()
+            sync()
     finally:
         for obj, name in phases:
             delattr(obj, name)
-    phase_times = {e.key: round(e.cpu_time_total / steps, 1) for e in prof.key_averages() if e.key.startswith("phase")}
-    events = prof.events()
-    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
-    host = [e for e in events if e.device_type == DeviceType.CPU]
-    span = (min(e.time_range.start for e in host), max(e.time_range.end for e in host))
     rows = len(engine.scheduler.running)
     for rid in ids:
         engine.abort_request(rid)
     engine.step()  # processes the step still in flight
-    return device_timeline(kernels, span) | {"steps": steps, "rows": rows, "host_phases_us": phase_times,
-                                             "host_ops": top_ops(prof, "self_cpu_time_total", steps),
-                                             "device_ops": top_ops(prof, "self_device_time_total", steps)}
+    result = {"steps": steps, "rows": rows, "step_us_unprofiled": round(plain_step_us),
+              "host_phases_us": {e.key: round(e.cpu_time_total / steps, 1) for e in prof.key_averages()
+                                 if e.key.startswith("phase")},
+              "host_ops": top_ops(prof, "self_cpu_time_total", steps)}
+    if not on_cuda:
+        return result
+    events = prof.events()
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    timeline = device_timeline(kernels, (min(e.time_range.start for e in host), max(e.time_range.end for e in host)))
+    # The device's work per step against the step's time unprofiled: how busy it is when nothing watches.
+    device_step_us = timeline["busy_us"] / steps
+    return result | timeline | {"device_us_per_step": round(device_step_us),
+                                "busy_fraction_unprofiled": device_step_us / plain_step_us,
+                                "device_ops": top_ops(prof, "self_device_time_total", steps)}
 
 
 def _labelled(fn, label: str):
@@ -316,7 +342,8 @@ def main() -> None:
     p.add_argument("--sync-scheduling", action="store_true",
                    help="also time pagedserve with async_scheduling=False (each step scheduled after the last)")
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="CUDA: after each pagedserve run, profile this many decode steps (device busy fraction)")
+                   help="after each pagedserve run, profile this many decode steps (host time by phase; on CUDA "
+                        "the device's busy fraction)")
     p.add_argument("--fp32-linears", action="store_true",
                    help="also time pagedserve with gguf_linears=False (a GGUF model's linear layers on fp32)")
     p.add_argument("--json", type=Path, default=None, help="write results here too")

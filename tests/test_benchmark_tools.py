@@ -26,3 +26,23 @@ def test_synthetic_tokenizer_has_the_vocabulary_asked_for(tmp_path):
     for i in range(len(drawn)):
         detok.update(0, drawn[: i + 1], 0, skip_special_tokens=True, stop=[])
     assert detok.text(0) == tok.decode(drawn) and len(detok.text(0)) > 400
+
+
+def test_decode_profile_runs_the_steps_as_generate_does_and_leaves_nothing_behind(tiny_random):
+    """The throughput script's profile of decode steps (what a GPU run reports on the host side): it times
+    and profiles steps of final-output-only requests, and leaves the engine with no request and no block."""
+    from benchmarks.throughput import profile_decode
+    from pagedserve import LLM
+
+    with LLM(tiny_random, max_model_len=256, max_num_seqs=4, kv_cache_memory="8MiB") as llm:
+        rng = random.Random(5)
+        prompts = [[rng.randrange(100, 4000) for _ in range(n)] for n in (9, 30, 17)]
+        timeline = profile_decode(llm, prompts, [4, 4, 4], steps=3)
+        assert timeline["steps"] == 3 and timeline["rows"] == 3 and timeline["step_us_unprofiled"] > 0
+        assert sorted(timeline["host_phases_us"]) == ["phase collect", "phase launch", "phase process",
+                                                      "phase schedule"]
+        assert all(us > 0 for us in timeline["host_phases_us"].values()) and timeline["host_ops"]
+        assert "busy_us" not in timeline  # no device timeline off CUDA
+        engine = llm.engine
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
