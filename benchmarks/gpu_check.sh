@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in five parts meant to take under ten minutes each (no ray, no gguf needed). Timed
+# The checks that need a GPU, in six parts meant to take under ten minutes each (no ray, no gguf needed). Timed
 # on an H100: correctness about 6 minutes (its tests 4, on a cold Triton cache); throughput's 256-request run 5,
-# the steps after it not yet; tune 3 (the whole grid); large under 5; profile not yet.
+# the steps after it not yet; tune 3 (the whole grid); large under 5; host and profile not yet.
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch, async scheduling on
 #                                              # and off, a profile of decode steps; then launches that wait for the
 #                                              # GPU, host work per step (streamed and final-only outputs, the served
 #                                              # step loop), the sampler
+#   bash benchmarks/gpu_check.sh host          # where a decode step's host time goes, without the HF peers: the
+#                                              # graphed 256-request run with its profile, launches that wait for the
+#                                              # GPU (eager and graphed), host work per step
 #   bash benchmarks/gpu_check.sh tune          # the kernels' tile shapes, warps, stages and split counts, timed
 #   bash benchmarks/gpu_check.sh large         # 128 requests on a Llama-3-8B-shaped model vs HF generate
 #   bash benchmarks/gpu_check.sh profile       # Nsight Compute on the prefill kernel (2048 new tokens, no prefix):
@@ -31,9 +34,9 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember a failure, go 
 }
 
 case "${1:-}" in
-correctness | throughput | tune | large | profile) ;;
+correctness | throughput | host | tune | large | profile) ;;
 *)
-    echo "usage: $0 correctness|throughput|tune|large|profile" >&2
+    echo "usage: $0 correctness|throughput|host|tune|large|profile" >&2
     exit 2
     ;;
 esac
@@ -58,6 +61,14 @@ throughput)
     step host_overhead_final python3 benchmarks/host_overhead.py --final-only --rounds 1
     step host_overhead_streams python3 benchmarks/host_overhead.py --streams 0 100 --rounds 1
     step sampler python3 benchmarks/sampler.py --vocab 151936 --device cuda
+    ;;
+host)
+    step throughput_profile python3 benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
+        --prompt-len 100 1024 --output-len 256 256 --skip-hf --skip-pagedserve --cuda-graphs --profile-steps 8 \
+        --json "$out/throughput_profile.json"
+    step syncs python3 benchmarks/gpu_syncs.py
+    step syncs_graphs python3 benchmarks/gpu_syncs.py --cuda-graphs
+    step host_overhead_final python3 benchmarks/host_overhead.py --final-only --rounds 1
     ;;
 tune)
     step sweep python3 benchmarks/kernels.py --sweep --budget-s 480 --json "$out/sweep.json"
