@@ -156,10 +156,18 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-@triton.jit(do_not_specialize=["tokens_per_split", "stride_table"])
+@triton.jit
+def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per slice of a row's context cut into `num_splits` (whole KV tiles; at least one tile): each row
+    is cut by its own length, not the batch's bound, so a long row of a batch bounded by max_model_len (a
+    CUDA graph's) still spreads over every slice, and a short one over a few."""
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx_len, BLOCK_N), num_splits), 1) * BLOCK_N
+
+
+@triton.jit(do_not_specialize=["stride_table"])
 def _decode_kernel(
     q_ptr, kv_ptr, cu_q_ptr, ctx_ptr, table_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, tokens_per_split, num_q_heads,
+    scale_log2, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -174,12 +182,11 @@ def _decode_kernel(
         return
     ctx_len = tl.load(ctx_ptr + row).to(tl.int32)
     if SPLIT:
-        lo = split * tokens_per_split
+        per_split = _split_len(ctx_len, tl.num_programs(2), BLOCK_N)
+        lo = split * per_split
         if lo >= ctx_len:  # the merge ignores splits past the row's length
             return
-        hi = tl.minimum(lo + tokens_per_split, ctx_len)
-        if split == tl.num_programs(2) - 1:  # a too-small max_context_len hint must not drop keys
-            hi = ctx_len
+        hi = tl.minimum(lo + per_split, ctx_len)
     else:
         lo = 0
         hi = ctx_len
@@ -226,18 +233,19 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     cu_q_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    tokens_per_split, num_splits, num_q_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_splits, num_q_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_q_ptr + row)
     if tl.load(cu_q_ptr + row + 1) - q_start != 1:
         return
-    used = tl.minimum(tl.cdiv(tl.load(ctx_ptr + row), tokens_per_split), num_splits)  # splits that saw keys
+    ctx_len = tl.load(ctx_ptr + row).to(tl.int32)
+    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))  # splits that saw keys
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < used
     offs_d = tl.arange(0, BLOCK_D)
@@ -406,8 +414,10 @@ def paged_attention(
         splits = num_kv_splits(num_rows, num_kv_heads, max_context, tiles.decode_n, query.device, split_kv)
     else:
         splits = min(num_splits, triton.cdiv(max_context, tiles.decode_n))
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, tiles.decode_n), splits) * tiles.decode_n
-    splits = max(1, triton.cdiv(max_context, tokens_per_split))  # drop slices that would always be empty
+    # Slices that the longest row (at most max_context) would leave empty are dropped; each row is then cut
+    # into that many by its own length (`_split_len`).
+    splits = max(1, triton.cdiv(max_context, triton.cdiv(triton.cdiv(max_context, tiles.decode_n), splits)
+                                * tiles.decode_n))
     if splits > 1:
         part_out = torch.empty(num_rows, num_q_heads, splits, block_d, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_rows, num_q_heads, splits, dtype=torch.float32, device=query.device)
@@ -415,15 +425,16 @@ def paged_attention(
         part_out = part_lse = out  # unused
     _decode_kernel[(num_rows, num_kv_heads, splits)](
         query, kv_cache, cu_seqlens_q, context_lens, block_tables, out, part_out, part_lse,
-        scale_log2, tokens_per_split, num_q_heads,
+        scale_log2, num_q_heads,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.decode_n, SPLIT=splits > 1,
         num_warps=tiles.decode_warps, num_stages=tiles.decode_stages, **common,
     )
     if splits > 1:
         _merge_kernel[(num_rows, num_q_heads)](
             cu_seqlens_q, context_lens, out, part_out, part_lse,
-            tokens_per_split, splits, num_q_heads, out.stride(0), out.stride(1),
+            splits, num_q_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            BLOCK_N=tiles.decode_n,
             num_warps=1 if block_d <= 64 else 2,
         )
     return out
