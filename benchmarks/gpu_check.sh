@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_check.sh host          # where a decode step's host time goes, without the HF peers: the
 #                                              # graphed 256-request run with its profile, launches that wait for the
 #                                              # GPU (eager and graphed), host work per step
-#   bash benchmarks/gpu_check.sh tune          # the kernels' tile shapes, warps, stages and split counts, timed
+#   bash benchmarks/gpu_check.sh tune          # the kernels' tile shapes, warps, stages, prefill launch order and
+#                                              # split counts, timed
 #   bash benchmarks/gpu_check.sh large         # 128 requests on a Llama-3-8B-shaped model vs HF generate
 #   bash benchmarks/gpu_check.sh profile       # Nsight Compute on the prefill kernel (2048 new tokens, no prefix):
 #                                              # its speed of light, occupancy and stall reasons, and SDPA's beside it

@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/kernels.py            # H100/H200: the shapes below
     PYTHONPATH=. python benchmarks/kernels.py --smoke    # tiny shapes on CPU (Triton interpreter)
-    PYTHONPATH=. python benchmarks/kernels.py --sweep    # time a grid of tile shapes, warps, stages and
-                                                         # split counts per shape; print the fastest
+    PYTHONPATH=. python benchmarks/kernels.py --sweep    # time a grid of tile shapes, warps, stages, the
+                                                         # prefill launch order and split counts per shape;
+                                                         # print the fastest
     PYTHONPATH=. python benchmarks/kernels.py --only prefill   # the prefill shapes alone
 
 Decode: bf16, block_size 16, shuffled block tables; each result is checked against the plain-torch
@@ -73,10 +74,12 @@ def grid(**axes: tuple) -> list[dict]:
 
 # Sweep grids: about 120 compilations and 200 timings on the GPU, within a few minutes.
 GPU_DECODE_SWEEP = grid(decode_n=(32, 64, 128), decode_warps=(2, 4, 8), decode_stages=(2, 3, 4))
-GPU_PREFILL_SWEEP = grid(prefill_m=(64, 128), prefill_n=(32, 64, 128), prefill_warps=(4, 8), prefill_stages=(2, 3))
+GPU_PREFILL_SWEEP = grid(prefill_m=(64, 128), prefill_n=(32, 64, 128), prefill_warps=(4, 8), prefill_stages=(2, 3),
+                         prefill_heavy_first=(False, True))
 GPU_SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
 SMOKE_DECODE_SWEEP = grid(decode_n=(16, 32), decode_warps=(4,), decode_stages=(1,))
-SMOKE_PREFILL_SWEEP = grid(prefill_m=(32, 64), prefill_n=(16, 32), prefill_warps=(4,), prefill_stages=(1,))
+SMOKE_PREFILL_SWEEP = grid(prefill_m=(32, 64), prefill_n=(16, 32), prefill_warps=(4,), prefill_stages=(1,),
+                           prefill_heavy_first=(False, True))
 SMOKE_SPLIT_SWEEP = (1, 3)
 
 

@@ -158,6 +158,9 @@ def test_random_batches(seed):
     for split_kv in (False, True):
         assert_close(run_triton(query, poisoned, cu, ctx, tables, head_dim ** -0.5, split_kv=split_kv), expected,
                      dtype)
+    # The prefill query tiles launched last first compute the same.
+    heavy_first = replace(attention.INTERPRETER_TILES, prefill_heavy_first=True)
+    assert_close(run_triton(query, poisoned, cu, ctx, tables, head_dim ** -0.5, tiles=heavy_first), expected, dtype)
 
 
 def test_default_call_allocates_output_in_query_dtype():
@@ -214,15 +217,15 @@ def test_split_heuristic():
 
 def test_tile_overrides_and_split_counts_match_reference():
     """Other block shapes and exact split counts, as the tuning sweep (benchmarks/kernels.py --sweep) times
-    them, compute the same attention: tiles narrower and wider than a pool block, split counts from one to
-    more than the row has tiles."""
+    them, compute the same attention: tiles narrower and wider than a pool block, prefill tiles launched in
+    either order, split counts from one to more than the row has tiles."""
     rows = [(1, 150), (20, 70), (1, 33), (5, 5), (1, 1)]
     query, kv, poisoned, cu, ctx, tables = make_batch(rows, 4, 2, 64, 16, torch.float16, seed=11)
     expected = reference_fp32(query, kv, cu, ctx, tables, 0.125)
     for tiles in (attention.Tiles(prefill_m=16, prefill_n=64, prefill_warps=2, prefill_stages=3,
                                   decode_n=64, decode_warps=2, decode_stages=3),
                   attention.Tiles(prefill_m=64, prefill_n=32, prefill_warps=8, prefill_stages=1,
-                                  decode_n=32, decode_warps=8, decode_stages=2)):
+                                  decode_n=32, decode_warps=8, decode_stages=2, prefill_heavy_first=True)):
         for num_splits in (None, 1, 3, 100):
             assert_close(run_triton(query, poisoned, cu, ctx, tables, 0.125, tiles=tiles, num_splits=num_splits),
                          expected, torch.float16)

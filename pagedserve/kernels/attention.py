@@ -104,9 +104,13 @@ def _prefill_kernel(
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     tile = tl.program_id(0)
+    if HEAVY_FIRST:
+        # Programs start in launch order: reversed, each row's last query tiles (which see the most keys
+        # under the causal mask) start before its first ones, and the grid's last wave holds light tiles.
+        tile = tl.num_programs(0) - 1 - tile
     kv_head = tl.program_id(1)
     row = _find_row(cu_q_ptr, tile, num_rows, BLOCK_Q)
     q_start = tl.load(cu_q_ptr + row).to(tl.int32)
@@ -270,6 +274,8 @@ class Tiles:
     decode_n: int  # keys per decode KV tile
     decode_warps: int
     decode_stages: int
+    # Launch the prefill query tiles last first: the heaviest of each row (the most keys) start earliest.
+    prefill_heavy_first: bool = False
 
     def __post_init__(self) -> None:
         # tl.dot needs every dimension a power of two of at least 16; warps are a power of two too.
@@ -405,7 +411,7 @@ def paged_attention(
         grid = (num_tokens // block_q + num_rows, num_kv_heads)
         _prefill_kernel[grid](
             query, kv_cache, cu_seqlens_q, context_lens, block_tables, out, scale_log2, num_rows,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.prefill_n,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.prefill_n, HEAVY_FIRST=tiles.prefill_heavy_first,
             num_warps=tiles.prefill_warps, num_stages=tiles.prefill_stages, **common,
         )
 
