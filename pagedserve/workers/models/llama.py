@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.backend import AttentionContext
+from pagedserve.kernels.norm import rms_norm
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
@@ -26,11 +27,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _one_kernel(x):
+            return rms_norm(x, self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm (fp32 variance, cast before the weight).
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of `residual + x`, and that sum (the residual stream's next value; on CUDA `residual`
+        itself, updated in place)."""
+        if _one_kernel(x) and _one_kernel(residual):
+            return rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self(residual), residual
+
+
+def _one_kernel(x: torch.Tensor) -> bool:
+    """Whether `x` is rows the fused Triton RMSNorm takes: on CUDA, [T, H] contiguous in H."""
+    return x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
 
 
 def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
@@ -115,10 +131,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x`: the layer before's output, still to be added to the residual stream `residual` (before the
+        first layer: the stream itself, and `residual` None). Returns this layer's output and the stream
+        before it: each residual add is done by the norm after it, in one kernel on CUDA."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, ctx), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -147,9 +170,10 @@ class CausalLM(nn.Module):
         """input_ids, positions [T]; kv_caches [L, 2, N, B, Hkv, D]. Returns hidden states [T, H]."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.cos_sin(positions, ctx.token_seq_lens, h.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_caches[i], ctx)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_caches[i], ctx)
+        return self.model.norm.add_forward(h, residual)[0] if residual is not None else self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V] (on every rank)."""
