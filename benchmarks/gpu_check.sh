@@ -48,7 +48,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 case "${1:-}" in
 correctness)
     step tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_norm_kernel.py \
-        tests/test_cuda_graph.py
+        tests/test_rope_kernel.py tests/test_cuda_graph.py
     step kernels python3 benchmarks/kernels.py
     step parity python3 benchmarks/gpu_parity.py
     step parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs

@@ -84,8 +84,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
         ctx.backend.write_kv_cache(k, v, kv_cache, ctx.slot_mapping)
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,

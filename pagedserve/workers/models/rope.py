@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from pagedserve.kernels.rope import rotate_qk
 from pagedserve.workers.models.config import ModelConfig
 
 
@@ -74,6 +75,16 @@ class RotaryEmbedding(torch.nn.Module):
             inv.append(_inv_freq(base, self.dim, positions.device))
         freqs = positions.float()[:, None] * torch.stack(inv)  # [T, D/2]
         return freqs.cos(), freqs.sin()
+
+    @staticmethod
+    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated: on CUDA in place, in one Triton kernel (the same roundings
+        as `apply`), else by `apply`."""
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            rotate_qk(q, k, cos, sin)
+            return q, k
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
