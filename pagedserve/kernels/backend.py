@@ -38,6 +38,12 @@ class AttentionBackend:
     write_kv_cache: WriteKVCache
     paged_attention: PagedAttention
 
+    @property
+    def fuses_layers(self) -> bool:
+        """Whether the model's RMSNorms and rotary embeddings run as Triton kernels too (`norm.py`,
+        `rope.py`): with the Triton backend, where Triton is there and a step's launches count."""
+        return self.name == "triton"
+
 
 @dataclass
 class AttentionContext:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.backend import AttentionContext
-from pagedserve.kernels.norm import rms_norm
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
@@ -26,8 +25,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _one_kernel(x):
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: in one Triton kernel (`kernels/norm.py`) where `x` is rows [T, H]."""
+        if fused and _rows(x):
+            from pagedserve.kernels.norm import rms_norm
+
             return rms_norm(x, self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm (fp32 variance, cast before the weight).
         dtype = x.dtype
@@ -35,18 +37,21 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm of `residual + x`, and that sum (the residual stream's next value; on CUDA `residual`
-        itself, updated in place)."""
-        if _one_kernel(x) and _one_kernel(residual):
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of `residual + x`, and that sum (the residual stream's next value). `fused`: add and norm
+        in one Triton kernel, `residual` updated in place."""
+        if fused and _rows(x) and _rows(residual):
+            from pagedserve.kernels.norm import rms_norm
+
             return rms_norm(x, self.weight, self.eps, residual), residual
         residual = residual + x
         return self(residual), residual
 
 
-def _one_kernel(x: torch.Tensor) -> bool:
-    """Whether `x` is rows the fused Triton RMSNorm takes: on CUDA, [T, H] contiguous in H."""
-    return x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
+def _rows(x: torch.Tensor) -> bool:
+    """Whether `x` is rows the Triton RMSNorm takes: [T, H], contiguous in H."""
+    return x.dim() == 2 and x.stride(-1) == 1
 
 
 def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
@@ -84,7 +89,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin, fused=ctx.backend.fuses_layers)
         ctx.backend.write_kv_cache(k, v, kv_cache, ctx.slot_mapping)
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,
@@ -134,12 +139,14 @@ class DecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """`x`: the layer before's output, still to be added to the residual stream `residual` (before the
         first layer: the stream itself, and `residual` None). Returns this layer's output and the stream
-        before it: each residual add is done by the norm after it, in one kernel on CUDA."""
+        before it: each residual add is done by the norm after it, in one kernel with the Triton backend."""
+        fused = ctx.backend.fuses_layers
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm(x, fused)
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, ctx), residual)
+            h, residual = self.input_layernorm.add_forward(x, residual, fused)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, ctx), residual,
+                                                                fused)
         return self.mlp(h), residual
 
 
@@ -172,7 +179,10 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_caches[i], ctx)
-        return self.model.norm.add_forward(h, residual)[0] if residual is not None else self.model.norm(h)
+        fused = ctx.backend.fuses_layers
+        if residual is None:  # no layers
+            return self.model.norm(h, fused)
+        return self.model.norm.add_forward(h, residual, fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V] (on every rank)."""

@@ -9,7 +9,6 @@ import math
 
 import torch
 
-from pagedserve.kernels.rope import rotate_qk
 from pagedserve.workers.models.config import ModelConfig
 
 
@@ -77,11 +76,13 @@ class RotaryEmbedding(torch.nn.Module):
         return freqs.cos(), freqs.sin()
 
     @staticmethod
-    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D] and k [T, Hkv, D] rotated: on CUDA in place, in one Triton kernel (the same roundings
-        as `apply`), else by `apply`."""
-        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated by `apply`; `fused`: in place, in one Triton kernel
+        (`kernels/rope.py`, the same roundings)."""
+        if fused and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from pagedserve.kernels.rope import rotate_qk
+
             rotate_qk(q, k, cos, sin)
             return q, k
         return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
