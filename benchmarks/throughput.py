@@ -169,8 +169,8 @@ def profile_decode(llm, prompts, outputs, steps: int) -> dict:
     from pagedserve import SamplingParams
 
     engine = llm.engine
-    on_cuda = engine.executor.device_type == "cuda"
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    device = engine.executor.device_type
+    on_cuda = device == "cuda"
     ids = []
     for p, n in zip(prompts, outputs, strict=True):
         request = engine.make_request(p, SamplingParams(temperature=0, max_tokens=n + 2 * steps + 64,
@@ -181,11 +181,11 @@ def profile_decode(llm, prompts, outputs, steps: int) -> dict:
     step_until_decoding(engine)
     for _ in range(4):
         engine.step()
-    sync()
+    sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    sync()
+    sync(device)
     plain_step_us = (time.perf_counter() - start) / steps * 1e6
     phases = [(engine, "_schedule"), (engine.executor, "launch"), (engine.executor, "collect"),
               (engine, "_process")]
@@ -196,7 +196,7 @@ def profile_decode(llm, prompts, outputs, steps: int) -> dict:
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 engine.step()
-            sync()
+            sync(device)
     finally:
         for obj, name in phases:
             delattr(obj, name)

@@ -63,10 +63,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
         if self.tensor_parallel_size > 1 and self.executor != "ray":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs executor='ray'")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be true, false or null (auto)")
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be true, false or null (auto)")
+        for name in _ON_FOR_CUDA:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be true, false or null (auto)")
         if not isinstance(self.gguf_linears, bool):
             raise ValueError(f"gguf_linears={self.gguf_linears!r} must be true or false")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "worker_cpus"):
@@ -94,11 +94,20 @@ class EngineConfig:
 
     def replays_graphs(self, device_type: str) -> bool:
         """Whether decode steps replay CUDA graphs (`cuda_graphs`) for workers on `device_type`."""
-        return self.cuda_graphs if self.cuda_graphs is not None else device_type == "cuda"
+        return self._on_for_cuda("cuda_graphs", device_type)
 
     def schedules_ahead(self, device_type: str) -> bool:
         """Whether steps are scheduled ahead (`async_scheduling`) for workers on `device_type`."""
-        return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
+        return self._on_for_cuda("async_scheduling", device_type)
+
+    def _on_for_cuda(self, name: str, device_type: str) -> bool:
+        """Setting `name` of `_ON_FOR_CUDA` as set, or when null (auto) whether the workers run on CUDA."""
+        value = getattr(self, name)
+        return value if value is not None else device_type == "cuda"
+
+
+# Settings that are true, false or null: null turns them on where the workers run on CUDA.
+_ON_FOR_CUDA = ("async_scheduling", "cuda_graphs")
 
 
 def ray_hosted_config(settings: EngineConfig | dict[str, Any]) -> EngineConfig:

@@ -421,9 +421,9 @@ def paged_attention(
     else:
         splits = min(num_splits, triton.cdiv(max_context, tiles.decode_n))
     # Slices that the longest row (at most max_context) would leave empty are dropped; each row is then cut
-    # into that many by its own length (`_split_len`).
-    splits = max(1, triton.cdiv(max_context, triton.cdiv(triton.cdiv(max_context, tiles.decode_n), splits)
-                                * tiles.decode_n))
+    # into that many by its own length (`_split_len`, as the longest row is cut here).
+    longest_per_split = triton.cdiv(triton.cdiv(max_context, tiles.decode_n), splits) * tiles.decode_n
+    splits = max(1, triton.cdiv(max_context, longest_per_split))
     if splits > 1:
         part_out = torch.empty(num_rows, num_q_heads, splits, block_d, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_rows, num_q_heads, splits, dtype=torch.float32, device=query.device)
