@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedserve.reasoning import ReasoningStart
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tool_calls import (
     HERMES_CLOSE,
@@ -26,7 +27,7 @@ from pagedserve.tool_calls import (
 )
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")
+_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "reasoning", "reasoning_content")
 
 _HERMES_TOOLS_PROMPT = """# Tools
 
@@ -47,11 +48,13 @@ XML tags:
 @dataclass
 class ChatPlan:
     """What a chat request becomes: the prompt's token ids, the sampling parameters (with the output
-    constraint the tool choice asks for), and how to parse the samples' tool calls (None: no tools in play)."""
+    constraint the tool choice asks for), how to parse the samples' tool calls (None: no tools in play), and
+    where their reasoning begins (None: no reasoning parser; see `pagedserve.reasoning`)."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
+    reasoning: ReasoningStart | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,10 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise ValueError(f"{where}.content must be a string")
         message["content"] = content
+        reasoning = _check_reasoning(where, m)
+        if reasoning is not None:
+            # Both names, to whichever a template reads (Qwen3's and DeepSeek-R1's: reasoning_content)
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if m.get("tool_call_id") is not None:
             if role != "tool":
                 raise ValueError(f"{where}.tool_call_id: only tool messages answer a tool call")
@@ -152,6 +159,21 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             message["tool_call_id"] = m["tool_call_id"]
         out.append(message)
     return out
+
+
+def _check_reasoning(where: str, message: dict[str, Any]) -> str | None:
+    """An assistant message's earlier reasoning, sent back as `reasoning` (vLLM's) or `reasoning_content`."""
+    given = {name: message[name] for name in ("reasoning", "reasoning_content") if message.get(name) is not None}
+    if not given:
+        return None
+    if message["role"] != "assistant":
+        raise ValueError(f"{where}.{next(iter(given))}: only assistant messages carry reasoning")
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise ValueError(f"{where}.{name} must be a string")
+    if len(set(given.values())) > 1:
+        raise ValueError(f"{where}: reasoning and reasoning_content differ: give one")
+    return next(iter(given.values()))
 
 
 def _check_call(where: str, call: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.reasoning import check_reasoning_parser
 from pagedserve.scheduler.scheduler import POLICIES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -47,6 +48,9 @@ class EngineConfig:
     # the workers, so that the device need not wait for the host between steps. None: on when the workers
     # run on CUDA; off on a CPU, where a step computes when it runs, so scheduling ahead would only delay outputs.
     async_scheduling: bool | None = None
+    # Parse a reasoning model's thinking (`<think>...</think>`) out of its chat answers, and start a request's
+    # output constraint after it: "qwen3" or "deepseek_r1" (pagedserve/reasoning.py); None: no parsing.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -67,6 +71,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true, false or null (auto)")
+        check_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.gguf_linears, bool):
             raise ValueError(f"gguf_linears={self.gguf_linears!r} must be true or false")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "worker_cpus"):

@@ -20,6 +20,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
 from pagedserve.executor import Executor, WorkerFailure, make_executor
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStart, ReasoningTags
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
@@ -53,6 +54,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         self.tokenizer = _load_tokenizer(self.source)
+        self.reasoning_tags = self._reasoning_tags()  # before the workers start: a wrong setting fails fast
         self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
         self.num_failures = 0
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -146,6 +148,32 @@ class LLMEngine:
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting_requests()
 
+    def _reasoning_tags(self) -> ReasoningTags | None:
+        """The reasoning parser and the token ids of `<think>` and `</think>`, when one is set; ValueError
+        naming it if this model's tokenizer does not write them as tokens of their own that its text keeps."""
+        parser = self.config.reasoning_parser
+        if parser is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"reasoning_parser={parser!r} needs a tokenizer, and this model has none")
+        ids = []
+        for tag in (THINK_OPEN, THINK_CLOSE):
+            encoded = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(encoded) != 1 or encoded[0] >= self.model_config.vocab_size:
+                raise ValueError(f"reasoning_parser={parser!r} is for models that write their reasoning between "
+                                 f"{THINK_OPEN} and {THINK_CLOSE} tokens; this model's tokenizer has no {tag} token")
+            if encoded[0] in self.tokenizer.all_special_ids:
+                raise ValueError(f"reasoning_parser={parser!r}: this model's tokenizer counts {tag} as a special "
+                                 "token, which outputs drop from their text (skip_special_tokens)")
+            ids.append(encoded[0])
+        return ReasoningTags(parser, *ids)
+
+    def reasoning_start(self, prompt_token_ids: list[int]) -> ReasoningStart | None:
+        """Where a sample of the prompt begins (see `pagedserve.reasoning`); None without a reasoning parser."""
+        if self.reasoning_tags is None:
+            return None
+        return self.reasoning_tags.start(prompt_token_ids, self.tokenizer.decode)
+
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     options: ChatOptions | None = None) -> list[int]:
         """The model's chat template applied to `messages` (and `tools`, OpenAI's shapes), as token ids;
@@ -178,7 +206,7 @@ class LLMEngine:
             params = dataclasses.replace(params, structured_outputs=constraint)
         shown = offered if choice.mode != "none" else []  # "none": the model is not told of tools it may not call
         ids = template.render(messages, shown, options)
-        return ChatPlan(ids, params, parsing)
+        return ChatPlan(ids, params, parsing, self.reasoning_start(ids))
 
     def _chat_template(self) -> ChatTemplate:
         if self._template is None:
@@ -219,7 +247,8 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer; this model has none")
         if self._grammars is None:
-            self._grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                            self.reasoning_tags)
         return self._grammars
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -10,6 +10,7 @@ from pagedserve.chat import ChatOptions
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
+from pagedserve.reasoning import split_reasoning
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tool_calls import ToolCallStream
 
@@ -82,8 +83,10 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
         `tools`, `tool_choice` and `parallel_tool_calls` as OpenAI's; with tools, each output's `tool_calls`
-        holds the calls parsed from its text. `add_generation_prompt`, `continue_final_message`,
-        `chat_template_kwargs`, `documents` and `add_special_tokens` as vLLM's (see `ChatOptions`)."""
+        holds the calls parsed from its text. With a `reasoning_parser`, each output's `reasoning` holds the
+        thinking before its answer (its calls are parsed from the answer alone). `add_generation_prompt`,
+        `continue_final_message`, `chat_template_kwargs`, `documents` and `add_special_tokens` as vLLM's (see
+        `ChatOptions`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = sampling_params if sampling_params is not None else SamplingParams()
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {}, documents,
@@ -96,10 +99,13 @@ class LLM:
                 raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         outputs = self.generate([p.prompt_token_ids for p in plans], [p.params for p in plans])
         for plan, out in zip(plans, outputs, strict=True):
-            if plan.tool_parsing is not None:
-                for c in out.outputs:
+            for c in out.outputs:
+                answer = c.text
+                if plan.reasoning is not None:
+                    c.reasoning, answer = split_reasoning(plan.reasoning, c.text, final=True)
+                if plan.tool_parsing is not None:
                     stream = ToolCallStream(plan.tool_parsing)
-                    stream.update(c.text, final=True)
+                    stream.update(answer, final=True)
                     c.tool_calls = stream.calls
         return outputs
 

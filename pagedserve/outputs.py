@@ -30,6 +30,9 @@ class CompletionOutput:
     # The calls parsed from `text` when a chat offered tools (`LLM.chat(..., tools=...)`); `text` stays
     # what the model wrote.
     tool_calls: list[ToolCall] | None = None
+    # The thinking parsed from `text` when the engine has a reasoning parser (`LLM.chat`); None without one.
+    # The calls above are parsed from the answer after it.
+    reasoning: str | None = None
 
     @property
     def finished(self) -> bool:

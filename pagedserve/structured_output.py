@@ -1,6 +1,11 @@
 """Structured outputs: constraints compiled by xgrammar against the tokenizer's vocabulary, one matcher per
 constrained sequence, and each step's allowed-token bitmasks for the sampler.
 
+With a reasoning parser (`EngineConfig.reasoning_parser`) a constraint shapes the answer, not the thinking
+before it, as with vLLM: a sequence that begins inside a thinking block draws freely until its closing tag
+(`pagedserve.reasoning`), and the grammar begins after it; one that may open a block may start with the
+opening tag.
+
 xgrammar over llguidance (benchmarks/grammar_backends.py, figures in benchmarks/RESULTS.md): a step's
 mask takes 6-7 us with xgrammar 0.2.8 against 82-90 us with llguidance 1.9.1 on the embedded tokenizer
 and a nested schema; llguidance compiles faster (2.7 ms against 7.3 ms), but a compile is cached per
@@ -13,8 +18,12 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from pagedserve.reasoning import ReasoningStart, ReasoningTags
 from pagedserve.sampling_params import StructuredOutputs
 from pagedserve.scheduler.batch import StepBatch
 
@@ -26,10 +35,23 @@ log = logging.getLogger(__name__)
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 
 
-class GrammarManager:
-    """Compiles constraints (cached by constraint), keeps a matcher per constrained sequence, fills masks."""
+@dataclass
+class _Constrained:
+    """A constrained sequence's grammar state."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    start: ReasoningStart  # where its output begins ("answer" without a reasoning parser)
+    begins: int | None = None  # the output index where the grammar begins, once known
+    scanned: int = 0  # output tokens searched for the closing tag so far
+    matcher: object | None = None
+    accepted: int = 0  # output tokens from `begins` on that the matcher has taken
+
+
+class GrammarManager:
+    """Compiles constraints (cached by constraint), keeps a matcher per constrained sequence, fills masks.
+    `reasoning`: the engine's reasoning parser and its tags, or None."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 reasoning: ReasoningTags | None = None) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -37,9 +59,11 @@ class GrammarManager:
                                                   stop_token_ids=list(eos_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._matchers: dict[int, tuple[object, int]] = {}  # seq_id -> (matcher, output tokens accepted)
+        self._seqs: dict[int, _Constrained] = {}  # by seq_id
         self._broken: set[int] = set()  # sequences whose last token the grammar refused
         self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._reasoning = reasoning
 
     def compile(self, constraint: StructuredOutputs) -> object:
         """The compiled grammar (cached); ValueError naming the field when it does not compile."""
@@ -68,22 +92,49 @@ class GrammarManager:
             self._compiled.popitem(last=False)
         return compiled
 
-    def _matcher(self, seq: Sequence) -> object:
-        """The sequence's matcher, caught up with its output tokens (a fork's child starts its own)."""
-        entry = self._matchers.get(seq.seq_id)
-        if entry is None:
-            entry = (self._xgr.GrammarMatcher(self.compile(seq.request.params.structured_outputs)), 0)
-        matcher, accepted = entry
+    def _state(self, seq: Sequence) -> _Constrained:
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            start: ReasoningStart = "answer"
+            if self._reasoning is not None:
+                start = self._reasoning.start(seq.request.prompt_token_ids, self._tokenizer.decode)
+            state = self._seqs[seq.seq_id] = _Constrained(start)
+        return state
+
+    def _begins(self, seq: Sequence, state: _Constrained) -> int | None:
+        """Where in the output the grammar begins; None while the sequence is reasoning."""
+        if state.start == "answer":
+            state.begins = 0
+        if state.begins is not None:
+            return state.begins
         output = seq.output_token_ids
-        for token in output[accepted:]:
+        if state.start == "may_open" and output[:1] != [self._reasoning.open_id]:
+            if not output:
+                return 0  # for now: the first token may still open a thinking block (`_mask`)
+            state.begins = 0
+            return 0
+        for i in range(state.scanned, len(output)):
+            if output[i] == self._reasoning.close_id:
+                state.begins = i + 1
+                break
+        state.scanned = len(output)
+        return state.begins
+
+    def _matcher(self, seq: Sequence, state: _Constrained, begins: int) -> object:
+        """The sequence's matcher, caught up with its output tokens from `begins` (a fork's child starts its
+        own)."""
+        if state.matcher is None:
+            state.matcher = self._xgr.GrammarMatcher(self.compile(seq.request.params.structured_outputs))
+        output = seq.output_token_ids
+        for token in output[begins + state.accepted:]:
             # The mask allows only what the matcher accepts, so this is a bug if it happens; should it, the
             # sequence ends here (advance says complete) rather than failing every request of the step.
-            if not matcher.accept_token(token):
+            if not state.matcher.accept_token(token):
                 log.warning("sequence %d: token %d does not fit its grammar; ending it", seq.seq_id, token)
                 self._broken.add(seq.seq_id)
                 break
-        self._matchers[seq.seq_id] = (matcher, len(output))
-        return matcher
+        state.accepted = len(output) - begins
+        return state.matcher
 
     def fill_masks(self, batch: StepBatch, running: list[Sequence]) -> None:
         """Set `token_bitmask` on the batch's constrained samples (all draws of a spec share its state). A
@@ -103,22 +154,35 @@ class GrammarManager:
 
     def late_masks(self, batch: StepBatch, seqs: dict[int, Sequence]) -> list[bytes | None]:
         """The masks of `batch.late_masks`, once the step before it has been processed; None for a sequence
-        that has ended meanwhile (its draw is discarded)."""
+        that has ended meanwhile (its draw is discarded) or is still reasoning (its draw is free)."""
         masks: list[bytes | None] = []
         for i in batch.late_masks:
             seq = seqs.get(batch.samples[i].seq_id)
             masks.append(None if seq is None or seq.finished else self._mask(seq))
         return masks
 
-    def _mask(self, seq: Sequence) -> bytes:
+    def _mask(self, seq: Sequence) -> bytes | None:
+        """The allowed tokens of the sequence's next draw; None while it is reasoning (no constraint)."""
+        state = self._state(seq)
+        begins = self._begins(seq, state)
+        if begins is None:
+            return None
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
-        self._matcher(seq).fill_next_token_bitmask(bitmask, 0)
-        return bitmask.numpy().tobytes()
+        self._matcher(seq, state, begins).fill_next_token_bitmask(bitmask, 0)
+        words = bitmask.numpy().view(np.uint32)
+        if state.start == "may_open" and not seq.output_token_ids:
+            open_id = self._reasoning.open_id
+            words[0, open_id // 32] |= np.uint32(1 << (open_id % 32))
+        return words.tobytes()
 
     def advance(self, seq: Sequence) -> bool:
         """Take the sequence's new tokens; True when the grammar has reached its end (or cannot go on)."""
-        return self._matcher(seq).is_terminated() or seq.seq_id in self._broken
+        state = self._state(seq)
+        begins = self._begins(seq, state)
+        if begins is None:
+            return False
+        return self._matcher(seq, state, begins).is_terminated() or seq.seq_id in self._broken
 
     def release(self, seq_id: int) -> None:
-        self._matchers.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
         self._broken.discard(seq_id)

@@ -66,7 +66,27 @@ def tiny_random(tmp_path_factory, embedded_dir) -> str:
     return f"random:{d / 'config.json'}"
 
 
+@pytest.fixture(scope="session")
+def thinking_random(tmp_path_factory, tiny_random) -> str:
+    """`tiny_random` as a reasoning model: `<think>` and `</think>` are tokens of their own (ids 49152 and
+    49153, kept in the text, as Qwen3's), and the template's `thinking` variable opens a thinking block after
+    the generation prompt (as Qwen3-Thinking's and DeepSeek-R1's templates do)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    d = tmp_path_factory.mktemp("thinking_random")
+    shutil.copytree(tiny_random.removeprefix("random:").rsplit("/", 1)[0], d, dirs_exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<think>", "</think>")])
+    tokenizer.save(str(d / "tokenizer.json"))
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 2)))
+    template = d / "chat_template.jinja"
+    template.write_text(template.read_text() + THINKING_ON)
+    return f"random:{d / 'config.json'}"
+
+
 DOCUMENTS = ("{% if documents %}{{ '<|im_start|>system\nDocuments:\n' }}{% for d in documents %}"
              "{{ d.title ~ ': ' ~ d.text ~ '\n' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}")
 THINKING_OFF = ("{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
                 "{{ '<think>\n\n</think>\n\n' }}{% endif %}")
+THINKING_ON = ("{% if add_generation_prompt and thinking is defined and thinking %}{{ '<think>\n' }}{% endif %}")
