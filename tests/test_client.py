@@ -620,6 +620,21 @@ def test_cli_stream_chat_loop_and_info(server, capsys, monkeypatch):
     assert capsys.readouterr().err == "error: NOT_FOUND: scripted failure\n"
 
 
+def test_cli_chat_prints_the_reasoning_to_stderr(server, capsys):
+    servicer, target = server
+
+    def thinks(request, context):
+        yield pb.GenerateResponse(request_id="r", reasoning="Two and two.")
+        yield pb.GenerateResponse(request_id="r", reasoning=" Four.", text="4",
+                                  finish_reason=pb.FINISH_REASON_STOP)
+
+    servicer.script = thinks
+    for stream in ([], ["--stream"]):
+        assert cli_main("client", "chat", "2 + 2?", *stream, "--target", target) == 0
+        out = capsys.readouterr()
+        assert out.out == "4\n" and out.err == "Two and two. Four.\n"
+
+
 def test_offline_cli_does_not_import_grpc():
     code = ("import sys, pagedserve.cli as c; c._parser().parse_args(['generate', 'hi']); "
             "c._parser().parse_args(['client', 'info']); assert 'grpc' not in sys.modules, 'grpc imported'")

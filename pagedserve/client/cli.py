@@ -90,12 +90,20 @@ def _system(args: argparse.Namespace) -> list[dict[str, str]]:
 
 
 def _print_stream(stream: Any) -> str:
+    """Print a stream's text to stdout (its reasoning, where the server parses it out, to stderr); the text."""
     parts = []
+    thought = False
     with stream:
         for chunk in stream:
+            if chunk.reasoning:
+                thought = True
+                sys.stderr.write(chunk.reasoning)
+                sys.stderr.flush()
             parts.append(chunk.text)
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+    if thought:
+        sys.stderr.write("\n")
     sys.stdout.write("\n")
     sys.stdout.flush()
     return "".join(parts)
@@ -111,9 +119,11 @@ def _generate(client: Any, args: argparse.Namespace) -> None:
 def _chat_turn(client: Any, messages: list[dict[str, str]], args: argparse.Namespace) -> str:
     if args.stream:
         return _print_stream(client.stream_chat(messages, **_sampling(args)))
-    text = client.chat(messages, **_sampling(args)).text
-    print(text, flush=True)
-    return text
+    done = client.chat(messages, **_sampling(args))
+    if done.reasoning:  # stdout holds only the answers
+        print(done.reasoning, file=sys.stderr, flush=True)
+    print(done.text, flush=True)
+    return done.text
 
 
 def _chat_loop(client: Any, args: argparse.Namespace) -> None:

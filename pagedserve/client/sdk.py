@@ -77,7 +77,8 @@ class StreamChunk:
     is None unless logprobs were asked for (then a list, possibly empty); `prompt_logprobs` is on the
     request's first chunk when asked for (one per prompt token after the first). A chat with tools puts the
     calls' new parts in `tool_calls` (and only the content in `text`); finish_reason is then "tool_calls"
-    where the model called tools.
+    where the model called tools. Where the server has a reasoning parser, a chat's thinking comes in
+    `reasoning` (and only the answer in `text`).
     """
 
     index: int
@@ -90,6 +91,7 @@ class StreamChunk:
     stop_reason: str | int | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass
@@ -103,11 +105,13 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass
 class Completion:
-    """A finished request. `text`, `token_ids`, `finish_reason`, `logprobs` and `tool_calls` are choice 0's."""
+    """A finished request. `text`, `token_ids`, `finish_reason`, `logprobs`, `tool_calls` and `reasoning` are
+    choice 0's."""
 
     choices: list[Choice]
     usage: dict[str, int] = field(default_factory=dict)
@@ -134,6 +138,10 @@ class Completion:
     def tool_calls(self) -> list[ToolCall]:
         return self.choices[0].tool_calls if self.choices else []
 
+    @property
+    def reasoning(self) -> str:
+        return self.choices[0].reasoning if self.choices else ""
+
 
 class _Accumulator:
     """Joins a request's chunks into a `Completion`, so `generate()` is exactly the joined `stream()`."""
@@ -149,6 +157,7 @@ class _Accumulator:
         if choice is None:
             choice = self._choices[chunk.index] = Choice(chunk.index)
         choice.text += chunk.text
+        choice.reasoning += chunk.reasoning
         choice.token_ids.extend(chunk.token_ids)
         join_deltas(choice.tool_calls, chunk.tool_calls)
         if chunk.logprobs is not None:
@@ -198,6 +207,7 @@ def _to_chunk(response: pb.GenerateResponse, sampling: pb.SamplingParams) -> Str
         prompt_logprobs=([_logprob(lp) for lp in response.prompt_logprobs]
                          if with_prompt_logprobs and response.prompt_logprobs else None),
         tool_calls=[ToolCallDelta(t.index, t.arguments, t.id or None, t.name or None) for t in response.tool_calls],
+        reasoning=response.reasoning,
     )
 
 
@@ -217,10 +227,12 @@ def _template_options(keywords: dict[str, Any]) -> pb.ChatTemplateOptions:
 
 def _chat_request(messages: Sequence[dict[str, Any]], request_id: str, sampling: pb.SamplingParams,
                   tools: Sequence[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-                  parallel_tool_calls: bool | None, template: pb.ChatTemplateOptions) -> pb.ChatRequest:
+                  parallel_tool_calls: bool | None, template: pb.ChatTemplateOptions,
+                  include_reasoning: bool | None) -> pb.ChatRequest:
     return pb.ChatRequest(request_id=request_id, messages=messages_to_proto(messages), sampling=sampling,
                           tools=tools_to_proto(tools), tool_choice=tool_choice_to_proto(tool_choice),
-                          parallel_tool_calls=parallel_tool_calls, template=template)
+                          parallel_tool_calls=parallel_tool_calls, template=template,
+                          include_reasoning=include_reasoning)
 
 
 def _tokenize_request(text: str | None, messages: Sequence[dict[str, Any]] | None, add_special_tokens: bool | None,
@@ -418,14 +430,16 @@ class Client(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    **sampling: Any) -> ResponseStream:
+                    include_reasoning: bool | None = None, **sampling: Any) -> ResponseStream:
         """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]). `tools`,
         `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes; the chat template
         options (`add_generation_prompt`, default true, `continue_final_message`, `chat_template_kwargs`,
-        `documents`, `add_special_tokens`) vLLM's; the other keywords are sampling parameters."""
+        `documents`, `add_special_tokens`) vLLM's; `include_reasoning=False` leaves the reasoning out (where
+        the server parses it); the other keywords are sampling parameters."""
         template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
-        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template)
+        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template,
+                                include_reasoning)
         return ResponseStream(self, self._stub.Chat, request, timeout, params)
 
     def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:
@@ -584,10 +598,11 @@ class AsyncClient(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    **sampling: Any) -> AsyncResponseStream:
+                    include_reasoning: bool | None = None, **sampling: Any) -> AsyncResponseStream:
         template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
-        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template)
+        request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template,
+                                include_reasoning)
         return AsyncResponseStream(self, self._stub.Chat, request, timeout, params)
 
     async def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.reasoning import ReasoningStart, ReasoningStream
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tool_calls import ToolCallDelta, ToolCallStream, ToolParsing
 
@@ -24,6 +25,8 @@ class Delta:
     prompt_logprobs: list[Logprob] | None = None  # on the request's first delta, when asked for
     # With tools in play: the calls' new parts (then `text` is the new content, what is not a call)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    # With a reasoning parser: the thinking's new text (then `text` is the answer's)
+    reasoning: str = ""
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -63,6 +66,23 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
             batch[-1].final = True
         for d in batch:
             yield d
+
+
+async def with_reasoning(deltas: AsyncIterator[Delta], start: ReasoningStart,
+                         include: bool = True) -> AsyncIterator[Delta]:
+    """The deltas with each sample's text split into reasoning and answer (`pagedserve.reasoning`); without
+    `include` (a request's `include_reasoning: false`) the reasoning is left out."""
+    texts: dict[int, str] = {}
+    streams: dict[int, ReasoningStream] = {}
+    try:
+        async for d in deltas:
+            stream = streams.setdefault(d.index, ReasoningStream(start))
+            texts[d.index] = texts.get(d.index, "") + d.text
+            reasoning, d.text = stream.update(texts[d.index], final=d.finish_reason is not None)
+            d.reasoning = reasoning if include else ""
+            yield d
+    finally:
+        await deltas.aclose()
 
 
 async def with_tool_calls(deltas: AsyncIterator[Delta], parsing: ToolParsing) -> AsyncIterator[Delta]:

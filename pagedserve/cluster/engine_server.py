@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedserve.async_engine import AsyncEngine
 from pagedserve.chat import ChatOptions, ChatPlan
 from pagedserve.cluster.auth import ApiKeys
-from pagedserve.cluster.deltas import Delta, stream_deltas, with_tool_calls
+from pagedserve.cluster.deltas import Delta, stream_deltas, with_reasoning, with_tool_calls
 from pagedserve.cluster.errors import ClientError
 from pagedserve.cluster.prefix_router import PrefixAwareRouter, PrefixRouting, summarize
 from pagedserve.config import EngineConfig, ray_hosted_config
@@ -221,9 +221,16 @@ class EngineClient:
         running.abort()
         return True
 
-    def chat_deltas(self, plan: ChatPlan, request_id: str | None) -> AsyncIterator[Delta]:
-        """A chat request's deltas, its tool calls parsed out when tools are in play."""
+    def chat_deltas(self, plan: ChatPlan, request_id: str | None,
+                    include_reasoning: bool = True) -> AsyncIterator[Delta]:
+        """A chat request's deltas: its reasoning parsed out with a reasoning parser (and left out without
+        `include_reasoning`), and then its tool calls when tools are in play."""
+        if plan.reasoning is None and not include_reasoning:
+            raise ValueError("include_reasoning=false is not supported: this server parses no reasoning out "
+                             "of the answer (the engine's reasoning_parser is not set), so it cannot be left out")
         deltas = self.deltas(plan.prompt_token_ids, plan.params, request_id)
+        if plan.reasoning is not None:
+            deltas = with_reasoning(deltas, plan.reasoning, include_reasoning)
         return deltas if plan.tool_parsing is None else with_tool_calls(deltas, plan.tool_parsing)
 
     async def deltas(self, prompt: str | list[int], params: SamplingParams,

@@ -65,7 +65,8 @@ class GrpcService(EngineClient):
             plan = await self.engine.chat_plan.remote(messages, params, tools_from_proto(request.tools),
                                                       tool_choice_from_proto(request), parallel,
                                                       chat_options_from_proto(request.template))
-            async for d in self.chat_deltas(plan, request.request_id or None):
+            include = request.include_reasoning if request.HasField("include_reasoning") else True
+            async for d in self.chat_deltas(plan, request.request_id or None, include):
                 yield _delta_to_proto(d)
         except Exception as e:
             yield _error(grpc_context, e, pb.GenerateResponse())
@@ -152,7 +153,8 @@ def _delta_to_proto(d: Delta) -> pb.GenerateResponse:
                               finish_reason=_FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
                               logprobs=[_logprob_to_proto(lp) for lp in d.logprobs],
                               tool_calls=[pb.ToolCallDelta(index=t.index, id=t.id or "", name=t.name or "",
-                                                           arguments=t.arguments) for t in d.tool_calls])
+                                                           arguments=t.arguments) for t in d.tool_calls],
+                              reasoning=d.reasoning)
     if isinstance(d.stop_reason, str):
         msg.stop_str = d.stop_reason
     elif isinstance(d.stop_reason, int):

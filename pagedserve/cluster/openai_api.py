@@ -140,7 +140,7 @@ class Ingress(GrpcService):
         """`prompt`: a completion's text or ids, or a chat's `ChatPlan`."""
         rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
-        deltas = self.chat_deltas(prompt, rid) if chat else self.deltas(prompt, params, rid)
+        deltas = self.chat_deltas(prompt, rid, body.include_reasoning) if chat else self.deltas(prompt, params, rid)
         try:
             first = await anext(deltas, None)  # errors in validation surface here, as a JSON error
         except Exception as e:
@@ -150,7 +150,8 @@ class Ingress(GrpcService):
                 # the engine names its own field; the client sent the constraint as `field`
                 raise ClientError(err.code, err.http_status, f"{field}: {err.message}", field) from None
             raise
-        form = ResponseFormatter(rid, created, model, chat, params, body, echo_text)
+        form = ResponseFormatter(rid, created, model, chat, params, body, echo_text,
+                                 reasoning=chat and prompt.reasoning is not None)
         if body.stream:
             return StreamingResponse(form.sse(first, deltas), media_type="text/event-stream")
         return JSONResponse(await form.whole(first, deltas))

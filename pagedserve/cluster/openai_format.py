@@ -64,11 +64,17 @@ def _chat_logprobs(entries: list[Logprob], as_ids: bool) -> dict[str, Any]:
 
 
 class ResponseFormatter:
-    """One response's OpenAI shape: whole (`whole`) or as server-sent chunks (`sse`)."""
+    """One response's OpenAI shape: whole (`whole`) or as server-sent chunks (`sse`). `reasoning`: the engine
+    parses a chat's reasoning out of its answer; its messages carry it (unless the request's
+    `include_reasoning` is false) as vLLM's `reasoning` and the older `reasoning_content`: clients read
+    either."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, params: SamplingParams,
-                 body: CompletionRequest | ChatCompletionRequest, echo_text: str | None) -> None:
+                 body: CompletionRequest | ChatCompletionRequest, echo_text: str | None,
+                 reasoning: bool = False) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
+        self.parses_reasoning = reasoning
+        self.shows_reasoning = reasoning and getattr(body, "include_reasoning", True)
         self.with_logprobs = params.logprobs is not None
         self.tokens_as_ids = bool(body.return_tokens_as_token_ids)
         self.with_prompt_logprobs = body.prompt_logprobs is not None
@@ -100,7 +106,7 @@ class ResponseFormatter:
 
     def _choice(self, index: int, text: str, token_ids: list[int], entries: list[Logprob],
                 finish_reason: str | None, stop_reason: str | int | None, first: bool, whole: bool,
-                tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+                tool_calls: list[dict[str, Any]], reasoning: str = "") -> dict[str, Any]:
         """One choice of a response (`whole`) or of a chunk; `first`: the choice's first appearance."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
                                   "token_ids": token_ids, "logprobs": self._choice_logprobs(index, entries)}
@@ -108,7 +114,10 @@ class ResponseFormatter:
             choice["text"] = text
         else:
             message: dict[str, Any] = {"role": "assistant"} if first else {}
-            message["content"] = text if text or not tool_calls else None  # only calls: no content
+            # no answer beside calls or reasoning: no content
+            message["content"] = text if text or not (tool_calls or self.parses_reasoning) else None
+            if self.shows_reasoning and (whole or reasoning):  # a whole message has them, null without reasoning
+                message["reasoning"] = message["reasoning_content"] = reasoning or None
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice["message" if whole else "delta"] = message
@@ -125,11 +134,12 @@ class ResponseFormatter:
             c = choices.get(d.index)
             if c is None:
                 c = choices[d.index] = {"text": "", "entries": [], "token_ids": [], "finish_reason": None,
-                                        "stop_reason": None, "tool_calls": []}
+                                        "stop_reason": None, "tool_calls": [], "reasoning": ""}
                 text, entries = self._head(d, True)
             else:
                 text, entries = d.text, list(d.logprobs)
             c["text"] += text
+            c["reasoning"] += d.reasoning
             c["entries"] += entries
             c["token_ids"] += d.token_ids
             join_deltas(c["tool_calls"], d.tool_calls)
@@ -139,7 +149,8 @@ class ResponseFormatter:
             d = await anext(deltas, None)
         out = [self._choice(i, c["text"], c["token_ids"], c["entries"], c["finish_reason"], c["stop_reason"],
                             first=True, whole=True, tool_calls=[{"id": t.id, "type": "function", "function": {
-                                "name": t.name, "arguments": t.arguments}} for t in c["tool_calls"]])
+                                "name": t.name, "arguments": t.arguments}} for t in c["tool_calls"]],
+                            reasoning=c["reasoning"])
                for i, c in sorted(choices.items())]
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage}
@@ -162,7 +173,8 @@ class ResponseFormatter:
                 started.add(d.index)
                 text, entries = self._head(d, new)
                 choice = self._choice(d.index, text, d.token_ids, entries, d.finish_reason, d.stop_reason,
-                                      first=new, whole=False, tool_calls=[_tool_call_json(t) for t in d.tool_calls])
+                                      first=new, whole=False, tool_calls=[_tool_call_json(t) for t in d.tool_calls],
+                                      reasoning=d.reasoning)
                 usage = d.usage
                 yield self._chunk([choice], usage if self.continuous_usage else None)
                 d = await anext(deltas, None)

@@ -168,7 +168,6 @@ _NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "default"), "this server has one tier"),
     "chat_template": ((None,), "the model's own chat template renders the messages"),
     "reasoning_effort": ((None,), "a chat template that reads it takes it from chat_template_kwargs"),
-    "include_reasoning": ((True,), "the reasoning is not parsed out of the answer, so it cannot be left out"),
     "mm_processor_kwargs": ((None, {}), "this server serves text only"),
 }
 
@@ -221,6 +220,8 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's name; the older one below)
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -264,7 +265,7 @@ class ChatCompletionRequest(_Sampling, _Templated):
     echo: bool = False  # vLLM's: the answer starts with the last message when that is the assistant's
     chat_template: str | None = None
     reasoning_effort: str | None = None
-    include_reasoning: bool = True
+    include_reasoning: bool = True  # false: no reasoning fields (needs the engine's reasoning_parser)
     mm_processor_kwargs: dict[str, Any] | None = None
 
     def echoed(self) -> str | None:

@@ -120,16 +120,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "reasoning")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
@@ -160,7 +162,7 @@ class ToolChoice(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., function: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "tools", "tool_choice", "parallel_tool_calls", "template")
+    __slots__ = ("request_id", "messages", "sampling", "tools", "tool_choice", "parallel_tool_calls", "template", "include_reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,7 @@ class ChatRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
@@ -175,7 +178,8 @@ class ChatRequest(_message.Message):
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     template: ChatTemplateOptions
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., template: _Optional[_Union[ChatTemplateOptions, _Mapping]] = ...) -> None: ...
+    include_reasoning: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., template: _Optional[_Union[ChatTemplateOptions, _Mapping]] = ..., include_reasoning: _Optional[bool] = ...) -> None: ...
 
 class ChatTemplateOptions(_message.Message):
     __slots__ = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "add_special_tokens")
@@ -249,7 +253,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "usage", "finish_reason", "stop_str", "stop_token_id", "prompt_logprobs", "tool_calls")
+    __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "usage", "finish_reason", "stop_str", "stop_token_id", "prompt_logprobs", "tool_calls", "reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +265,7 @@ class GenerateResponse(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     text: str
@@ -272,7 +277,8 @@ class GenerateResponse(_message.Message):
     stop_token_id: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages", "add_special_tokens", "tools", "template")

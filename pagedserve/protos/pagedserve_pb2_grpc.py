@@ -78,7 +78,8 @@ class PagedServeServicer:
 
     def Chat(self, request, context):
         """Chat completion: the server applies the model's chat template to the messages (and tools). With
-        tools in play, text carries the content and tool_calls the calls, parsed from the model's output.
+        tools in play, text carries the content and tool_calls the calls, parsed from the model's output;
+        with the server's reasoning_parser, reasoning carries the thinking before the answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
