@@ -1,9 +1,8 @@
 """One Serve deployment of deploy/config.yaml (tiny random model by override) for every test of this
-package, through real Ray Serve, real gRPC and real HTTP. Five applications: "pagedserve" (open),
-"bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys required), "smol" (the embedded
-SmolLM2 instead of the tiny random model) and "thinking" (the tiny model with think tags, parsed by the
-qwen3 reasoning parser). Run inside `make test`'s loopback-only network namespace: Serve's gRPC proxy binds
-every interface."""
+package, through real Ray Serve, real gRPC and real HTTP. Four applications: "pagedserve" (open),
+"bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys required) and "smol" (the embedded
+SmolLM2 instead of the tiny random model); modules add their own for their tests alone. Run inside `make
+test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="package")
-def app(tiny_random, thinking_random):
+def app(tiny_random):
     from pagedserve.cluster.serve_app import build_app
 
     config = yaml.safe_load(CONFIG.read_text())
@@ -35,9 +34,6 @@ def app(tiny_random, thinking_random):
     # The embedded SmolLM2, for answers that must make sense (structured outputs)
     serve.run(build_app(dict(spec["args"], max_model_len=2048, kv_cache_memory=256 << 20)), name="smol",
               route_prefix="/smol")
-    # A reasoning model (think tags of its own) with the qwen3 reasoning parser
-    serve.run(build_app(dict(args, model=thinking_random, reasoning_parser="qwen3")), name="thinking",
-              route_prefix="/thinking")
     yield spec["name"]
     serve.shutdown()
     ray.shutdown()

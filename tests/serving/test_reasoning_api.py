@@ -1,6 +1,6 @@
 """Reasoning parsed out of chat answers, served: OpenAI's routes (`reasoning`, and the older
 `reasoning_content`), streamed and whole, `include_reasoning`, reasoning sent back in a conversation, and
-gRPC; on the "thinking" application (the qwen3 parser, a tiny model with think tags of its own)."""
+gRPC; on a "thinking" application of its own (the qwen3 parser, a tiny model with think tags of its own)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.serving.app import GRPC, HTTP
+from tests.serving.app import BLOCK_BYTES, GRPC, HTTP, MAX_MODEL_LEN, POOL_BLOCKS
 
 openai = pytest.importorskip("openai")
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -18,8 +18,20 @@ NEVER_CLOSES = dict(seed=3, max_tokens=10, extra_body={**THINKING, "logit_bias":
 
 
 @pytest.fixture(scope="module")
-def oai(app):
-    return openai.OpenAI(base_url=f"{HTTP}/thinking/v1", api_key="unused", max_retries=0)
+def thinking(app, thinking_random):
+    from ray import serve
+
+    from pagedserve.cluster.serve_app import build_app
+
+    serve.run(build_app({"model": thinking_random, "max_model_len": MAX_MODEL_LEN, "reasoning_parser": "qwen3",
+                         "kv_cache_memory": POOL_BLOCKS * BLOCK_BYTES}), name="thinking", route_prefix="/thinking")
+    yield "thinking"
+    serve.delete("thinking")
+
+
+@pytest.fixture(scope="module")
+def oai(thinking):
+    return openai.OpenAI(base_url=f"{HTTP}/{thinking}/v1", api_key="unused", max_retries=0)
 
 
 def joined(chunks) -> tuple[str, str, str]:
@@ -77,12 +89,12 @@ def test_reasoning_sent_back_in_the_conversation(oai):
         oai.chat.completions.create(model="", messages=[dict(ASK[0], reasoning="x")], max_tokens=2)
 
 
-def test_grpc_chat_carries_the_reasoning(oai, app):
+def test_grpc_chat_carries_the_reasoning(oai, thinking):
     from pagedserve.client import Client
 
     expected = oai.chat.completions.create(model="", messages=ASK, **NEVER_CLOSES).choices[0].message
     sampling = dict(seed=3, max_tokens=10, logit_bias={UNTHINK: -100})
-    with Client(GRPC, application="thinking", timeout=120) as c:
+    with Client(GRPC, application=thinking, timeout=120) as c:
         done = c.chat(ASK, chat_template_kwargs={"thinking": True}, **sampling)
         assert done.reasoning == expected.model_dump()["reasoning"] and done.text == ""
         chunks = list(c.stream_chat(ASK, chat_template_kwargs={"thinking": True}, **sampling))
