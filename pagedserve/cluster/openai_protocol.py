@@ -77,6 +77,8 @@ class _Sampling(_Body):
     # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Either value gives the same text: the (fast) tokenizer's decode puts no space between special tokens, as
+    # vLLM's does (a slow tokenizer's option; with skip_special_tokens, the default, there are none to space)
     spaces_between_special_tokens: bool = True
     logits_processors: list[Any] | None = None
     guided_decoding_backend: str | None = None
@@ -157,7 +159,6 @@ class _Sampling(_Body):
 _NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "this server samples or decodes greedily, it does not search beams"),
     "length_penalty": ((1.0,), "it weighs beams by length, and this server does not search beams"),
-    "spaces_between_special_tokens": ((True,), "the text is the tokenizer's own decode, spaces and all"),
     "logits_processors": ((None, []), "this server runs no code named by a request"),
     "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs are decoded by xgrammar"),
     "guided_whitespace_pattern": ((None,), "JSON outputs follow xgrammar's whitespace rules"),

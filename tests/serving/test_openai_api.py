@@ -234,16 +234,24 @@ def test_fields_asking_for_nothing_pass_and_others_are_refused_by_name(oai, mode
     out = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0,
                                       extra_body={**nothing, **chat_nothing})
     assert out.choices[0].message.content == plain.choices[0].message.content
-    for field, value in [("use_beam_search", True), ("length_penalty", 0.8), ("spaces_between_special_tokens", False),
-                         ("logits_processors", ["my.Processor"]), ("guided_decoding_backend", "outlines"),
-                         ("guided_whitespace_pattern", " "), ("structural_tag", "{}"), ("kv_transfer_params", {"a": 1}),
-                         ("vllm_xargs", {"a": 1}), ("store", True), ("service_tier", "flex")]:
+    for field, value in [("use_beam_search", True), ("length_penalty", 0.8), ("logits_processors", ["my.Processor"]),
+                         ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " "),
+                         ("structural_tag", "{}"), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
+                         ("store", True), ("service_tier", "flex")]:
         with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not supported"):
             oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={field: value})
     for field, value in [("chat_template", "{{ messages }}"), ("reasoning_effort", "low"),
                          ("include_reasoning", False), ("mm_processor_kwargs", {"a": 1})]:
         with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not supported"):
             oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={field: value})
+
+
+def test_special_tokens_kept_in_the_text_are_never_spaced(oai, model):
+    # spaces_between_special_tokens either way: the tokenizer's decode puts no space between them (as vLLM's)
+    body = {"skip_special_tokens": False, "ignore_eos": True, "logit_bias": {"2": 100}}  # 2: <|im_end|>
+    texts = [oai.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={
+        **body, "spaces_between_special_tokens": spaced}).choices[0].text for spaced in (True, False)]
+    assert texts == ["<|im_end|>" * 3] * 2
 
 
 def test_completion_prompt_without_special_tokens(oai, model, offline):
