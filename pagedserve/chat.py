@@ -147,7 +147,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise ValueError(f"{where}.content must be a string")
         message["content"] = content
-        reasoning = _check_reasoning(where, m)
+        reasoning = message_reasoning(where, m)
         if reasoning is not None:
             # Both names, to whichever a template reads (Qwen3's and DeepSeek-R1's: reasoning_content)
             message["reasoning"] = message["reasoning_content"] = reasoning
@@ -161,8 +161,9 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _check_reasoning(where: str, message: dict[str, Any]) -> str | None:
-    """An assistant message's earlier reasoning, sent back as `reasoning` (vLLM's) or `reasoning_content`."""
+def message_reasoning(where: str, message: dict[str, Any]) -> str | None:
+    """An assistant message's earlier reasoning, sent back as `reasoning` (vLLM's) or `reasoning_content`;
+    ValueError naming `where` and the field that is wrong."""
     given = {name: message[name] for name in ("reasoning", "reasoning_content") if message.get(name) is not None}
     if not given:
         return None

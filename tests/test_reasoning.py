@@ -161,3 +161,16 @@ def test_a_sample_that_opens_a_block_draws_freely_inside_it(thinker):
     out = thinker.generate([prompt], params)[0].outputs[0]
     # the opening tag is allowed first; inside the block the regex does not apply (the bias repeats the tag)
     assert out.token_ids == [THINK] * 6 and out.finish_reason == "length"
+
+
+def test_reasoning_sent_back_crosses_the_wire_under_one_name():
+    from pagedserve.protos.chat import messages_from_proto, messages_to_proto
+
+    history = [{"role": "user", "content": "2 + 2?"},
+               {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]
+    assert messages_from_proto(messages_to_proto(history))[1] == {"role": "assistant", "content": "4",
+                                                                  "reasoning": "Two and two."}
+    with pytest.raises(ValueError, match=r"messages\[1\]: reasoning and reasoning_content differ"):
+        messages_to_proto([history[0], dict(history[1], reasoning="Other.")])
+    with pytest.raises(ValueError, match=r"messages\[0\].reasoning: only assistant messages carry reasoning"):
+        messages_to_proto([dict(history[0], reasoning="x")])

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from pagedserve.chat import ChatOptions
+from pagedserve.chat import ChatOptions, message_reasoning
 from pagedserve.protos import pagedserve_pb2 as pb
 
 _MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"}
@@ -25,12 +25,9 @@ def messages_to_proto(messages: Sequence[dict[str, Any]]) -> list[pb.ChatMessage
             raise ValueError(f"messages[{i}]: unsupported keys {sorted(extra)} (known: {sorted(_MESSAGE_KEYS)})")
         if "role" not in message or ("content" not in message and not message.get("tool_calls")):
             raise ValueError(f"messages[{i}] needs both 'role' and 'content'")
-        reasoning = [message[k] for k in ("reasoning", "reasoning_content") if message.get(k) is not None]
-        if len(set(reasoning)) > 1:
-            raise ValueError(f"messages[{i}]: reasoning and reasoning_content differ: give one")
         msg = pb.ChatMessage(role=message["role"], content=message.get("content") or "",
                              tool_call_id=message.get("tool_call_id") or "",
-                             reasoning=reasoning[0] if reasoning else "")
+                             reasoning=message_reasoning(f"messages[{i}]", message) or "")
         for j, call in enumerate(message.get("tool_calls") or []):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
