@@ -20,11 +20,13 @@ from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler.batch import SampleSpec  # noqa: E402
 from pagedserve.workers.sampler import Sampler  # noqa: E402
 
-MIXES = ("greedy", "temperature 0.8", "top-k 50, top-p 0.9", "top-p 0.9", "logit_bias + bans", "grammar masks")
+MIXES = ("greedy", "temperature 0.8", "top-k 50, top-p 0.9", "top-p 0.9", "top-p 0.9, every other row greedy",
+         "logit_bias + bans", "grammar masks")
 
 
 def specs(mix: str, rows: int, vocab: int) -> list[SampleSpec]:
-    """Every row with the mix's features (a grammar mask allows a random tenth of the vocabulary)."""
+    """Every row with the mix's features (a grammar mask allows a random tenth of the vocabulary), or every
+    other row where the mix says so (the others greedy)."""
     rng = random.Random(0)
     out = []
     for r in range(rows):
@@ -34,6 +36,8 @@ def specs(mix: str, rows: int, vocab: int) -> list[SampleSpec]:
         elif mix == "top-k 50, top-p 0.9":
             params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
         elif mix == "top-p 0.9":
+            params = SamplingParams(temperature=0.8, top_p=0.9)
+        elif mix == "top-p 0.9, every other row greedy" and r % 2:
             params = SamplingParams(temperature=0.8, top_p=0.9)
         elif mix == "logit_bias + bans":
             params = SamplingParams(temperature=0, logit_bias={rng.randrange(vocab): 5.0 for _ in range(4)})
@@ -77,7 +81,7 @@ def main() -> None:
     print(f"{args.rows} rows, vocabulary {args.vocab}, ms per draw (median of {args.iters}):")
     for device in devices:
         for mix in MIXES:
-            print(f"  {device.type:5s} {mix:20s} {time_draws(device, mix, args):8.2f}")
+            print(f"  {device.type:5s} {mix:34s} {time_draws(device, mix, args):8.2f}")
 
 
 if __name__ == "__main__":

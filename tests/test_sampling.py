@@ -14,6 +14,8 @@ from pagedserve.workers.penalties import PenaltyCounts
 from pagedserve.workers.sampler import (
     Sampler,
     _apply_bias_and_bans,
+    _top_k_only,
+    _top_k_top_p,
     _top_k_top_p_among_candidates,
     _top_k_top_p_sorted,
     draw_uniform,
@@ -110,6 +112,18 @@ def test_top_k_top_p_among_candidates_keeps_what_sorting_keeps():
     assert kept[12] > 1024 and kept[15] > 1024, kept  # flat rows whose nucleus passes the candidates
 
 
+def test_rows_restricted_alone_keep_what_sorting_keeps():
+    """Top-k alone (CUDA: a partial selection), and a batch whose rows ask for neither top-k nor top-p beside
+    ones that do (only those are restricted), keep what sorting every row keeps."""
+    logits = 6 * torch.randn(6, 3000, generator=torch.Generator().manual_seed(6))
+    top_k = [50, 1, 3000, 7, 400, 2]
+    assert torch.equal(_top_k_only(logits, top_k), _top_k_top_p_sorted(logits, top_k, [1.0] * 6))
+    top_k, top_p = [-1, 50, -1, -1, 7, -1], [1.0, 1.0, 0.9, 1.0, 0.5, 1.0]
+    restricted = _top_k_top_p(logits.clone(), top_k, top_p)
+    assert torch.equal(restricted, _top_k_top_p_sorted(logits, top_k, top_p))
+    assert torch.equal(restricted[[0, 3, 5]], logits[[0, 3, 5]])
+
+
 def test_inverse_transform_never_picks_a_token_without_mass():
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.2], [0.5, 0.0, 0.0, 0.0, 0.0]])
     top = 1 - 2**-24  # the largest fp32 uniform below 1
@@ -125,6 +139,19 @@ def test_greedy_rows_and_sampled_rows_mix():
     logits = torch.tensor([LOGITS, LOGITS[::-1]])
     out = sampler(logits, [spec(SamplingParams(temperature=0), 0), spec(SamplingParams(top_k=1), 1)])
     assert [o.token_ids for o in out] == [[0], [4]]
+
+
+def test_a_row_draws_the_same_among_others_greedy_or_not():
+    # a mixed batch samples only its sampled rows (the greedy ones stop at argmax): each draws as alone
+    logits = 3 * torch.randn(6, 50, generator=torch.Generator().manual_seed(5))
+    greedy = SamplingParams(temperature=0)
+    mixed = [greedy, SamplingParams(seed=7, top_p=0.8), greedy, SamplingParams(seed=8, top_k=5, temperature=0.7),
+             SamplingParams(seed=9, min_p=0.1), greedy]
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    together = [o.token_ids[0] for o in sampler(logits.clone(), [spec(p, r) for r, p in enumerate(mixed)])]
+    alone = [sampler(logits[r:r + 1].clone(), [spec(p)])[0].token_ids[0] for r, p in enumerate(mixed)]
+    assert together == alone
+    assert [together[r] for r in (0, 2, 5)] == logits[[0, 2, 5]].argmax(dim=-1).tolist()
 
 
 def test_penalties_change_logits_as_defined():
