@@ -20,8 +20,8 @@ from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler.batch import SampleSpec  # noqa: E402
 from pagedserve.workers.sampler import Sampler  # noqa: E402
 
-MIXES = ("greedy", "temperature 0.8", "top-k 50, top-p 0.9", "top-p 0.9", "top-p 0.9, every other row greedy",
-         "logit_bias + bans", "grammar masks")
+MIXES = ("greedy", "temperature 0.8", "top-k 50", "top-k 50, top-p 0.9", "top-p 0.9",
+         "top-p 0.9, every other row greedy", "logit_bias + bans", "grammar masks")
 
 
 def specs(mix: str, rows: int, vocab: int) -> list[SampleSpec]:
@@ -33,6 +33,8 @@ def specs(mix: str, rows: int, vocab: int) -> list[SampleSpec]:
         params, banned, bitmask = SamplingParams(temperature=0), None, None
         if mix == "temperature 0.8":
             params = SamplingParams(temperature=0.8)
+        elif mix == "top-k 50":
+            params = SamplingParams(temperature=0.8, top_k=50)
         elif mix == "top-k 50, top-p 0.9":
             params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
         elif mix == "top-p 0.9":
