@@ -141,13 +141,13 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise ValueError(f"{where}.tool_calls: only assistant messages carry tool calls")
             message["tool_calls"] = [_check_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+        reasoning = message_reasoning(where, m)
         content = m.get("content")
-        if content is None and calls:
-            content = ""  # an answer that is only tool calls
+        if content is None and (calls or reasoning is not None):
+            content = ""  # an answer that is only tool calls, or reasoning cut short before an answer
         if not isinstance(content, str):
             raise ValueError(f"{where}.content must be a string")
         message["content"] = content
-        reasoning = message_reasoning(where, m)
         if reasoning is not None:
             # Both names, to whichever a template reads (Qwen3's and DeepSeek-R1's: reasoning_content)
             message["reasoning"] = message["reasoning_content"] = reasoning

@@ -163,6 +163,16 @@ def test_a_sample_that_opens_a_block_draws_freely_inside_it(thinker):
     assert out.token_ids == [THINK] * 6 and out.finish_reason == "length"
 
 
+def test_an_answer_that_is_only_reasoning_may_come_back_without_content():
+    from pagedserve.chat import check_messages
+
+    history = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": None, "reasoning": "Two"}]
+    assert check_messages(history)[1] == {"role": "assistant", "content": "", "reasoning": "Two",
+                                          "reasoning_content": "Two"}
+    with pytest.raises(ValueError, match=r"messages\[1\].content must be a string"):
+        check_messages([history[0], {"role": "assistant", "content": None}])
+
+
 def test_reasoning_sent_back_crosses_the_wire_under_one_name():
     from pagedserve.protos.chat import messages_from_proto, messages_to_proto
 
