@@ -14,7 +14,6 @@ from pagedserve.workers.penalties import PenaltyCounts
 from pagedserve.workers.sampler import (
     Sampler,
     _apply_bias_and_bans,
-    _top_k_only,
     _top_k_top_p,
     _top_k_top_p_among_candidates,
     _top_k_top_p_sorted,
@@ -113,11 +112,9 @@ def test_top_k_top_p_among_candidates_keeps_what_sorting_keeps():
 
 
 def test_rows_restricted_alone_keep_what_sorting_keeps():
-    """Top-k alone (CUDA: a partial selection), and a batch whose rows ask for neither top-k nor top-p beside
-    ones that do (only those are restricted), keep what sorting every row keeps."""
+    """A batch whose rows ask for neither top-k nor top-p beside ones that do (only those are restricted)
+    keeps what sorting every row keeps."""
     logits = 6 * torch.randn(6, 3000, generator=torch.Generator().manual_seed(6))
-    top_k = [50, 1, 3000, 7, 400, 2]
-    assert torch.equal(_top_k_only(logits, top_k), _top_k_top_p_sorted(logits, top_k, [1.0] * 6))
     top_k, top_p = [-1, 50, -1, -1, 7, -1], [1.0, 1.0, 0.9, 1.0, 0.5, 1.0]
     restricted = _top_k_top_p(logits.clone(), top_k, top_p)
     assert torch.equal(restricted, _top_k_top_p_sorted(logits, top_k, top_p))

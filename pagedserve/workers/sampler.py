@@ -237,23 +237,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         index = on_device(logits.device, restricted)
         logits[index] = _top_k_top_p(logits[index], [top_k[r] for r in restricted], [top_p[r] for r in restricted])
         return logits
-    if logits.device.type == "cpu":
-        return _top_k_top_p_among_candidates(logits, top_k, top_p)
-    if all(p >= 1.0 for p in top_p):
-        return _top_k_only(logits, top_k)
-    return _top_k_top_p_sorted(logits, top_k, top_p)
-
-
-def _top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """`_top_k_top_p` for rows that all ask for top-k alone: a partial selection of the largest k (their ranks
-    as the sort's) instead of sorting whole rows; nothing to read back on the host."""
     vocab = logits.shape[-1]
-    ks = [vocab if k == -1 else min(k, vocab) for k in top_k]
-    width = max(ks)
-    values, order = logits.topk(width, dim=-1)  # [S, W], each row's largest, descending
-    k = on_device(logits.device, ks)
-    values = values.masked_fill(torch.arange(width, device=logits.device)[None, :] >= k[:, None], float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, values)
+    if logits.device.type == "cpu" or all(0 < k < vocab for k in top_k):
+        # On CUDA only when every row has a top-k: its nucleus then lies among its k largest, and nothing is
+        # read back to the host
+        return _top_k_top_p_among_candidates(logits, top_k, top_p)
+    return _top_k_top_p_sorted(logits, top_k, top_p)
 
 
 def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -278,32 +267,37 @@ _TOP_P_CANDIDATES = 1024  # a top-p row's largest logits among which its nucleus
 
 
 def _top_k_top_p_among_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """`_top_k_top_p` on a CPU, where sorting a row of a large vocabulary costs milliseconds: each row's
-    nucleus is sought among its largest k (top-k rows) or `_TOP_P_CANDIDATES` logits (a partial selection),
-    and only a row whose candidates hold less than top_p of its mass is sorted whole. The same tokens stay
-    as with the sort: a nucleus inside the candidates is the sorted row's."""
+    """`_top_k_top_p` by a partial selection instead of sorting whole rows (on a CPU a sort of a large
+    vocabulary's row costs milliseconds): each row's nucleus is sought among its largest k (top-k rows) or
+    `_TOP_P_CANDIDATES` logits, and only a row without top-k whose candidates hold less than top_p of its mass
+    is sorted whole (which reads back to the host). The same tokens stay as with the sort: a nucleus inside
+    the candidates is the sorted row's."""
     vocab = logits.shape[-1]
+    dev = logits.device
     ks = [vocab if k == -1 else min(k, vocab) for k in top_k]
     whole = [k == vocab for k in ks]  # rows without top-k: top-p weighs the whole row
     free = [w and p >= 1.0 for w, p in zip(whole, top_p, strict=True)]  # rows that keep every token
     width = min(vocab, max((k if k < vocab else _TOP_P_CANDIDATES for k, f in zip(ks, free, strict=True) if not f),
                            default=1))
     values, order = logits.topk(width, dim=-1)  # [S, W], each row's largest, descending
-    k = torch.tensor(ks)
-    values = values.masked_fill(torch.arange(width)[None, :] >= k[:, None], float("-inf"))
+    k = on_device(dev, ks)
+    values = values.masked_fill(torch.arange(width, device=dev)[None, :] >= k[:, None], float("-inf"))
     # Top-p weighs the top-k distribution: normalised over the k kept, or over the whole row without top-k.
     log_norm = values.logsumexp(dim=-1, keepdim=True)  # [S, 1]
     if any(whole):  # a pass over the whole rows only when one needs it
-        log_norm = torch.where(torch.tensor(whole)[:, None], logits.logsumexp(dim=-1, keepdim=True), log_norm)
+        log_norm = torch.where(on_device(dev, whole, torch.bool)[:, None], logits.logsumexp(dim=-1, keepdim=True),
+                               log_norm)
     probs = (values - log_norm).exp()  # [S, W]
     mass = probs.cumsum(dim=-1)
-    p = torch.tensor(top_p, dtype=logits.dtype)
+    p = on_device(dev, top_p, logits.dtype)
     values = values.masked_fill((mass - probs >= p[:, None]) & (p[:, None] < 1), float("-inf"))
     out = torch.full_like(logits, float("-inf")).scatter(1, order, values)
-    short = (mass[:, -1] < p).tolist()  # a row without top-k whose nucleus reaches past the candidates
     for r in range(len(ks)):
         if free[r]:
             out[r] = logits[r]
-        elif whole[r] and short[r]:
-            out[r] = _top_k_top_p_sorted(logits[r:r + 1], [top_k[r]], [top_p[r]])[0]
+    if any(w and not f for w, f in zip(whole, free, strict=True)):
+        short = (mass[:, -1] < p).tolist()  # a row without top-k whose nucleus reaches past the candidates
+        for r in range(len(ks)):
+            if whole[r] and not free[r] and short[r]:
+                out[r] = _top_k_top_p_sorted(logits[r:r + 1], [top_k[r]], [top_p[r]])[0]
     return out
