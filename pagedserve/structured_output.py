@@ -102,22 +102,24 @@ class GrammarManager:
         return state
 
     def _begins(self, seq: Sequence, state: _Constrained) -> int | None:
-        """Where in the output the grammar begins; None while the sequence is reasoning."""
+        """Where in the output the grammar begins; None while the sequence is reasoning. Reads the sequence's
+        tokens in place: a step copies none of a long reasoning's output."""
         if state.start == "answer":
             state.begins = 0
         if state.begins is not None:
             return state.begins
-        output = seq.output_token_ids
-        if state.start == "may_open" and output[:1] != [self._reasoning.open_id]:
-            if not output:
+        tokens, first = seq.token_ids, seq.num_prompt_tokens  # the output is tokens[first:]
+        if state.start == "may_open":
+            if len(tokens) == first:
                 return 0  # for now: the first token may still open a thinking block (`_mask`)
-            state.begins = 0
-            return 0
-        for i in range(state.scanned, len(output)):
-            if output[i] == self._reasoning.close_id:
-                state.begins = i + 1
+            if tokens[first] != self._reasoning.open_id:
+                state.begins = 0
+                return 0
+        for i in range(first + state.scanned, len(tokens)):
+            if tokens[i] == self._reasoning.close_id:
+                state.begins = i - first + 1
                 break
-        state.scanned = len(output)
+        state.scanned = len(tokens) - first
         return state.begins
 
     def _matcher(self, seq: Sequence, state: _Constrained, begins: int) -> object:
@@ -125,15 +127,15 @@ class GrammarManager:
         own)."""
         if state.matcher is None:
             state.matcher = self._xgr.GrammarMatcher(self.compile(seq.request.params.structured_outputs))
-        output = seq.output_token_ids
-        for token in output[begins + state.accepted:]:
+        tokens, first = seq.token_ids, seq.num_prompt_tokens  # the output is tokens[first:]
+        for token in tokens[first + begins + state.accepted:]:  # the new ones only
             # The mask allows only what the matcher accepts, so this is a bug if it happens; should it, the
             # sequence ends here (advance says complete) rather than failing every request of the step.
             if not state.matcher.accept_token(token):
                 log.warning("sequence %d: token %d does not fit its grammar; ending it", seq.seq_id, token)
                 self._broken.add(seq.seq_id)
                 break
-        state.accepted = len(output) - begins
+        state.accepted = len(tokens) - first - begins
         return state.matcher
 
     def fill_masks(self, batch: StepBatch, running: list[Sequence]) -> None:
@@ -170,7 +172,7 @@ class GrammarManager:
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
         self._matcher(seq, state, begins).fill_next_token_bitmask(bitmask, 0)
         words = bitmask.numpy().view(np.uint32)
-        if state.start == "may_open" and not seq.output_token_ids:
+        if state.start == "may_open" and seq.num_output_tokens == 0:
             open_id = self._reasoning.open_id
             words[0, open_id // 32] |= np.uint32(1 << (open_id % 32))
         return words.tobytes()
