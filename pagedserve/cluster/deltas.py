@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.reasoning import ReasoningStart, ReasoningStream
@@ -68,34 +69,38 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
             yield d
 
 
-async def with_reasoning(deltas: AsyncIterator[Delta], start: ReasoningStart,
-                         include: bool = True) -> AsyncIterator[Delta]:
+def with_reasoning(deltas: AsyncIterator[Delta], start: ReasoningStart, include: bool = True) -> AsyncIterator[Delta]:
     """The deltas with each sample's text split into reasoning and answer (`pagedserve.reasoning`); without
     `include` (a request's `include_reasoning: false`) the reasoning is left out."""
-    texts: dict[int, str] = {}
-    streams: dict[int, ReasoningStream] = {}
-    try:
-        async for d in deltas:
-            stream = streams.setdefault(d.index, ReasoningStream(start))
-            texts[d.index] = texts.get(d.index, "") + d.text
-            reasoning, d.text = stream.update(texts[d.index], final=d.finish_reason is not None)
-            d.reasoning = reasoning if include else ""
-            yield d
-    finally:
-        await deltas.aclose()
+    def split(d: Delta, stream: ReasoningStream, text: str) -> None:
+        reasoning, d.text = stream.update(text, final=d.finish_reason is not None)
+        d.reasoning = reasoning if include else ""
+
+    return _split_each_sample(deltas, lambda: ReasoningStream(start), split)
 
 
-async def with_tool_calls(deltas: AsyncIterator[Delta], parsing: ToolParsing) -> AsyncIterator[Delta]:
+def with_tool_calls(deltas: AsyncIterator[Delta], parsing: ToolParsing) -> AsyncIterator[Delta]:
     """The deltas with each sample's text split into content and tool-call deltas; finish_reason
     "tool_calls" where the model chose to call tools."""
+    def split(d: Delta, stream: ToolCallStream, text: str) -> None:
+        d.text, d.tool_calls = stream.update(text, final=d.finish_reason is not None)
+        d.finish_reason = stream.finish_reason(d.finish_reason)
+
+    return _split_each_sample(deltas, lambda: ToolCallStream(parsing), split)
+
+
+async def _split_each_sample(deltas: AsyncIterator[Delta], new_stream: Callable[[], Any],
+                             split: Callable[[Delta, Any, str], None]) -> AsyncIterator[Delta]:
+    """The deltas, each rewritten by `split` from its sample's whole text so far and that sample's parser
+    (`new_stream()`, made on the sample's first delta)."""
     texts: dict[int, str] = {}
-    streams: dict[int, ToolCallStream] = {}
+    streams: dict[int, Any] = {}
     try:
         async for d in deltas:
-            stream = streams.setdefault(d.index, ToolCallStream(parsing))
+            if d.index not in streams:
+                streams[d.index] = new_stream()
             texts[d.index] = texts.get(d.index, "") + d.text
-            d.text, d.tool_calls = stream.update(texts[d.index], final=d.finish_reason is not None)
-            d.finish_reason = stream.finish_reason(d.finish_reason)
+            split(d, streams[d.index], texts[d.index])
             yield d
     finally:
         await deltas.aclose()  # now, not when collected: a client that left ends the request at once
