@@ -26,8 +26,9 @@ from pagedserve.tool_calls import (
     ToolParsing,
 )
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "reasoning", "reasoning_content")
+# "developer": OpenAI's newer name for the system role, which the models served here know as "system"
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content")
 
 _HERMES_TOOLS_PROMPT = """# Tools
 
@@ -129,13 +130,19 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ValueError(f"{where} must be an object with role and content, got {m!r}")
-        unknown = set(m) - set(_MESSAGE_FIELDS)
+        unknown = set(m) - set(MESSAGE_FIELDS)
         if unknown:
-            raise ValueError(f"{where} has unknown fields {sorted(unknown)} (known: {', '.join(_MESSAGE_FIELDS)})")
+            raise ValueError(f"{where} has unknown fields {sorted(unknown)} (known: {', '.join(MESSAGE_FIELDS)})")
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"{where}.role={role!r} must be one of {CHAT_ROLES}")
         message: dict[str, Any] = {"role": role}
+        if m.get("name") is not None:
+            # the participant's name: to the template, which may show it (most leave it out, as they leave
+            # out what they have no place for)
+            if not isinstance(m["name"], str) or not m["name"]:
+                raise ValueError(f"{where}.name must be a non-empty string")
+            message["name"] = m["name"]
         calls = m.get("tool_calls")
         if calls is not None:
             if role != "assistant":
@@ -204,7 +211,10 @@ class ChatTemplate:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         source = tokenizer.chat_template
-        self._source = "\n".join(source.values()) if isinstance(source, dict) else source
+        self._source = ("\n".join(source.values()) if isinstance(source, dict) else source) or ""
+        # A template that does not name the developer role would drop such a message or show the model a
+        # role it never saw: it gets the developer's instructions as the system's
+        self.knows_developer = "developer" in self._source
         self.renders_tools = self._renders_tools()
         self.tool_format: ToolCallFormat | None = self._tool_format()
 
@@ -212,6 +222,8 @@ class ChatTemplate:
         """The conversation with `tools` offered, as token ids; ValueError naming what is wrong."""
         options = options or ChatOptions()
         checked = check_messages(messages)
+        if not self.knows_developer:
+            checked = [dict(m, role="system") if m["role"] == "developer" else m for m in checked]
         if not self.renders_tools and (tools or any("tool_calls" in m for m in checked)):
             checked = _as_hermes_text(checked, tools)  # only where tools are in play: a plain chat stays as is
         try:
@@ -265,12 +277,12 @@ def _as_hermes_text(messages: list[dict[str, Any]], tools: list[Tool]) -> list[d
             else:
                 out.append({"role": "user", "content": response})
         else:
-            out.append({k: v for k, v in m.items() if k in ("role", "content")})
+            out.append(dict(m))
         after_tool = m["role"] == "tool"
     if tools:
         prompt = _HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
         if out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+            out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + prompt)
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out

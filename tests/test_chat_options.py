@@ -1,6 +1,6 @@
 """How the chat template renders a conversation: template variables (`chat_template_kwargs`), the last
 message left open (`continue_final_message`) and the generation prompt, in the engine and the offline
-`LLM.chat`; bad options refused by name."""
+`LLM.chat`; participants' names and the developer role; bad options refused by name."""
 
 from __future__ import annotations
 
@@ -118,3 +118,45 @@ def test_chat_options_go_with_messages_not_text(llm):
     assert engine.tokenize("hi", options=ChatOptions())[0] == llm.tokenizer.encode("hi")
     options = ChatOptions(chat_template_kwargs={"enable_thinking": False})
     assert engine.tokenize(messages=ASK, options=options)[0] == engine.chat_prompt(ASK, options=options)
+
+
+# Shows each message's role and its participant's name, and knows the developer role by name
+NAMING_TEMPLATE = ("{% for m in messages %}{{ '[' ~ ('dev' if m.role == 'developer' else m.role) }}"
+                   "{% if m.name %}{{ ' ' ~ m.name }}{% endif %}{{ '] ' ~ m.content ~ '\n' }}{% endfor %}")
+
+
+@pytest.fixture
+def naming(embedded_dir):
+    from transformers import AutoTokenizer
+
+    from pagedserve.chat import ChatTemplate
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    tokenizer.chat_template = NAMING_TEMPLATE
+    template = ChatTemplate(tokenizer)
+    return lambda messages: tokenizer.decode(template.render(messages, []))
+
+
+def test_names_reach_a_template_that_shows_them(llm, naming):
+    named = [{"role": "system", "content": "Be brief.", "name": "ops"},
+             {"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "hello", "name": "bob"}]
+    assert naming(named) == "[system ops] Be brief.\n[user alice] hi\n[user bob] hello\n"
+    # a template with no place for names (SmolLM2's) renders as without them, as transformers' does
+    unnamed = [{k: v for k, v in m.items() if k != "name"} for m in named]
+    assert text(llm, named) == text(llm, unnamed)
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match=r"messages\[1\]\.name must be a non-empty string"):
+            llm.engine.chat_prompt([named[0], {**named[1], "name": bad}])
+
+
+def test_a_developer_message_is_the_system_message_unless_the_template_knows_the_role(llm, naming):
+    developer = [{"role": "developer", "content": "Answer in French."}] + ASK
+    system = [{"role": "system", "content": "Answer in French."}] + ASK
+    # SmolLM2's template writes any role as given, and adds its own system turn before a first non-system one
+    assert text(llm, developer) == text(llm, system)
+    assert "developer" not in text(llm, developer)
+    assert naming(developer) == "[dev] Answer in French.\n[user] What is the capital of France?\n"
+    # with tools on a template that ignores them, the instructions join the developer's system turn
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with_tools = llm.tokenizer.decode(llm.engine.chat_prompt(developer, tools=tools))
+    assert with_tools.startswith("<|im_start|>system\nAnswer in French.\n\n# Tools")

@@ -49,3 +49,22 @@ def test_sampling_fields_come_from_the_proto_and_map_onto_sampling_params():
         sampling_to_proto({"beam_width": 4})
     with pytest.raises(TypeError, match="sampling parameter top_k='many'"):
         sampling_to_proto({"top_k": "many"})
+
+
+def test_chat_messages_cross_the_wire_whole():
+    from pagedserve.chat import MESSAGE_FIELDS
+    from pagedserve.protos.chat import messages_from_proto, messages_to_proto
+
+    history = [{"role": "developer", "content": "Be brief.", "name": "ops"},
+               {"role": "user", "content": "Time?", "name": "alice"},
+               {"role": "assistant", "content": "", "reasoning": "Ask the clock.", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+               {"role": "tool", "content": "12:00", "tool_call_id": "c1", "name": "now"}]
+    assert messages_from_proto(messages_to_proto(history)) == history
+    # every field the engine knows has a place on the wire (one that did not would be dropped unseen)
+    from pagedserve.protos import pagedserve_pb2
+
+    wire = {f.name for f in pagedserve_pb2.ChatMessage.DESCRIPTOR.fields}
+    assert set(MESSAGE_FIELDS) - {"reasoning_content"} == wire
+    with pytest.raises(ValueError, match=r"messages\[0\]: unsupported keys \['nick'\]"):
+        messages_to_proto([{"role": "user", "content": "hi", "nick": "al"}])

@@ -78,7 +78,8 @@ class StreamChunk:
     request's first chunk when asked for (one per prompt token after the first). A chat with tools puts the
     calls' new parts in `tool_calls` (and only the content in `text`); finish_reason is then "tool_calls"
     where the model called tools. Where the server has a reasoning parser, a chat's thinking comes in
-    `reasoning` (and only the answer in `text`).
+    `reasoning` (and only the answer in `text`). `prompt_token_ids`, the prompt as the model ran it, is on
+    the request's first chunk when asked for (`return_prompt_token_ids=True`).
     """
 
     index: int
@@ -92,6 +93,7 @@ class StreamChunk:
     prompt_logprobs: list[TokenLogprob] | None = None
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     reasoning: str = ""
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -111,12 +113,13 @@ class Choice:
 @dataclass
 class Completion:
     """A finished request. `text`, `token_ids`, `finish_reason`, `logprobs`, `tool_calls` and `reasoning` are
-    choice 0's."""
+    choice 0's; `prompt_token_ids` is the prompt as the model ran it, when asked for."""
 
     choices: list[Choice]
     usage: dict[str, int] = field(default_factory=dict)
     request_id: str = ""
     prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int] | None = None
 
     @property
     def text(self) -> str:
@@ -151,6 +154,7 @@ class _Accumulator:
         self._choices: dict[int, Choice] = {}
         self._usage: dict[str, int] = {}
         self._prompt_logprobs: list[TokenLogprob] | None = None
+        self._prompt_token_ids: list[int] | None = None
 
     def add(self, chunk: StreamChunk) -> None:
         choice = self._choices.get(chunk.index)
@@ -167,6 +171,8 @@ class _Accumulator:
             choice.stop_reason = chunk.stop_reason
         if chunk.prompt_logprobs is not None:
             self._prompt_logprobs = chunk.prompt_logprobs
+        if chunk.prompt_token_ids is not None:
+            self._prompt_token_ids = chunk.prompt_token_ids
         if chunk.usage is not None:
             self._usage = chunk.usage
         if chunk.request_id:
@@ -174,7 +180,7 @@ class _Accumulator:
 
     def result(self) -> Completion:
         return Completion([self._choices[i] for i in sorted(self._choices)], self._usage, self._request_id,
-                          self._prompt_logprobs)
+                          self._prompt_logprobs, self._prompt_token_ids)
 
 
 def _usage_dict(usage: pb.Usage) -> dict[str, int]:
@@ -208,16 +214,17 @@ def _to_chunk(response: pb.GenerateResponse, sampling: pb.SamplingParams) -> Str
                          if with_prompt_logprobs and response.prompt_logprobs else None),
         tool_calls=[ToolCallDelta(t.index, t.arguments, t.id or None, t.name or None) for t in response.tool_calls],
         reasoning=response.reasoning,
+        prompt_token_ids=list(response.prompt_token_ids) if response.prompt_token_ids else None,
     )
 
 
-def _prompt_request(prompt: str | Sequence[int], request_id: str,
-                    sampling: pb.SamplingParams) -> pb.GenerateRequest:
-    if isinstance(prompt, str):
-        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
+def _prompt_request(prompt: str | Sequence[int], request_id: str, sampling: pb.SamplingParams,
+                    return_prompt_token_ids: bool) -> pb.GenerateRequest:
     if isinstance(prompt, bytes):
         raise TypeError("prompt must be a str or a list of token ids, not bytes")
-    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling)
+    given = {"text": prompt} if isinstance(prompt, str) else {"token_ids": pb.TokenIds(ids=list(prompt))}
+    return pb.GenerateRequest(request_id=request_id, **given, sampling=sampling,
+                              return_prompt_token_ids=return_prompt_token_ids)
 
 
 def _template_options(keywords: dict[str, Any]) -> pb.ChatTemplateOptions:
@@ -228,11 +235,11 @@ def _template_options(keywords: dict[str, Any]) -> pb.ChatTemplateOptions:
 def _chat_request(messages: Sequence[dict[str, Any]], request_id: str, sampling: pb.SamplingParams,
                   tools: Sequence[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
                   parallel_tool_calls: bool | None, template: pb.ChatTemplateOptions,
-                  include_reasoning: bool | None) -> pb.ChatRequest:
+                  include_reasoning: bool | None, return_prompt_token_ids: bool) -> pb.ChatRequest:
     return pb.ChatRequest(request_id=request_id, messages=messages_to_proto(messages), sampling=sampling,
                           tools=tools_to_proto(tools), tool_choice=tool_choice_to_proto(tool_choice),
                           parallel_tool_calls=parallel_tool_calls, template=template,
-                          include_reasoning=include_reasoning)
+                          include_reasoning=include_reasoning, return_prompt_token_ids=return_prompt_token_ids)
 
 
 def _tokenize_request(text: str | None, messages: Sequence[dict[str, Any]] | None, add_special_tokens: bool | None,
@@ -418,10 +425,12 @@ class Client(_Base):
             time.sleep(delay)
             attempt += 1
 
-    def stream(self, prompt: str | Sequence[int], **sampling: Any) -> ResponseStream:
-        """Stream a completion of `prompt` (text or token ids) chunk by chunk."""
+    def stream(self, prompt: str | Sequence[int], *, return_prompt_token_ids: bool = False,
+               **sampling: Any) -> ResponseStream:
+        """Stream a completion of `prompt` (text or token ids) chunk by chunk; `return_prompt_token_ids`: the
+        prompt as the model ran it on the first chunk."""
         params, request_id, timeout = self._split(sampling)
-        request = _prompt_request(prompt, request_id, params)
+        request = _prompt_request(prompt, request_id, params, return_prompt_token_ids)
         return ResponseStream(self, self._stub.Generate, request, timeout, params)
 
     def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
@@ -430,16 +439,18 @@ class Client(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    include_reasoning: bool | None = None, **sampling: Any) -> ResponseStream:
+                    include_reasoning: bool | None = None, return_prompt_token_ids: bool = False,
+                    **sampling: Any) -> ResponseStream:
         """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]). `tools`,
         `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes; the chat template
         options (`add_generation_prompt`, default true, `continue_final_message`, `chat_template_kwargs`,
         `documents`, `add_special_tokens`) vLLM's; `include_reasoning=False` leaves the reasoning out (where
-        the server parses it); the other keywords are sampling parameters."""
+        the server parses it); `return_prompt_token_ids`: the template's prompt on the first chunk; the other
+        keywords are sampling parameters."""
         template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
         request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template,
-                                include_reasoning)
+                                include_reasoning, return_prompt_token_ids)
         return ResponseStream(self, self._stub.Chat, request, timeout, params)
 
     def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:
@@ -587,10 +598,11 @@ class AsyncClient(_Base):
             await asyncio.sleep(delay)
             attempt += 1
 
-    def stream(self, prompt: str | Sequence[int], **sampling: Any) -> AsyncResponseStream:
+    def stream(self, prompt: str | Sequence[int], *, return_prompt_token_ids: bool = False,
+               **sampling: Any) -> AsyncResponseStream:
         """Stream a completion of `prompt` (text or token ids): `async for chunk in client.stream(...)`."""
         params, request_id, timeout = self._split(sampling)
-        request = _prompt_request(prompt, request_id, params)
+        request = _prompt_request(prompt, request_id, params, return_prompt_token_ids)
         return AsyncResponseStream(self, self._stub.Generate, request, timeout, params)
 
     async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
@@ -598,11 +610,12 @@ class AsyncClient(_Base):
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                    include_reasoning: bool | None = None, **sampling: Any) -> AsyncResponseStream:
+                    include_reasoning: bool | None = None, return_prompt_token_ids: bool = False,
+                    **sampling: Any) -> AsyncResponseStream:
         template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
         request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template,
-                                include_reasoning)
+                                include_reasoning, return_prompt_token_ids)
         return AsyncResponseStream(self, self._stub.Chat, request, timeout, params)
 
     async def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:

@@ -24,6 +24,9 @@ class Delta:
     usage: dict[str, int] = field(default_factory=dict)  # the request's so far (every delta carries it)
     final: bool = False  # the request's last delta
     prompt_logprobs: list[Logprob] | None = None  # on the request's first delta, when asked for
+    # On the request's first delta: the prompt as the engine ran it (tokenized, truncated), for the front
+    # ends that return it when asked (a few bytes a token, once per request)
+    prompt_token_ids: list[int] | None = None
     # With tools in play: the calls' new parts (then `text` is the new content, what is not a call)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     # With a reasoning parser: the thinking's new text (then `text` is the answer's)
@@ -62,6 +65,7 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
                 done.add(c.index)
         if batch and first:
             batch[0].prompt_logprobs = out.prompt_logprobs
+            batch[0].prompt_token_ids = list(out.prompt_token_ids)
             first = False
         if out.finished and batch:
             batch[-1].final = True

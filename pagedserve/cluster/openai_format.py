@@ -67,7 +67,9 @@ class ResponseFormatter:
     """One response's OpenAI shape: whole (`whole`) or as server-sent chunks (`sse`). `reasoning`: the engine
     parses a chat's reasoning out of its answer; its messages carry it (unless the request's
     `include_reasoning` is false) as vLLM's `reasoning` and the older `reasoning_content`: clients read
-    either."""
+    either. Token ids, as vLLM's `return_token_ids` places them: each choice's `token_ids` (unless it is
+    false), and with it true the prompt's, `prompt_token_ids`, on a chat response (its first chunk) or on
+    each completion choice (its first chunk)."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, params: SamplingParams,
                  body: CompletionRequest | ChatCompletionRequest, echo_text: str | None,
@@ -77,6 +79,8 @@ class ResponseFormatter:
         self.shows_reasoning = reasoning and getattr(body, "include_reasoning", True)
         self.with_logprobs = params.logprobs is not None
         self.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        self.with_token_ids = body.return_token_ids is not False
+        self.with_prompt_ids = bool(body.return_token_ids)
         self.with_prompt_logprobs = body.prompt_logprobs is not None
         self.echo_text = echo_text
         options = body.stream_options
@@ -84,6 +88,11 @@ class ResponseFormatter:
         self.continuous_usage = options is not None and options.continuous_usage_stats
         self.offsets: dict[int, _CompletionLogprobs] = {}
         self._prompt_logprobs: list[Logprob] | None = None  # from the first delta
+        self._prompt_ids: list[int] | None = None  # from the first delta
+
+    def _start(self, first: Delta | None) -> None:
+        self._prompt_logprobs = first.prompt_logprobs if first is not None else None
+        self._prompt_ids = first.prompt_token_ids if first is not None else None
 
     def _head(self, d: Delta, first_of_choice: bool) -> tuple[str, list[Logprob]]:
         """A choice's text and logprob entries, with the echoed prompt before its first chunk."""
@@ -108,10 +117,14 @@ class ResponseFormatter:
                 finish_reason: str | None, stop_reason: str | int | None, first: bool, whole: bool,
                 tool_calls: list[dict[str, Any]], reasoning: str = "") -> dict[str, Any]:
         """One choice of a response (`whole`) or of a chunk; `first`: the choice's first appearance."""
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
-                                  "token_ids": token_ids, "logprobs": self._choice_logprobs(index, entries)}
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if self.with_token_ids:
+            choice["token_ids"] = token_ids
+        choice["logprobs"] = self._choice_logprobs(index, entries)
         if not self.chat:
             choice["text"] = text
+            if first and self.with_prompt_ids:
+                choice["prompt_token_ids"] = self._prompt_ids
         else:
             message: dict[str, Any] = {"role": "assistant"} if first else {}
             # no answer beside calls or reasoning: no content
@@ -129,7 +142,7 @@ class ResponseFormatter:
         choices: dict[int, dict[str, Any]] = {}
         d = first
         usage: dict[str, int] = {}
-        self._prompt_logprobs = first.prompt_logprobs if first is not None else None
+        self._start(first)
         while d is not None:
             c = choices.get(d.index)
             if c is None:
@@ -152,19 +165,24 @@ class ResponseFormatter:
                                 "name": t.name, "arguments": t.arguments}} for t in c["tool_calls"]],
                             reasoning=c["reasoning"])
                for i, c in sorted(choices.items())]
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": out, "usage": usage}
+        response = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                    "created": self.created, "model": self.model, "choices": out, "usage": usage}
+        if self.chat and self.with_prompt_ids:
+            response["prompt_token_ids"] = self._prompt_ids
+        return response
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> str:
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None, first: bool = False) -> str:
         chunk: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                                  "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             chunk["usage"] = usage
+        if first and self.chat and self.with_prompt_ids:
+            chunk["prompt_token_ids"] = self._prompt_ids
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def sse(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
         started: set[int] = set()
-        self._prompt_logprobs = first.prompt_logprobs if first is not None else None
+        self._start(first)
         d = first
         usage: dict[str, int] = {}
         try:
@@ -176,7 +194,7 @@ class ResponseFormatter:
                                       first=new, whole=False, tool_calls=[_tool_call_json(t) for t in d.tool_calls],
                                       reasoning=d.reasoning)
                 usage = d.usage
-                yield self._chunk([choice], usage if self.continuous_usage else None)
+                yield self._chunk([choice], usage if self.continuous_usage else None, first=d is first)
                 d = await anext(deltas, None)
             if self.include_usage:
                 yield self._chunk([], usage)

@@ -74,6 +74,8 @@ class _Sampling(_Body):
     cache_salt: str | None = None  # the prefix cache is shared only among requests with the same salt
     request_id: str | None = None  # the id to abort it by (gRPC Abort); one is made when absent
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens as "token_id:<id>" (vLLM's)
+    # vLLM's: true adds the prompt's token ids; false leaves out the choices' token ids too (unset: sent)
+    return_token_ids: bool | None = None
     # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -219,6 +221,7 @@ class ToolCallParam(_Body):
 class ChatMessage(_Body):
     role: str  # which roles exist, and what each may carry, is the engine's to say (pagedserve.chat)
     content: str | list[TextPart] | None = None
+    name: str | None = None  # the participant's name, for a template that shows it
     tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's name; the older one below)

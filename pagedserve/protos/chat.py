@@ -9,10 +9,8 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from pagedserve.chat import ChatOptions, message_reasoning
+from pagedserve.chat import MESSAGE_FIELDS, ChatOptions, message_reasoning
 from pagedserve.protos import pagedserve_pb2 as pb
-
-_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"}
 
 
 def messages_to_proto(messages: Sequence[dict[str, Any]]) -> list[pb.ChatMessage]:
@@ -20,13 +18,13 @@ def messages_to_proto(messages: Sequence[dict[str, Any]]) -> list[pb.ChatMessage
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a dict with role and content, got {type(message).__name__}")
-        extra = set(message) - _MESSAGE_KEYS
+        extra = set(message) - set(MESSAGE_FIELDS)
         if extra:  # dropped silently, they would change the prompt unseen
-            raise ValueError(f"messages[{i}]: unsupported keys {sorted(extra)} (known: {sorted(_MESSAGE_KEYS)})")
+            raise ValueError(f"messages[{i}]: unsupported keys {sorted(extra)} (known: {', '.join(MESSAGE_FIELDS)})")
         if "role" not in message or ("content" not in message and not message.get("tool_calls")):
             raise ValueError(f"messages[{i}] needs both 'role' and 'content'")
         msg = pb.ChatMessage(role=message["role"], content=message.get("content") or "",
-                             tool_call_id=message.get("tool_call_id") or "",
+                             tool_call_id=message.get("tool_call_id") or "", name=message.get("name") or "",
                              reasoning=message_reasoning(f"messages[{i}]", message) or "")
         for j, call in enumerate(message.get("tool_calls") or []):
             function = call.get("function") if isinstance(call, dict) else None
@@ -54,6 +52,8 @@ def messages_from_proto(messages: Sequence[pb.ChatMessage]) -> list[dict[str, An
             message["tool_call_id"] = m.tool_call_id
         if m.reasoning:
             message["reasoning"] = m.reasoning
+        if m.name:
+            message["name"] = m.name
         out.append(message)
     return out
 

@@ -318,3 +318,49 @@ def test_unsupported_fields_are_refused_by_name(oai, model):
         oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, best_of=3)
     stats = wait_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_return_token_ids_puts_the_prompt_and_output_ids_where_vllm_does(oai, model, client, offline):
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat_prompt = offline.engine.chat_prompt(messages)
+    text_prompt = offline.engine.encode_prompt(PROMPT)
+    kw = dict(model=model, temperature=0, max_tokens=5, extra_body={"ignore_eos": True, "return_token_ids": True})
+    chat = oai.chat.completions.create(messages=messages, **kw)
+    assert chat.model_extra["prompt_token_ids"] == chat_prompt
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(ids) == 5
+    chunks = list(oai.chat.completions.create(messages=messages, stream=True, **kw))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat_prompt
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
+    # completions: on each choice (each choice's first chunk), the prompt after truncate_prompt_tokens
+    done = oai.completions.create(prompt=PROMPT, n=2, **kw)
+    assert [c.model_extra["prompt_token_ids"] for c in done.choices] == [text_prompt] * 2
+    cut = dict(kw, extra_body=dict(kw["extra_body"], truncate_prompt_tokens=2))
+    firsts = [c for c in oai.completions.create(prompt=PROMPT, stream=True, **cut) if "prompt_token_ids" in
+              c.choices[0].model_extra]
+    assert [c.choices[0].model_extra["prompt_token_ids"] for c in firsts] == [text_prompt[-2:]]
+    # unset: the output's ids as always, not the prompt's; false: neither
+    plain = oai.chat.completions.create(messages=messages, model=model, temperature=0, max_tokens=5,
+                                        extra_body={"ignore_eos": True})
+    assert plain.choices[0].model_extra["token_ids"] == ids and "prompt_token_ids" not in plain.model_extra
+    off = oai.chat.completions.create(messages=messages, **dict(kw, extra_body={"ignore_eos": True,
+                                                                               "return_token_ids": False}))
+    assert "token_ids" not in off.choices[0].model_extra and "prompt_token_ids" not in off.model_extra
+    # gRPC: on the first message, when asked
+    assert client.chat(messages, temperature=0, max_tokens=5, ignore_eos=True,
+                       return_prompt_token_ids=True).prompt_token_ids == chat_prompt
+    assert client.generate(PROMPT, max_tokens=2, return_prompt_token_ids=True).prompt_token_ids == text_prompt
+    assert client.generate(PROMPT, max_tokens=2).prompt_token_ids is None
+
+
+def test_participant_names_and_the_developer_role_are_taken(oai, model, client):
+    named = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Say hello.", "name": "al"}]
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    kw = dict(model=model, temperature=0, max_tokens=6, extra_body={"ignore_eos": True, "return_token_ids": True})
+    # this model's template has no place for names and knows no developer role: the prompts are the same
+    got, want = (oai.chat.completions.create(messages=m, **kw) for m in (named, plain))
+    assert got.model_extra["prompt_token_ids"] == want.model_extra["prompt_token_ids"]
+    assert got.choices[0].model_extra["token_ids"] == want.choices[0].model_extra["token_ids"]
+    assert client.chat(named, temperature=0, max_tokens=6, ignore_eos=True).token_ids == \
+        want.choices[0].model_extra["token_ids"]
