@@ -88,3 +88,43 @@ def test_a_request_that_sent_a_delta_ends_with_its_replica():
     with pytest.raises(ActorUnavailableError):
         asyncio.run(run())
     assert seen == ["a"] and replicas.calls == 1  # never run twice where the client has part of it
+
+
+
+def test_a_batch_of_prompts_is_numbered_and_counted_as_one_request():
+    from pagedserve.cluster.deltas import merge_prompts, usage
+
+    closed: list[str] = []  # the prompts' streams whose cleanup ran
+
+    async def prompt(i: int, prompt_tokens: int, fail: bool = False):
+        try:
+            for j in range(2):  # n=2: sample 0 then sample 1, one token each
+                yield Delta(f"r-{i}", j, "x", [j], usage=usage(prompt_tokens, j + 1), final=j == 1,
+                            prompt_token_ids=[i] * prompt_tokens if j == 0 else None)
+                await asyncio.sleep(0)
+                if fail:
+                    raise ValueError("prompt: too long")
+        finally:
+            closed.append(f"prompt {i}")
+
+    async def endless():
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield Delta("r-1", 0, "", [])
+        finally:
+            closed.append("endless")
+
+    async def run(streams):
+        return [d async for d in merge_prompts(streams, 2, "r")]
+
+    out = asyncio.run(run([prompt(0, 3), prompt(1, 5)]))
+    assert sorted((d.index, d.token_ids) for d in out) == [(0, [0]), (1, [1]), (2, [0]), (3, [1])]
+    assert {d.request_id for d in out} == {"r"} and [d.final for d in out] == [False, False, False, True]
+    assert out[-1].usage == usage(8, 4)
+    assert [d.prompt_token_ids for d in out if d.index in (0, 2)] == [[0] * 3, [1] * 5]
+    # a prompt that fails ends the batch, and the prompt still running is closed with it
+    closed.clear()
+    with pytest.raises(ValueError, match="too long"):
+        asyncio.run(run([prompt(0, 3, fail=True), endless()]))
+    assert sorted(closed) == ["endless", "prompt 0"]

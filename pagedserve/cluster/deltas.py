@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,45 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
             batch[-1].final = True
         for d in batch:
             yield d
+
+
+async def merge_prompts(streams: list[AsyncIterator[Delta]], n: int, request_id: str) -> AsyncIterator[Delta]:
+    """The deltas of a batch of prompts, one request each, as one request's, in the order they come: prompt
+    i's sample j is choice i*n+j (OpenAI's numbering), and the usage is the batch's so far. Each prompt's
+    first delta keeps its prompt's `prompt_logprobs` and `prompt_token_ids`. An error in any prompt ends
+    the batch, and every prompt's request with it."""
+    queue: asyncio.Queue[tuple[int, Delta | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in stream:
+                queue.put_nowait((i, d, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    counts = [(0, 0)] * len(streams)  # each prompt's (prompt tokens, completion tokens) so far
+    running, ended = len(streams), 0  # ended: prompts whose request's last delta came
+    try:
+        while running:
+            i, d, error = await queue.get()
+            if error is not None:
+                raise error
+            if d is None:
+                running -= 1
+                continue
+            counts[i] = (d.usage.get("prompt_tokens", 0), d.usage.get("completion_tokens", 0))
+            d.request_id, d.index = request_id, i * n + d.index
+            d.usage = usage(sum(c[0] for c in counts), sum(c[1] for c in counts))
+            ended += d.final
+            d.final = ended == len(streams)
+            yield d
+    finally:
+        for task in tasks:
+            task.cancel()  # a prompt still running is aborted: its stream's own cleanup frees its blocks
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def with_reasoning(deltas: AsyncIterator[Delta], start: ReasoningStart, include: bool = True) -> AsyncIterator[Delta]:

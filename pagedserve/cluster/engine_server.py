@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedserve.async_engine import AsyncEngine
 from pagedserve.chat import ChatOptions, ChatPlan
 from pagedserve.cluster.auth import ApiKeys
-from pagedserve.cluster.deltas import Delta, stream_deltas, with_reasoning, with_tool_calls
+from pagedserve.cluster.deltas import Delta, merge_prompts, stream_deltas, with_reasoning, with_tool_calls
 from pagedserve.cluster.errors import ClientError
 from pagedserve.cluster.prefix_router import PrefixAwareRouter, PrefixRouting, summarize
 from pagedserve.config import EngineConfig, ray_hosted_config
@@ -232,6 +232,15 @@ class EngineClient:
         if plan.reasoning is not None:
             deltas = with_reasoning(deltas, plan.reasoning, include_reasoning)
         return deltas if plan.tool_parsing is None else with_tool_calls(deltas, plan.tool_parsing)
+
+    def batch_deltas(self, prompts: list[str | list[int]], params: SamplingParams,
+                     request_id: str) -> AsyncIterator[Delta]:
+        """The deltas of a batch of prompts (a completions request may send several): one request each,
+        `<request_id>-<i>`, run side by side, prompt i's samples numbered from i*n (`merge_prompts`)."""
+        if len(prompts) == 1:
+            return self.deltas(prompts[0], params, request_id)
+        return merge_prompts([self.deltas(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)],
+                             params.n, request_id)
 
     async def deltas(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None) -> AsyncIterator[Delta]:

@@ -6,6 +6,7 @@ models; with API keys configured every route but `/health` needs `Authorization:
 No `from __future__ import annotations` here: FastAPI must see real types (Request) on the route methods.
 """
 
+import asyncio
 import functools
 import time
 import uuid
@@ -118,14 +119,19 @@ class Ingress(GrpcService):
     @_answers_errors
     async def completions(self, request: Request):
         body, model = await self._read(request, CompletionRequest)
-        prompt = body.single_prompt()
+        prompts = body.prompts()
         params = body.to_sampling_params()
-        echo_text = None
+        echoed = None
         if body.echo:
-            echo_text = prompt if isinstance(prompt, str) else await self.engine.detokenize.remote(prompt)
-        if isinstance(prompt, str) and not body.add_special_tokens:
-            prompt, _ = await self.engine.tokenize.remote(prompt, None, False)
-        return await self._respond(prompt, params, body, model, chat=False, echo_text=echo_text)
+            async def text(prompt: str | list[int]) -> str:
+                return prompt if isinstance(prompt, str) else await self.engine.detokenize.remote(prompt)
+            echoed = list(await asyncio.gather(*(text(p) for p in prompts)))
+        if not body.add_special_tokens:  # the batch's texts tokenized side by side
+            texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+            encoded = await asyncio.gather(*(self.engine.tokenize.remote(prompts[i], None, False) for i in texts))
+            for i, (ids, _) in zip(texts, encoded, strict=True):
+                prompts[i] = ids
+        return await self._respond(prompts, params, body, model, chat=False, echoed=echoed)
 
     @api.post("/v1/chat/completions")
     @_answers_errors
@@ -134,13 +140,17 @@ class Ingress(GrpcService):
         plan = await self.engine.chat_plan.remote([m.as_dict() for m in body.messages], body.to_sampling_params(),
                                                   body.tools, body.tool_choice, body.parallel_tool_calls,
                                                   body.chat_options())
-        return await self._respond(plan, plan.params, body, model, chat=True, echo_text=body.echoed())
+        echoed = body.echoed()
+        return await self._respond(plan, plan.params, body, model, chat=True,
+                                   echoed=None if echoed is None else [echoed])
 
-    async def _respond(self, prompt, params, body, model: str, chat: bool, echo_text: str | None = None):
-        """`prompt`: a completion's text or ids, or a chat's `ChatPlan`."""
+    async def _respond(self, prompt, params, body, model: str, chat: bool, echoed: list[str] | None = None):
+        """`prompt`: a completion's prompts (texts or ids), or a chat's `ChatPlan`; `echoed`: the text each
+        prompt's choices start with."""
         rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
-        deltas = self.chat_deltas(prompt, rid, body.include_reasoning) if chat else self.deltas(prompt, params, rid)
+        deltas = self.chat_deltas(prompt, rid, body.include_reasoning) if chat else \
+            self.batch_deltas(prompt, params, rid)
         try:
             first = await anext(deltas, None)  # errors in validation surface here, as a JSON error
         except Exception as e:
@@ -150,7 +160,7 @@ class Ingress(GrpcService):
                 # the engine names its own field; the client sent the constraint as `field`
                 raise ClientError(err.code, err.http_status, f"{field}: {err.message}", field) from None
             raise
-        form = ResponseFormatter(rid, created, model, chat, params, body, echo_text,
+        form = ResponseFormatter(rid, created, model, chat, params, body, echoed,
                                  reasoning=chat and prompt.reasoning is not None)
         if body.stream:
             return StreamingResponse(form.sse(first, deltas), media_type="text/event-stream")

@@ -69,10 +69,14 @@ class ResponseFormatter:
     `include_reasoning` is false) as vLLM's `reasoning` and the older `reasoning_content`: clients read
     either. Token ids, as vLLM's `return_token_ids` places them: each choice's `token_ids` (unless it is
     false), and with it true the prompt's, `prompt_token_ids`, on a chat response (its first chunk) or on
-    each completion choice (its first chunk)."""
+    each completion choice (its first chunk).
+
+    A completion of a batch of prompts numbers prompt i's samples from i*n (`merge_prompts`); what belongs
+    to a prompt (the text its choices start with under echo, `echoed[i]`, its prompt logprobs and token
+    ids, from its first delta) goes with its choices."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, params: SamplingParams,
-                 body: CompletionRequest | ChatCompletionRequest, echo_text: str | None,
+                 body: CompletionRequest | ChatCompletionRequest, echoed: list[str] | None,
                  reasoning: bool = False) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.parses_reasoning = reasoning
@@ -82,26 +86,31 @@ class ResponseFormatter:
         self.with_token_ids = body.return_token_ids is not False
         self.with_prompt_ids = bool(body.return_token_ids)
         self.with_prompt_logprobs = body.prompt_logprobs is not None
-        self.echo_text = echo_text
+        self.n = params.n
+        self.echoed = echoed
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = options is not None and options.continuous_usage_stats
         self.offsets: dict[int, _CompletionLogprobs] = {}
-        self._prompt_logprobs: list[Logprob] | None = None  # from the first delta
-        self._prompt_ids: list[int] | None = None  # from the first delta
+        # by prompt: from its first delta
+        self._prompt_logprobs: dict[int, list[Logprob] | None] = {}
+        self._prompt_ids: dict[int, list[int] | None] = {}
 
-    def _start(self, first: Delta | None) -> None:
-        self._prompt_logprobs = first.prompt_logprobs if first is not None else None
-        self._prompt_ids = first.prompt_token_ids if first is not None else None
+    def _note(self, d: Delta) -> None:
+        """What a prompt's first delta carries about the prompt."""
+        prompt = d.index // self.n
+        if prompt not in self._prompt_ids:
+            self._prompt_logprobs[prompt], self._prompt_ids[prompt] = d.prompt_logprobs, d.prompt_token_ids
 
     def _head(self, d: Delta, first_of_choice: bool) -> tuple[str, list[Logprob]]:
         """A choice's text and logprob entries, with the echoed prompt before its first chunk."""
         entries: list[Logprob] = list(d.logprobs)
         text = d.text
-        if first_of_choice and self.echo_text is not None:
-            text = self.echo_text + text
+        prompt = d.index // self.n
+        if first_of_choice and self.echoed is not None:
+            text = self.echoed[prompt] + text
             if self.with_logprobs:
-                entries = list(self._prompt_logprobs or []) + entries
+                entries = list(self._prompt_logprobs.get(prompt) or []) + entries
         return text, entries
 
     def _choice_logprobs(self, index: int, entries: list[Logprob]) -> dict[str, Any] | None:
@@ -124,7 +133,7 @@ class ResponseFormatter:
         if not self.chat:
             choice["text"] = text
             if first and self.with_prompt_ids:
-                choice["prompt_token_ids"] = self._prompt_ids
+                choice["prompt_token_ids"] = self._prompt_ids.get(index // self.n)
         else:
             message: dict[str, Any] = {"role": "assistant"} if first else {}
             # no answer beside calls or reasoning: no content
@@ -134,16 +143,16 @@ class ResponseFormatter:
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice["message" if whole else "delta"] = message
-        if first and index == 0 and self.with_prompt_logprobs:
-            choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs)
+        if first and index % self.n == 0 and self.with_prompt_logprobs:  # on each prompt's first choice
+            choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs.get(index // self.n))
         return choice
 
     async def whole(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> dict[str, Any]:
         choices: dict[int, dict[str, Any]] = {}
         d = first
         usage: dict[str, int] = {}
-        self._start(first)
         while d is not None:
+            self._note(d)
             c = choices.get(d.index)
             if c is None:
                 c = choices[d.index] = {"text": "", "entries": [], "token_ids": [], "finish_reason": None,
@@ -168,7 +177,7 @@ class ResponseFormatter:
         response = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                     "created": self.created, "model": self.model, "choices": out, "usage": usage}
         if self.chat and self.with_prompt_ids:
-            response["prompt_token_ids"] = self._prompt_ids
+            response["prompt_token_ids"] = self._prompt_ids.get(0)
         return response
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None, first: bool = False) -> str:
@@ -177,16 +186,16 @@ class ResponseFormatter:
         if usage is not None:
             chunk["usage"] = usage
         if first and self.chat and self.with_prompt_ids:
-            chunk["prompt_token_ids"] = self._prompt_ids
+            chunk["prompt_token_ids"] = self._prompt_ids.get(0)
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def sse(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
         started: set[int] = set()
-        self._start(first)
         d = first
         usage: dict[str, int] = {}
         try:
             while d is not None:
+                self._note(d)
                 new = d.index not in started
                 started.add(d.index)
                 text, entries = self._head(d, new)

@@ -183,16 +183,16 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     add_special_tokens: bool = True  # the tokenizer's special tokens (such as a BOS) around a text prompt
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one (a text or token ids), or a batch of them (a list of either), whose prompt i's
+        samples are the response's choices i*n to i*n+n-1, as OpenAI's."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f"prompt: a list of {len(prompt)} prompts is not supported: send one request "
-                                 "per prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise ValueError("prompt is empty")
-        return prompt
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+        prompts = prompt if batch else [prompt]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt[{i}] is empty" if batch else "prompt is empty")
+        return prompts
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:

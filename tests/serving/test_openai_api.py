@@ -364,3 +364,45 @@ def test_participant_names_and_the_developer_role_are_taken(oai, model, client):
     assert got.choices[0].model_extra["token_ids"] == want.choices[0].model_extra["token_ids"]
     assert client.chat(named, temperature=0, max_tokens=6, ignore_eos=True).token_ids == \
         want.choices[0].model_extra["token_ids"]
+
+
+def test_a_batch_of_prompts_runs_one_request_each_numbered_as_openai_does(oai, model, offline):
+    prompts = [PROMPT, "The capital of France is", "Hello"]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    kw = dict(model=model, prompt=prompts, n=2, temperature=0, max_tokens=6,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = oai.completions.create(**kw)
+    assert [c.index for c in whole.choices] == list(range(6))  # prompt i's samples are choices 2i, 2i+1
+    for c in whole.choices:
+        ref = refs[c.index // 2]
+        assert (c.text, c.model_extra["token_ids"]) == (ref.outputs[0].text, ref.outputs[0].token_ids)
+        assert c.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert whole.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+    assert whole.usage.completion_tokens == 6 * 6
+    # streamed: the same choices, each prompt's echoed and scored
+    chunks = list(oai.completions.create(**dict(kw, stream=True, echo=True, logprobs=0,
+                                                stream_options={"include_usage": True})))
+    texts: dict[int, str] = {}
+    scored: dict[int, list] = {}
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            scored.setdefault(c.index, []).extend(c.logprobs.tokens)
+    assert sorted(texts) == list(range(6))
+    for i, text in texts.items():
+        ref = refs[i // 2]
+        assert text == prompts[i // 2] + ref.outputs[0].text
+        assert len(scored[i]) == len(ref.prompt_token_ids) + 6
+    assert chunks[-1].usage.completion_tokens == 36 and not chunks[-1].choices
+    # a batch of token-id prompts, echoed as their text
+    ids = [[5, 6, 7], [8, 9]]
+    echoed = oai.completions.create(model=model, prompt=ids, temperature=0, max_tokens=2, echo=True)
+    for c, ref in zip(echoed.choices, offline.generate(ids, SamplingParams(temperature=0, max_tokens=2)),
+                      strict=True):
+        assert c.text == offline.tokenizer.decode(ids[c.index]) + ref.outputs[0].text
+    # one prompt refused: the batch is refused, and the prompts already running are ended
+    status, reply = post("/v1/completions", {"prompt": [PROMPT, [5] * 600], "max_tokens": 50, "ignore_eos": True})
+    assert status == 400 and reply["error"]["message"].startswith("prompt"), reply
+    stats = wait_idle()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
