@@ -68,3 +68,23 @@ def test_chat_messages_cross_the_wire_whole():
     assert set(MESSAGE_FIELDS) - {"reasoning_content"} == wire
     with pytest.raises(ValueError, match=r"messages\[0\]: unsupported keys \['nick'\]"):
         messages_to_proto([{"role": "user", "content": "hi", "nick": "al"}])
+
+
+def test_fields_this_server_does_not_know_are_refused_by_number():
+    from pagedserve.cluster.grpc_service import check_known
+    from pagedserve.protos import pagedserve_pb2 as pb
+
+    def newer(message, extra: bytes):  # as a newer client would send it: with a field this proto lacks
+        return type(message).FromString(message.SerializeToString() + extra)
+
+    known = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")],
+                           sampling=pb.SamplingParams(temperature=0.5, logit_bias={1: 2.0}),
+                           template=pb.ChatTemplateOptions(documents=[pb.Document(fields={"title": "t"})]))
+    check_known(known)
+    with pytest.raises(ValueError, match=r"^GenerateRequest: field number\(s\) \[14\] are not known"):
+        check_known(newer(pb.GenerateRequest(text="hi"), b"\x70\x01"))  # field 14, a varint
+    with pytest.raises(ValueError, match=r"^sampling: field number\(s\) \[40\]"):
+        check_known(pb.GenerateRequest(text="hi", sampling=newer(pb.SamplingParams(), b"\xc0\x02\x01")))
+    with pytest.raises(ValueError, match=r"^messages\[1\]: field number\(s\) \[9\]"):
+        check_known(pb.ChatRequest(messages=[pb.ChatMessage(role="user"),
+                                             newer(pb.ChatMessage(role="user"), b"\x48\x01")]))

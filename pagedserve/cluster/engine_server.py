@@ -191,10 +191,9 @@ class EngineClient:
     to one of its replicas), the model's description, the API keys, and the requests this ingress is
     streaming, by id."""
 
-    def __init__(self, engine: DeploymentHandle, num_replicas: int = 1, api_keys: ApiKeys | None = None,
+    def __init__(self, engine: DeploymentHandle, api_keys: ApiKeys | None = None,
                  routes_on_token_ids: bool = False) -> None:
         self.engine = engine
-        self.num_replicas = num_replicas
         # the prefix-aware router hashes token ids: a text prompt is tokenized (once) before it is routed
         self.routes_on_token_ids = routes_on_token_ids
         self.api_keys = api_keys or ApiKeys()
@@ -211,6 +210,14 @@ class EngineClient:
         if self._info is None:
             self._info = await self.engine.model_info.remote()
         return self._info
+
+    async def replicas_running(self) -> int:
+        """The model replicas running now, as Serve counts them: autoscaling changes the count, and a replica
+        being replaced is out of it until its successor runs."""
+        deployment = self.engine.deployment_id
+        status = await asyncio.to_thread(serve.status)  # a call to Serve's controller: off the event loop
+        return status.applications[deployment.app_name].deployments[deployment.name].replica_states.get(
+            "RUNNING", 0)
 
     def abort(self, request_id: str) -> bool:
         """End a request this ingress is streaming: its stream ends with finish_reason "abort" and the engine

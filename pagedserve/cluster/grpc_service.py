@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, unknown_fields
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
@@ -38,13 +38,15 @@ _HEALTH_SERVICES = ("", SERVICE_NAME)  # "": the server as a whole
 
 
 class GrpcService(EngineClient):
-    def _authorize_call(self, grpc_context) -> None:
+    def _accept(self, request, grpc_context) -> None:
+        """The key checked, then the request's fields: each one this server's proto has (`check_known`)."""
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
         self.authorize(metadata.get("authorization"), "the metadata ('authorization', 'Bearer <key>')")
+        check_known(request)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            self._authorize_call(grpc_context)
+            self._accept(request, grpc_context)
             which = request.WhichOneof("prompt")
             if which is None:
                 raise ValueError("prompt is empty (set text or token_ids)")
@@ -57,7 +59,7 @@ class GrpcService(EngineClient):
 
     async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            self._authorize_call(grpc_context)
+            self._accept(request, grpc_context)
             messages = messages_from_proto(request.messages)
             # A chat answer runs until the model stops or the context is full, unless max_tokens says otherwise.
             params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
@@ -73,7 +75,7 @@ class GrpcService(EngineClient):
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:
         try:
-            self._authorize_call(grpc_context)
+            self._accept(request, grpc_context)
             messages = messages_from_proto(request.messages)
             special = request.add_special_tokens if request.HasField("add_special_tokens") else None
             ids, tokens = await self.engine.tokenize.remote(request.text, messages, special,
@@ -85,19 +87,19 @@ class GrpcService(EngineClient):
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, grpc_context=None) -> pb.ModelInfoResponse:
         try:
-            self._authorize_call(grpc_context)
+            self._accept(request, grpc_context)
             info = await self.model_info_dict()
             return pb.ModelInfoResponse(
                 model=info["model"], max_model_len=info["max_model_len"], block_size=info["block_size"],
                 tensor_parallel_size=info["tensor_parallel_size"], num_kv_blocks=info["num_kv_blocks"],
                 kv_capacity_tokens=info["num_kv_blocks"] * info["block_size"], vocab_size=info["vocab_size"],
-                num_replicas=self.num_replicas, eos_token_ids=info["eos_token_ids"])
+                num_replicas=await self.replicas_running(), eos_token_ids=info["eos_token_ids"])
         except Exception as e:
             return _error(grpc_context, e, pb.ModelInfoResponse())
 
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
         try:
-            self._authorize_call(grpc_context)
+            self._accept(request, grpc_context)
             if not request.request_id:
                 raise ValueError("request_id is empty")
             return pb.AbortResponse(aborted=self.abort(request.request_id))
@@ -141,6 +143,25 @@ class GrpcService(EngineClient):
             return health_pb2.HealthCheckResponse.SERVING
         except Exception:
             return health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def check_known(message, where: str = "") -> None:
+    """ValueError naming a field of `message` (or of a message in it) that this server's proto does not
+    have, such as one a newer client sends: protobuf keeps such fields aside, unread, and the request would
+    run as if it had not been asked for."""
+    numbers = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(message)})
+    if numbers:
+        raise ValueError(f"{where or message.DESCRIPTOR.name}: field number(s) {numbers} are not known to this "
+                         "server (a newer client's?): upgrade the server, or leave them unset")
+    for field, value in message.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue  # scalars, and this proto's maps, whose values are scalars
+        name = f"{where}.{field.name}" if where else field.name
+        if field.is_repeated:
+            for i, item in enumerate(value):
+                check_known(item, f"{name}[{i}]")
+        else:
+            check_known(value, name)
 
 
 def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:

@@ -40,6 +40,5 @@ def build_app(args: dict[str, Any] | None = None):
     api_keys = ApiKeys.resolve(args.pop("api_keys", None))
     config = ray_hosted_config(args)
     engine = EngineServer.options(**engine_options(config, num_replicas, autoscaling, actor_options, routing))
-    # ModelInfo's replica count: 0 when autoscaling decides it
-    return Ingress.bind(engine.bind(config, max_waiting, routing is not None, stream_interval_ms),
-                        0 if autoscaling else num_replicas or 1, api_keys, routing is not None)
+    return Ingress.bind(engine.bind(config, max_waiting, routing is not None, stream_interval_ms), api_keys,
+                        routing is not None)

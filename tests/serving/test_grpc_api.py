@@ -63,7 +63,7 @@ def test_finish_and_stop_reasons_logprob_text_and_prompt_logprobs(client, offlin
     out = client.generate(PROMPT, **params, stop=[word], include_stop_str_in_output=True)
     assert out.choices[0].stop_reason == word and out.text.endswith(word)
     info = client.model_info()
-    assert info["eos_token_ids"] == list(offline.engine.eos_token_ids)
+    assert info["eos_token_ids"] == list(offline.engine.eos_token_ids) and info["num_replicas"] == 1
 
 
 def test_abort_by_request_id_ends_the_stream_and_frees_blocks(client):
@@ -93,3 +93,17 @@ def test_a_retried_request_id_replaces_the_earlier_attempt(client):
     assert second.finish_reason == "length" and len(second.token_ids) == 5
     stats = wait_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_field_this_server_does_not_know_is_refused_not_dropped(app):
+    from pagedserve.protos import pagedserve_pb2 as pb
+
+    # a newer client's request: GenerateRequest field 14, which this server's proto does not have
+    raw = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=2)).SerializeToString() + b"\x70\x01"
+    with grpc.insecure_channel(GRPC) as channel:
+        generate = channel.unary_stream("/pagedserve.v1.PagedServe/Generate", request_serializer=lambda b: b,
+                                        response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(generate(raw, metadata=(("application", app),), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("GenerateRequest: field number(s) [14] are not known to this server")

@@ -61,6 +61,15 @@ def test_each_replica_is_one_packed_placement_group_holding_its_workers(two_repl
             assert total[key] == 1.0 and free.get(key, 0.0) == 0.0, key
 
 
+
+def test_model_info_counts_the_replicas_running(two_replicas):
+    from pagedserve.client import Client
+    from tests.serving.app import GRPC
+
+    with Client(GRPC, application=TWO, timeout=60) as client:
+        assert client.model_info()["num_replicas"] == 2
+
+
 def test_check_health_fails_when_a_worker_is_gone_and_serve_replaces_the_replica(app, tiny_random):
     from pagedserve.client import Client
     from pagedserve.cluster.serve_app import build_app
