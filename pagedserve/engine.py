@@ -34,7 +34,28 @@ from pagedserve.workers.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_of(prompt: Prompt) -> str | list[int]:
+    """The text or token ids a prompt holds (vLLM's dicts unwrapped); ValueError naming a key that cannot
+    be honoured (multimodal data: this server serves text)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt has keys {unknown} that are not supported (a prompt dict holds one of "
+                         f"{', '.join(_PROMPT_KEYS)})")
+    if len(prompt) != 1:
+        raise ValueError(f"prompt: give one of {', '.join(_PROMPT_KEYS)}, not {len(prompt)}")
+    (key, value), = prompt.items()
+    if key == "prompt" and not isinstance(value, str):
+        raise ValueError(f"prompt.prompt must be a string, got {type(value).__name__}")
+    if key == "prompt_token_ids" and not isinstance(value, list | tuple):
+        raise ValueError(f"prompt.prompt_token_ids must be a list of token ids, got {type(value).__name__}")
+    return value
 
 
 class RequestFailed(RuntimeError):
@@ -81,6 +102,7 @@ class LLMEngine:
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}: words need a tokenizer, and this model has none (name tokens by id: "
                                  "stop_token_ids, logit_bias)")
+        prompt = prompt_of(prompt)
         token_ids = self.encode_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -112,6 +134,7 @@ class LLMEngine:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: text through the tokenizer, ids checked against the vocabulary. ValueError
         naming what is wrong."""
+        prompt = prompt_of(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

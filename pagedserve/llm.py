@@ -32,7 +32,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. Validates every prompt before
         starting any, so a bad one raises ValueError and leaves the engine as it was."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:

@@ -50,10 +50,24 @@ def test_params_mutated_after_construction_are_checked(llm):
     ([1, "a"], "prompt_token_ids"),
     (list(range(1, 300)), "max_model_len"),
     (3.5, "prompt must be"),
+    ({"prompt": "hi", "multi_modal_data": {}}, r"prompt has keys \['multi_modal_data'\] that are not supported"),
+    ({"prompt": "hi", "prompt_token_ids": [1]}, "prompt: give one of prompt, prompt_token_ids, not 2"),
+    ({"prompt": [1]}, "prompt.prompt must be a string"),
+    ({"prompt_token_ids": "hi"}, "prompt.prompt_token_ids must be a list"),
+    ({"prompt_token_ids": [1, 49152]}, "prompt_token_ids"),
 ])
 def test_bad_prompts_name_the_field(llm, prompt, field):
     with pytest.raises(ValueError, match=field):
         llm.generate([prompt], greedy())
+
+
+def test_vllms_prompt_dicts_are_the_text_or_ids_they_hold(llm):
+    text, ids = "Once upon a time", [5, 6, 7]
+    plain = llm.generate([text, ids], greedy(4))
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], greedy(4))
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == text and dicts[0].prompt_token_ids == plain[0].prompt_token_ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy(4))[0].prompt_token_ids == ids  # one dict: one prompt
 
 
 def test_request_longer_than_model_len_names_max_tokens(llm):
