@@ -463,7 +463,8 @@ class LLMEngine:
         # The request's prompt ids are never mutated (sequences copy them), so they are shared, not copied.
         prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             error=request.error, prompt_logprobs=prompt_logprobs)
+                             error=request.error, prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=request.num_cached_tokens)
 
     # ---- numbers -------------------------------------------------------------------------
 

@@ -49,3 +49,5 @@ class RequestOutput:
     error: str | None = None  # set when a worker failure ended the request
     # When asked for: one per prompt token (the first one's logprob is None: nothing predicts it).
     prompt_logprobs: list[Logprob] | None = None
+    # Prompt tokens found in the prefix cache, not computed (None until the request is admitted)
+    num_cached_tokens: int | None = None

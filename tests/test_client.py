@@ -184,7 +184,7 @@ def test_stream_deltas_join_to_generate(server):
     assert completion.token_ids == list(range(100, 100 + len(completion.token_ids)))
     assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert completion.usage == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    assert completion.usage == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13, "cached_tokens": 0}
     assert completion.finish_reason == "length"
     # the SDK names every request, so a retried stream keeps its id
     assert completion.request_id == servicer.requests[1].request_id and len(completion.request_id) == 32

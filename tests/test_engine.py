@@ -370,3 +370,16 @@ def test_priority_scheduling_runs_the_urgent_first_with_the_same_tokens(tiny_ran
             fcfs.generate([[1, 2]], SamplingParams(priority=1))
     with pytest.raises(ValueError, match="scheduling_policy='urgent' must be one of"):
         EngineConfig(scheduling_policy="urgent")
+
+
+def test_a_request_reports_the_prompt_tokens_the_prefix_cache_held(tiny_random):
+    llm = LLM(tiny_random, block_size=16)
+    prompt = list(range(5, 55))  # 50 tokens: three full blocks
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    try:
+        assert llm.generate(prompt, params)[0].num_cached_tokens == 0
+        before = llm.stats()["prefix_cache_hits"]
+        again = llm.generate(prompt, params)[0]
+        assert again.num_cached_tokens == llm.stats()["prefix_cache_hits"] - before == 48
+    finally:
+        llm.shutdown()

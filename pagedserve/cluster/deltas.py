@@ -22,7 +22,7 @@ class Delta:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    usage: dict[str, int] = field(default_factory=dict)  # the request's so far (every delta carries it)
+    usage: dict[str, Any] = field(default_factory=dict)  # the request's so far (every delta carries it)
     final: bool = False  # the request's last delta
     prompt_logprobs: list[Logprob] | None = None  # on the request's first delta, when asked for
     # On the request's first delta: the prompt as the engine ran it (tokenized, truncated), for the front
@@ -34,9 +34,11 @@ class Delta:
     reasoning: str = ""
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens found in the prefix cache, not computed."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingParams) -> AsyncIterator[Delta]:
@@ -49,7 +51,8 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
     first = True
     async for out in outputs:
         batch = []
-        counts = usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        counts = usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                       out.num_cached_tokens or 0)
         for c in out.outputs:
             if c.index in done:
                 continue
@@ -91,7 +94,7 @@ async def merge_prompts(streams: list[AsyncIterator[Delta]], n: int, request_id:
         queue.put_nowait((i, None, None))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    counts = [(0, 0)] * len(streams)  # each prompt's (prompt tokens, completion tokens) so far
+    counts = [(0, 0, 0)] * len(streams)  # each prompt's (prompt, completion, cached tokens) so far
     running, ended = len(streams), 0  # ended: prompts whose request's last delta came
     try:
         while running:
@@ -101,9 +104,10 @@ async def merge_prompts(streams: list[AsyncIterator[Delta]], n: int, request_id:
             if d is None:
                 running -= 1
                 continue
-            counts[i] = (d.usage.get("prompt_tokens", 0), d.usage.get("completion_tokens", 0))
+            counts[i] = (d.usage.get("prompt_tokens", 0), d.usage.get("completion_tokens", 0),
+                         d.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
             d.request_id, d.index = request_id, i * n + d.index
-            d.usage = usage(sum(c[0] for c in counts), sum(c[1] for c in counts))
+            d.usage = usage(*(sum(c[k] for c in counts) for k in range(3)))
             ended += d.final
             d.final = ended == len(streams)
             yield d

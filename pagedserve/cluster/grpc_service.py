@@ -185,7 +185,10 @@ def _delta_to_proto(d: Delta, with_prompt_ids: bool = False) -> pb.GenerateRespo
     if with_prompt_ids and d.prompt_token_ids:
         msg.prompt_token_ids.extend(d.prompt_token_ids)
     if d.final and d.usage:
-        msg.usage.CopyFrom(pb.Usage(**d.usage))
+        u = d.usage
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
+                                    total_tokens=u["total_tokens"],
+                                    cached_tokens=u["prompt_tokens_details"]["cached_tokens"]))
     return msg
 
 

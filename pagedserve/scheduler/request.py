@@ -36,6 +36,8 @@ class Request:
     # params.bad_words as the token sequences the output may not complete (`LLMEngine.make_request`).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     arrival: int = 0  # the order the scheduler took it in (set by `Scheduler.add_request`)
+    # Prompt tokens the prefix cache held when it was first admitted (None before)
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:

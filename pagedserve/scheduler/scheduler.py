@@ -187,6 +187,8 @@ class Scheduler:
                 self._preempt(victim)
                 continue
             self.waiting.popleft()
+            if seq.request.num_cached_tokens is None:  # its first admission: what the prefix cache held
+                seq.request.num_cached_tokens = len(hit_blocks) * bm.block_size
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)

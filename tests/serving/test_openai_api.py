@@ -406,3 +406,17 @@ def test_a_batch_of_prompts_runs_one_request_each_numbered_as_openai_does(oai, m
     stats = wait_idle()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(oai, model, client):
+    import uuid
+
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "tell me a story " * 12}]
+    kw = dict(model=model, messages=messages, temperature=0, max_tokens=2)
+    first = oai.chat.completions.create(**kw).usage
+    before = wait_idle()["prefix_cache_hits"]
+    again = oai.chat.completions.create(**kw).usage
+    cached = again.prompt_tokens_details.cached_tokens
+    assert cached == wait_idle()["prefix_cache_hits"] - before > first.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and cached < again.prompt_tokens
+    assert client.chat(messages, temperature=0, max_tokens=2).usage["cached_tokens"] == cached
