@@ -50,12 +50,14 @@ XML tags:
 class ChatPlan:
     """What a chat request becomes: the prompt's token ids, the sampling parameters (with the output
     constraint the tool choice asks for), how to parse the samples' tool calls (None: no tools in play), and
-    where their reasoning begins (None: no reasoning parser; see `pagedserve.reasoning`)."""
+    where their reasoning begins (None: no reasoning parser; see `pagedserve.reasoning`) and the token that
+    ends it (`</think>`'s id)."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
     reasoning: ReasoningStart | None = None
+    reasoning_end_id: int | None = None
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,8 @@ class LLMEngine:
             params = dataclasses.replace(params, structured_outputs=constraint)
         shown = offered if choice.mode != "none" else []  # "none": the model is not told of tools it may not call
         ids = template.render(messages, shown, options)
-        return ChatPlan(ids, params, parsing, self.reasoning_start(ids))
+        tags = self.reasoning_tags
+        return ChatPlan(ids, params, parsing, self.reasoning_start(ids), tags.close_id if tags else None)
 
     def _chat_template(self) -> ChatTemplate:
         if self._template is None:

@@ -91,6 +91,15 @@ def split_reasoning(start: ReasoningStart, text: str, final: bool) -> tuple[str,
     return body[:end].strip(), body[end + len(THINK_CLOSE):].lstrip()
 
 
+def reasoning_tokens(start: ReasoningStart, token_ids: Sequence[int], end_id: int, reasoning: str) -> int:
+    """How many of a sample's output tokens are its reasoning (`reasoning`: the text `split_reasoning` gave
+    it): those up to the `</think>` that ends it (`end_id`) and that token, or all of them when it never
+    ended (cut short); none where the sample answered without thinking."""
+    if start == "answer" or (start == "may_open" and not reasoning):
+        return 0
+    return token_ids.index(end_id) + 1 if end_id in token_ids else len(token_ids)
+
+
 class ReasoningStream:
     """One sample's reasoning and answer as its text grows: `update` returns what is new of each since its
     last call (the same split, whole, gives the unary answer)."""

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP on `Ingress`, the application's ingress deployment: `/v1/completions`,
-`/v1/chat/completions` (streamed as server-sent events with `"stream": true`), `/v1/models`,
+`/v1/chat/completions`, `/v1/responses` (each streamed as server-sent events with `"stream": true`), `/v1/models`,
 `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/health`. Bodies are parsed by `openai_protocol`'s typed
 models; with API keys configured every route but `/health` needs `Authorization: Bearer <key>`.
 
@@ -27,8 +27,10 @@ from pagedserve.cluster.openai_protocol import (
     TokenizeRequest,
     parse,
 )
+from pagedserve.cluster.openai_responses import ResponseBuilder, ResponsesRequest
 
-BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                DetokenizeRequest)
 
 api = FastAPI(title="pagedserve", description="OpenAI-compatible completions and chat over pagedserve")
 
@@ -42,6 +44,19 @@ def _answers_errors(route):
         except Exception as e:
             return error_response(e)
     return answered
+
+
+async def _first(deltas, constraint_field: str | None):
+    """A request's first delta: errors in validation surface here, as a JSON error. `constraint_field`: the
+    field the client sent the output constraint in (the engine names its own, structured_outputs)."""
+    try:
+        return await anext(deltas, None)
+    except Exception as e:
+        err = classify(e)
+        field = constraint_field
+        if err.param and err.param.startswith("structured_outputs") and field not in (None, "structured_outputs"):
+            raise ClientError(err.code, err.http_status, f"{field}: {err.message}", field) from None
+        raise
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -144,6 +159,21 @@ class Ingress(GrpcService):
         return await self._respond(plan, plan.params, body, model, chat=True,
                                    echoed=None if echoed is None else [echoed])
 
+    @api.post("/v1/responses")
+    @_answers_errors
+    async def responses(self, request: Request):
+        body, model = await self._read(request, ResponsesRequest)
+        plan = await self.engine.chat_plan.remote(body.messages(), body.sampling_params(), body.chat_tools(),
+                                                  body.chat_tool_choice(), body.parallel_tool_calls,
+                                                  body.chat_options())
+        rid = body.request_id or "resp_" + uuid.uuid4().hex
+        deltas = self.chat_deltas(plan, rid)
+        first = await _first(deltas, "text.format" if body.constraint() is not None else None)
+        build = ResponseBuilder(rid, int(time.time()), model, body, plan.reasoning, plan.reasoning_end_id)
+        if body.stream:
+            return StreamingResponse(build.sse(first, deltas), media_type="text/event-stream")
+        return JSONResponse(await build.whole(first, deltas))
+
     async def _respond(self, prompt, params, body, model: str, chat: bool, echoed: list[str] | None = None):
         """`prompt`: a completion's prompts (texts or ids), or a chat's `ChatPlan`; `echoed`: the text each
         prompt's choices start with."""
@@ -151,17 +181,10 @@ class Ingress(GrpcService):
         created = int(time.time())
         deltas = self.chat_deltas(prompt, rid, body.include_reasoning) if chat else \
             self.batch_deltas(prompt, params, rid)
-        try:
-            first = await anext(deltas, None)  # errors in validation surface here, as a JSON error
-        except Exception as e:
-            err = classify(e)
-            field = body.constraint_field()
-            if err.param and err.param.startswith("structured_outputs") and field not in (None, "structured_outputs"):
-                # the engine names its own field; the client sent the constraint as `field`
-                raise ClientError(err.code, err.http_status, f"{field}: {err.message}", field) from None
-            raise
+        first = await _first(deltas, body.constraint_field())
         form = ResponseFormatter(rid, created, model, chat, params, body, echoed,
                                  reasoning=chat and prompt.reasoning is not None)
         if body.stream:
             return StreamingResponse(form.sse(first, deltas), media_type="text/event-stream")
         return JSONResponse(await form.whole(first, deltas))
+

@@ -134,10 +134,7 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed with stream=true")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of equal to n)")
-        for name, (accepted, why) in _NOTHING.items():
-            value = getattr(self, name) if name in type(self).model_fields else accepted[0]
-            if value not in accepted:
-                raise ValueError(f"{name}={_short(value)} is not supported: {why}")
+        refuse_what_is_asked(self, _NOTHING)
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": self.n,
                                   "prompt_logprobs": prompt_logprobs, "structured_outputs": self.constraint()}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
@@ -155,6 +152,15 @@ class _Sampling(_Body):
                 bias[int(key)] = value
             kwargs["logit_bias"] = bias
         return SamplingParams(**kwargs)
+
+
+def refuse_what_is_asked(body: BaseModel, nothing: dict[str, tuple[tuple[Any, ...], str]], where: str = "") -> None:
+    """ValueError naming the first field of `nothing` (field -> (the values that ask for nothing, why others
+    cannot be honoured)) that the body (at `where` in the request) sets to something else."""
+    for name, (accepted, why) in nothing.items():
+        value = getattr(body, name) if name in type(body).model_fields else accepted[0]
+        if value not in accepted:
+            raise ValueError(f"{where}{name}={_short(value)} is not supported: {why}")
 
 
 # field -> (the values that ask for nothing, why others cannot be honoured)

@@ -117,6 +117,21 @@ HTTP_CASES = [
     ("/tokenize", {}, "prompt"),
     ("/detokenize", {"tokens": ["a"]}, "tokens"),
     ("/detokenize", {"tokens": [10**7]}, "tokens"),
+    ("/v1/responses", {"input": "hi", "store": True}, "store"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "background": True}, "background"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].function.name"),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ("/v1/responses", {"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ("/v1/responses", {"input": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_tokens"),
+    ("/v1/responses", {"input": "hi", "frobnicate": 1}, "frobnicate"),
 ]
 
 

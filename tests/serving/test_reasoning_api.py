@@ -103,3 +103,17 @@ def test_grpc_chat_carries_the_reasoning(oai, thinking):
         assert hidden.reasoning == "" and hidden.token_ids == done.token_ids
         history = ASK + [{"role": "assistant", "content": "4", "reasoning": "2 and 2 make 4."}, ASK[0]]
         assert c.chat(history, max_tokens=2).token_ids
+
+
+def test_the_responses_api_gives_the_reasoning_an_item_of_its_own(oai):
+    kw = dict(seed=3, max_tokens=10, extra_body=THINKING)
+    chat = oai.chat.completions.create(model="", messages=ASK, **kw).choices[0].message.model_dump()
+    assert chat["reasoning"] and chat["content"] is None  # this seed's thought runs past 10 tokens
+    request = dict(model="", input=ASK[0]["content"], max_output_tokens=10, extra_body={**THINKING, "seed": 3})
+    response = oai.responses.create(**request)
+    assert [o.type for o in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == chat["reasoning"] and response.output[0].summary == []
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == 10
+    events = list(oai.responses.create(stream=True, **request))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat["reasoning"]
+    assert events[-1].response.output[0].content[0].text == chat["reasoning"]
