@@ -19,29 +19,29 @@ from pagedserve.sampling_params import SamplingParams, StructuredOutputs
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat runs until the model stops or the context is full
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
     # strict: a string is not a number, a number not a string; forbid: an unknown field is an error, not a no-op
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False  # a last chunk with empty choices and the usage
     continuous_usage_stats: bool = False  # the usage so far on every chunk
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(StrictBody):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the output always follows the schema; strict or not, it is enforced
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(StrictBody):
     """Fields the completions and chat routes share."""
 
     model: str | None = None
@@ -208,23 +208,23 @@ class CompletionRequest(_Sampling):
         return self.sampling_params(self.max_tokens, self.logprobs, self.logprobs if echo_scores else None)
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(StrictBody):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCallParam(_Body):
+class ToolCallParam(StrictBody):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: str  # which roles exist, and what each may carry, is the engine's to say (pagedserve.chat)
     content: str | list[TextPart] | None = None
     name: str | None = None  # the participant's name, for a template that shows it
@@ -249,7 +249,7 @@ class ChatMessage(_Body):
         return message
 
 
-class _Templated(_Body):
+class _Templated(StrictBody):
     """How the chat template renders the messages (`pagedserve.chat.ChatOptions`)."""
 
     add_generation_prompt: bool = True
@@ -308,7 +308,7 @@ class TokenizeRequest(_Templated):
         return dataclasses.replace(super().chat_options(), add_special_tokens=False)
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 

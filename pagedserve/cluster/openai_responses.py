@@ -21,13 +21,13 @@ from pydantic import Field
 from pagedserve.chat import ChatOptions
 from pagedserve.cluster.deltas import Delta
 from pagedserve.cluster.errors import classify
-from pagedserve.cluster.openai_protocol import _Body, refuse_what_is_asked
+from pagedserve.cluster.openai_protocol import StrictBody, refuse_what_is_asked
 from pagedserve.reasoning import ReasoningStart, reasoning_tokens
 from pagedserve.sampling_params import SamplingParams, StructuredOutputs
 from pagedserve.tool_calls import ToolCallDelta
 
 
-class TextFormat(_Body):
+class TextFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -35,17 +35,17 @@ class TextFormat(_Body):
     strict: bool | None = None  # strict or not, the schema is enforced
 
 
-class TextConfig(_Body):
+class TextConfig(StrictBody):
     format: TextFormat | None = None
 
 
-class ReasoningConfig(_Body):
+class ReasoningConfig(StrictBody):
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(StrictBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -364,19 +364,21 @@ class ResponseBuilder:
             item["arguments"] += call.arguments
             self._event("response.function_call_arguments.delta", **self._where(item), delta=call.arguments)
 
-    def _finish(self) -> None:
+    def _finish(self) -> dict[str, Any]:
+        """The last item closed, and the response as it ends: completed, or incomplete (cut short by
+        max_output_tokens, or cancelled by an abort)."""
         status = self._status()
-        self._close("incomplete" if status == "incomplete" else "completed")
-        kind = "response.completed" if status == "completed" else "response.incomplete"
-        self._event(kind, response=self.response(status))
+        self._close("completed" if status == "completed" else "incomplete")
+        response = self.response(status)
+        self._event("response.completed" if status == "completed" else "response.incomplete", response=response)
+        return response
 
     async def whole(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> dict[str, Any]:
         d = first
         while d is not None:
             self.add(d)
             d = await anext(deltas, None)
-        self._close("incomplete" if self._status() == "incomplete" else "completed")
-        return self.response(self._status())
+        return self._finish()
 
     async def sse(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
         self._streaming = True
