@@ -117,6 +117,21 @@ async def merge_prompts(streams: list[AsyncIterator[Delta]], n: int, request_id:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def prompt_only(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The deltas with what was generated left out (`CompletionRequest.scores_only`): no text, tokens or
+    logprobs, no completion tokens in the usage; each sample ends at its length, zero."""
+    try:
+        async for d in deltas:
+            d.text, d.token_ids, d.logprobs = "", [], []
+            cached = d.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            d.usage = usage(d.usage.get("prompt_tokens", 0), 0, cached) if d.usage else d.usage
+            if d.finish_reason is not None:
+                d.finish_reason, d.stop_reason = "length", None
+            yield d
+    finally:
+        await deltas.aclose()  # now, not when collected: a client that left ends the request at once
+
+
 def with_reasoning(deltas: AsyncIterator[Delta], start: ReasoningStart, include: bool = True) -> AsyncIterator[Delta]:
     """The deltas with each sample's text split into reasoning and answer (`pagedserve.reasoning`); without
     `include` (a request's `include_reasoning: false`) the reasoning is left out."""

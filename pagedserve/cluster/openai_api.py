@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from pagedserve.cluster.deltas import prompt_only
 from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.cluster.grpc_service import GrpcService
 from pagedserve.cluster.openai_format import ResponseFormatter, error_response
@@ -181,6 +182,8 @@ class Ingress(GrpcService):
         created = int(time.time())
         deltas = self.chat_deltas(prompt, rid, body.include_reasoning) if chat else \
             self.batch_deltas(prompt, params, rid)
+        if not chat and body.scores_only():
+            deltas = prompt_only(deltas)
         first = await _first(deltas, body.constraint_field())
         form = ResponseFormatter(rid, created, model, chat, params, body, echoed,
                                  reasoning=chat and prompt.reasoning is not None)

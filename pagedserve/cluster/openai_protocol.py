@@ -200,12 +200,19 @@ class CompletionRequest(_Sampling):
                 raise ValueError(f"prompt[{i}] is empty" if batch else "prompt is empty")
         return prompts
 
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's legacy way to score a text): the prompt, and its logprobs when
+        asked for, with nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported (no model served here is trained for insertion)")
         # echo with logprobs scores the prompt too: its tokens' logprobs come from prompt_logprobs
         echo_scores = self.echo and self.logprobs is not None and self.prompt_logprobs is None
-        return self.sampling_params(self.max_tokens, self.logprobs, self.logprobs if echo_scores else None)
+        # scoring only: the engine draws one token (a request runs until it has one), left out of the answer
+        max_tokens = 1 if self.scores_only() else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, self.logprobs if echo_scores else None)
 
 
 class TextPart(StrictBody):

@@ -114,6 +114,29 @@ def test_echo_and_logprobs_in_openai_shape(oai, model, offline):
             for c in ch.choices[0].logprobs.content] == [e.token for e in expected]
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(oai, model, offline):
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    for stream in (False, True):
+        kw = dict(model=model, prompt=[PROMPT, PROMPT], echo=True, max_tokens=0, logprobs=1, stream=stream)
+        if stream:
+            chunks = list(oai.completions.create(**kw, stream_options={"include_usage": True}))
+            usage, choices = chunks[-1].usage, [c for chunk in chunks[:-1] for c in chunk.choices]
+        else:
+            done = oai.completions.create(**kw)
+            usage, choices = done.usage, done.choices
+        for i in (0, 1):
+            mine = [c for c in choices if c.index == i]
+            assert "".join(c.text for c in mine) == PROMPT
+            tokens = [t for c in mine for t in c.logprobs.tokens]
+            logprobs = [p for c in mine for p in c.logprobs.token_logprobs]
+            assert tokens == [e.token for e in ref.prompt_logprobs] and logprobs[0] is None
+            assert logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs[1:]], abs=1e-4)
+            assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+        assert (usage.prompt_tokens, usage.completion_tokens) == (2 * len(ref.prompt_token_ids), 0)
+    status, body = post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 0})
+    assert status == 400 and body["error"]["message"].startswith("max_tokens=0"), body
+
+
 def test_prompt_logprobs_extension(model):
     status, body = post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1})
     assert status == 200
