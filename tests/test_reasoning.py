@@ -184,3 +184,14 @@ def test_reasoning_sent_back_crosses_the_wire_under_one_name():
         messages_to_proto([history[0], dict(history[1], reasoning="Other.")])
     with pytest.raises(ValueError, match=r"messages\[0\].reasoning: only assistant messages carry reasoning"):
         messages_to_proto([dict(history[0], reasoning="x")])
+
+
+def test_reasoning_tokens_run_to_the_tag_that_ends_the_thought():
+    from pagedserve.reasoning import reasoning_tokens
+
+    end = 9
+    assert reasoning_tokens("reasoning", [1, 2, end, 4, 5], end, "12") == 3  # the closing tag is the thought's
+    assert reasoning_tokens("reasoning", [1, 2, 3], end, "123") == 3  # cut short: all of it
+    assert reasoning_tokens("may_open", [8, 1, end, 4], end, "1") == 3
+    assert reasoning_tokens("may_open", [4, 5], end, "") == 0  # it answered without thinking
+    assert reasoning_tokens("answer", [1, end], end, "") == 0
