@@ -64,6 +64,11 @@ def test_a_stream_builds_the_same_response_event_by_event(plain):
     last = events[-1].response
     assert text == whole.output_text == last.output_text == events[-4].text
     assert last.usage.output_tokens == 8 and last.output[0].id == events[2].item.id
+    # the client's own accumulator of events (responses.stream) takes them all, the last as OpenAI ends a cut
+    # answer (its final response is only for a completed one: tested with tools below)
+    with plain.responses.stream(input="Say hello.", **GREEDY) as stream:
+        accumulated = list(stream)
+    assert accumulated[-1].type == "response.incomplete" and accumulated[-1].response.output_text == whole.output_text
 
 
 def test_function_tools_are_called_and_their_results_sent_back(smol):
@@ -80,6 +85,10 @@ def test_function_tools_are_called_and_their_results_sent_back(smol):
     streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert streamed == done[0] == calls[0].arguments
+    with smol.responses.stream(**kw) as stream:  # the client's own accumulator of events
+        final = stream.get_final_response()
+    assert [(o.name, o.arguments) for o in final.output if o.type == "function_call"] == \
+        [(c.name, c.arguments) for c in calls]
     # the call and the tool's result go back in the input, as a client that ran the tool sends them
     follow = smol.responses.create(model="", tools=TOOLS, temperature=0, max_output_tokens=12, input=[
         {"role": "user", "content": ASK[0]["content"]}, calls[0].model_dump(exclude_unset=True),
