@@ -129,3 +129,17 @@ def test_input_items_become_the_chat_messages_of_the_same_conversation():
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "tool", "tool_call_id": "c2",
                                                                       "content": "noon"},
         {"role": "assistant", "content": "Sunny, noon."}]
+
+
+def test_a_client_that_leaves_a_stream_ends_what_it_asked_for(smol):
+    from tests.serving.app import wait_idle
+
+    long = dict(model="", temperature=0, stream=True, extra_body={"ignore_eos": True})
+    # each would run for a minute on this model: idle within seconds only if they were ended
+    for stream in (smol.completions.create(prompt=["Tell me a story.", "Once upon a time"], max_tokens=1900, **long),
+                   smol.responses.create(input="Tell me a story.", max_output_tokens=1900, **long)):
+        next(iter(stream))
+        stream.close()
+        stats = wait_idle("smol", timeout=15)
+        assert stats["num_running"] == stats["num_waiting"] == 0, stats
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
