@@ -128,3 +128,36 @@ def test_a_batch_of_prompts_is_numbered_and_counted_as_one_request():
     with pytest.raises(ValueError, match="too long"):
         asyncio.run(run([prompt(0, 3, fail=True), endless()]))
     assert sorted(closed) == ["endless", "prompt 0"]
+
+
+def test_an_event_stream_closes_what_it_reads_when_the_client_leaves():
+    from pagedserve.cluster.openai_api import _EventStream
+
+    closed: list[str] = []
+
+    async def deltas():
+        try:
+            while True:
+                await asyncio.sleep(0)
+                yield Delta("r", 0, "x", [1])
+        finally:
+            closed.append("deltas")  # a request's stream: its cleanup aborts the request
+
+    async def events(source):
+        try:
+            async for d in source:
+                yield f"data: {d.text}\n\n"
+        finally:
+            closed.append("events")
+
+    async def send(message) -> None:
+        if message["type"] == "http.response.body":
+            raise OSError("the client left")
+
+    async def run() -> None:
+        source = deltas()
+        with pytest.raises(OSError):
+            await _EventStream(events(source), source).stream_response(send)
+
+    asyncio.run(run())
+    assert closed == ["events", "deltas"]  # now, not when the garbage collector comes round

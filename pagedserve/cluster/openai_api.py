@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP on `Ingress`, the application's ingress deployment: `/v1/completions`,
-`/v1/chat/completions`, `/v1/responses` (each streamed as server-sent events with `"stream": true`), `/v1/models`,
-`/v1/models/{id}`, `/tokenize`, `/detokenize`, `/health`. Bodies are parsed by `openai_protocol`'s typed
+`/v1/chat/completions`, `/v1/responses` (each streamed as server-sent events with `"stream": true`),
+`/v1/models`, `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/health`. Bodies are parsed by `openai_protocol`'s typed
 models; with API keys configured every route but `/health` needs `Authorization: Bearer <key>`.
 
 No `from __future__ import annotations` here: FastAPI must see real types (Request) on the route methods.
@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any, TypeVar
 
+import anyio
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,7 +34,7 @@ from pagedserve.cluster.openai_responses import ResponseBuilder, ResponsesReques
 BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
                 DetokenizeRequest)
 
-api = FastAPI(title="pagedserve", description="OpenAI-compatible completions and chat over pagedserve")
+api = FastAPI(title="pagedserve", description="OpenAI-compatible completions, chat and responses over pagedserve")
 
 
 def _answers_errors(route):
@@ -45,6 +46,24 @@ def _answers_errors(route):
         except Exception as e:
             return error_response(e)
     return answered
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events from `body`, which reads `deltas`: both are closed as soon as the stream ends, a
+    client that left included. Starlette leaves a body it stopped reading to the garbage collector, and the
+    requests behind it would run on until that came round."""
+
+    def __init__(self, body, deltas) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._deltas = deltas
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # a cancelled request still closes them
+                await self.body_iterator.aclose()
+                await self._deltas.aclose()
 
 
 async def _first(deltas, constraint_field: str | None):
@@ -172,7 +191,7 @@ class Ingress(GrpcService):
         first = await _first(deltas, "text.format" if body.constraint() is not None else None)
         build = ResponseBuilder(rid, int(time.time()), model, body, plan.reasoning, plan.reasoning_end_id)
         if body.stream:
-            return StreamingResponse(build.sse(first, deltas), media_type="text/event-stream")
+            return _EventStream(build.sse(first, deltas), deltas)
         return JSONResponse(await build.whole(first, deltas))
 
     async def _respond(self, prompt, params, body, model: str, chat: bool, echoed: list[str] | None = None):
@@ -188,6 +207,5 @@ class Ingress(GrpcService):
         form = ResponseFormatter(rid, created, model, chat, params, body, echoed,
                                  reasoning=chat and prompt.reasoning is not None)
         if body.stream:
-            return StreamingResponse(form.sse(first, deltas), media_type="text/event-stream")
+            return _EventStream(form.sse(first, deltas), deltas)
         return JSONResponse(await form.whole(first, deltas))
-

@@ -136,8 +136,9 @@ def test_a_client_that_leaves_a_stream_ends_what_it_asked_for(smol):
 
     long = dict(model="", temperature=0, stream=True, extra_body={"ignore_eos": True})
     # each would run for a minute on this model: idle within seconds only if they were ended
-    for stream in (smol.completions.create(prompt=["Tell me a story.", "Once upon a time"], max_tokens=1900, **long),
-                   smol.responses.create(input="Tell me a story.", max_output_tokens=1900, **long)):
+    for start in (lambda: smol.completions.create(prompt=["Tell me a story.", "Once upon"], max_tokens=1900, **long),
+                  lambda: smol.responses.create(input="Tell me a story.", max_output_tokens=1900, **long)):
+        stream = start()
         next(iter(stream))
         stream.close()
         stats = wait_idle("smol", timeout=15)
