@@ -27,7 +27,7 @@ from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.structured_output import GrammarManager
-from pagedserve.tool_calls import parse_tool_choice, parse_tools
+from pagedserve.tool_calls import Tool, parse_tool_choice, parse_tools
 from pagedserve.tool_calls import plan as plan_tool_calls
 from pagedserve.workers.loader import ModelSource, resolve_model
 from pagedserve.workers.models.config import ModelConfig
@@ -104,8 +104,14 @@ class LLMEngine:
                                  "stop_token_ids, logit_bias)")
         prompt = prompt_of(prompt)
         token_ids = self.encode_prompt(prompt)
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.scheduler.prompt_room(params.max_tokens)
+            if keep < 1:
+                raise ValueError(f"max_tokens={params.max_tokens} leaves no room for a prompt in a context of "
+                                 f"{keep + (params.max_tokens or 1)} tokens (truncate_prompt_tokens=-1)")
+        if keep is not None:
+            token_ids = token_ids[-keep:]
         for name, ids in params.token_ids_named().items():
             self._check_token_ids(name, ids)
         if params.structured_outputs is not None:
@@ -229,8 +235,28 @@ class LLMEngine:
             params = dataclasses.replace(params, structured_outputs=constraint)
         shown = offered if choice.mode != "none" else []  # "none": the model is not told of tools it may not call
         ids = template.render(messages, shown, options)
+        if params.truncate_prompt_tokens == -1:
+            ids, params = self._drop_oldest_turns(template, messages, shown, options, ids, params)
         tags = self.reasoning_tags
         return ChatPlan(ids, params, parsing, self.reasoning_start(ids), tags.close_id if tags else None)
+
+    def _drop_oldest_turns(self, template: ChatTemplate, messages: list[dict[str, Any]], tools: list[Tool],
+                           options: ChatOptions | None, ids: list[int],
+                           params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """A chat's `truncate_prompt_tokens=-1`: the oldest turns after the leading system messages dropped,
+        whole (a user message with its answer, calls and their results), until the prompt leaves room for
+        max_tokens, as OpenAI's `truncation: "auto"` drops items; cutting the rendered prompt's first tokens
+        instead would cut into the template's own. The last message is never dropped: a prompt still too long
+        is refused."""
+        room = self.scheduler.prompt_room(params.max_tokens)
+        kept = list(messages)
+        first = next((i for i, m in enumerate(kept) if m.get("role") not in ("system", "developer")), len(kept))
+        while len(ids) > room and first < len(kept) - 1:
+            del kept[first]
+            while first < len(kept) - 1 and kept[first].get("role") != "user":
+                del kept[first]  # the rest of the turn: its answer, calls and their results
+            ids = template.render(kept, tools, options)
+        return ids, dataclasses.replace(params, truncate_prompt_tokens=None)
 
     def _chat_template(self) -> ChatTemplate:
         if self._template is None:

@@ -92,7 +92,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # the output must match it; the sequence stops when done
     allowed_token_ids: list[int] | None = None  # None: any token; else the output's tokens are among these
     bad_words: list[str] = field(default_factory=list)  # words the output never completes (as tokenized)
-    truncate_prompt_tokens: int | None = None  # None: the whole prompt; k: only its last k tokens
+    # None: the whole prompt; k: only its last k tokens; -1 (vLLM's): as many of its last tokens as leave room
+    # for max_tokens in the context (for at least one token when max_tokens is None); a chat's -1 drops its
+    # oldest messages whole instead (`LLMEngine.chat_plan`)
+    truncate_prompt_tokens: int | None = None
     # Under the engine's scheduling_policy "priority": lower runs first (vLLM's convention); ties go in the order
     # requests came. Other than 0 it is refused by a first-come-first-served engine.
     priority: int = 0
@@ -131,7 +134,8 @@ class SamplingParams:
         _int(self, "min_tokens", lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        _int(self, "truncate_prompt_tokens", lo=1, optional=True)
+        _int(self, "truncate_prompt_tokens", optional=True, ok=lambda v: v == -1 or v >= 1,
+             rule="must be None, -1 (the last tokens that leave room for max_tokens) or an integer >= 1")
         _int(self, "priority")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt={self.cache_salt!r} must be a non-empty string (or unset)")

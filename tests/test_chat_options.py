@@ -160,3 +160,19 @@ def test_a_developer_message_is_the_system_message_unless_the_template_knows_the
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     with_tools = llm.tokenizer.decode(llm.engine.chat_prompt(developer, tools=tools))
     assert with_tools.startswith("<|im_start|>system\nAnswer in French.\n\n# Tools")
+
+
+def test_a_chat_too_long_for_its_context_loses_its_oldest_messages_whole(tiny_random):
+    with LLM(tiny_random, max_model_len=128) as llm:
+        turns = [{"role": "system", "content": "Be brief."}]
+        for i in range(12):
+            turns += [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+                      {"role": "assistant", "content": f"{i + i}."}]
+        turns.append({"role": "user", "content": "And 7 + 7?"})
+        with pytest.raises(ValueError, match="more than max_model_len|positions"):
+            llm.chat(turns, SamplingParams(max_tokens=8))
+        out = llm.chat(turns, SamplingParams(max_tokens=8, truncate_prompt_tokens=-1))[0]
+        kept = next(turns[:1] + turns[i:] for i in range(1, len(turns), 2)  # whole turns: user, then answer
+                    if len(llm.engine.chat_prompt(turns[:1] + turns[i:])) <= 128 - 8)
+        assert out.prompt_token_ids == llm.engine.chat_prompt(kept)  # the system message and the latest turns
+        assert kept[1]["role"] == "user" and len(kept) < len(turns)

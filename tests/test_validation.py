@@ -70,6 +70,20 @@ def test_vllms_prompt_dicts_are_the_text_or_ids_they_hold(llm):
     assert llm.generate({"prompt_token_ids": ids}, greedy(4))[0].prompt_token_ids == ids  # one dict: one prompt
 
 
+def test_truncate_prompt_tokens_minus_1_keeps_the_last_tokens_that_leave_room(llm):
+    prompt = [5 + i % 100 for i in range(300)]  # longer than the 256-token context
+    out = llm.generate(prompt, greedy(8, truncate_prompt_tokens=-1))[0]
+    assert out.prompt_token_ids == prompt[-248:] and len(out.outputs[0].token_ids) == 8
+    whole = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == prompt[-255:] and len(whole.outputs[0].token_ids) == 1
+    short = llm.generate(prompt[:20], greedy(8, truncate_prompt_tokens=-1))[0]
+    assert short.prompt_token_ids == prompt[:20]  # a prompt with room is whole
+    with pytest.raises(ValueError, match="max_tokens=256 leaves no room for a prompt in a context of 256"):
+        llm.generate(prompt, greedy(256, truncate_prompt_tokens=-1))
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens=-2 must be None, -1"):
+        greedy(truncate_prompt_tokens=-2)
+
+
 def test_request_longer_than_model_len_names_max_tokens(llm):
     with pytest.raises(ValueError, match="max_tokens=255"):
         llm.generate(["hello there"], greedy(max_tokens=255))

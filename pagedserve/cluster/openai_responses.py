@@ -63,13 +63,14 @@ class ResponsesRequest(StrictBody):
     safety_identifier: str | None = None  # as `user`
     prompt_cache_key: str | None = None  # OpenAI's routing hint: the prefix cache here finds prefixes itself
     max_tool_calls: int | None = None  # bounds hosted tools' calls, and this server runs none
+    # "auto": an input too long for the context loses its start (truncate_prompt_tokens -1); "disabled": refused
+    truncation: Literal["auto", "disabled"] | None = None
     # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
     store: bool | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     include: list[str] | None = None
-    truncation: str | None = None
     top_logprobs: int | None = None
     service_tier: str | None = None
     prompt: dict[str, Any] | None = None
@@ -92,6 +93,8 @@ class ResponsesRequest(StrictBody):
         if self.reasoning is not None:
             refuse_what_is_asked(self.reasoning, _REASONING_NOTHING, "reasoning.")
         kwargs: dict[str, Any] = {"max_tokens": self.max_output_tokens, "structured_outputs": self.constraint()}
+        if self.truncation == "auto":
+            kwargs["truncate_prompt_tokens"] = -1
         for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop", "ignore_eos",
                      "priority", "cache_salt"):
             if getattr(self, name) is not None:
@@ -189,7 +192,6 @@ _NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
     "conversation": ((None,), "this server keeps no conversations: send the conversation in input"),
     "background": ((None, False), "this server answers while the request is open, not in the background"),
     "include": ((None, []), "this server adds no optional output data"),
-    "truncation": ((None, "disabled"), "an input longer than the context is refused, not cut"),
     "top_logprobs": ((None, 0), "logprobs are given by /v1/chat/completions"),
     "service_tier": ((None, "auto", "default"), "this server has one tier"),
     "prompt": ((None,), "this server keeps no prompt templates"),
@@ -275,7 +277,8 @@ class ResponseBuilder:
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": body.temperature,
             "text": {"format": fmt}, "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-            "tools": body.tools or [], "top_p": body.top_p, "truncation": "disabled", "user": body.user,
+            "tools": body.tools or [], "top_p": body.top_p, "truncation": body.truncation or "disabled",
+            "user": body.user,
             "background": False, "usage": None,
         }
         if status != "in_progress" and self.usage:

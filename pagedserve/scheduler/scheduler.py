@@ -62,6 +62,12 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self._enqueue(self.waiting, seq)
 
+    def prompt_room(self, max_tokens: int | None) -> int:
+        """How many prompt tokens leave room for `max_tokens` (at least one token when None) in the longest
+        context a sequence can have: the model's, or the pool's where one sequence cannot fill the model's."""
+        bm = self.block_manager
+        return min(self.max_model_len, bm.num_total_blocks * bm.block_size) - (max_tokens or 1)
+
     def check_admissible(self, request: Request) -> None:
         """Raise ValueError naming the field if the request can never run."""
         if request.request_id in self.requests:

@@ -132,6 +132,7 @@ HTTP_CASES = [
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_tokens"),
     ("/v1/responses", {"input": "hi", "frobnicate": 1}, "frobnicate"),
+    ("/v1/responses", {"input": "hi", "truncation": "sometimes"}, "truncation"),
 ]
 
 
@@ -171,7 +172,7 @@ GRPC_CASES = [
     (dict(logit_bias={5: -101.0}), "logit_bias"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(allowed_token_ids=[10**7]), "allowed_token_ids"),
-    (dict(truncate_prompt_tokens=-1), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(priority=2), "priority"),  # the served engine runs first come, first served
 ]
 

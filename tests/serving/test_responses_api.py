@@ -106,6 +106,33 @@ def test_a_json_schema_shapes_the_text(smol):
     assert response.text.format.type == "json_schema" and response.status == "completed"
 
 
+def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_too_long(plain):
+    import urllib.request
+
+    from tests.serving.app import POOL_BLOCKS
+
+    turns: list[dict] = []
+    for i in range(30):
+        turns += [{"role": "user", "content": f"Question {i}: tell me about the number {i}."},
+                  {"role": "assistant", "content": f"The number {i} is a fine number."}]
+    turns.append({"role": "user", "content": "And the number 99?"})
+    with pytest.raises(openai.BadRequestError, match="max_model_len|positions|KV blocks"):
+        plain.responses.create(model="", input=turns, max_output_tokens=4)
+    cut = plain.responses.create(model="", input=turns, max_output_tokens=4, truncation="auto",
+                                 extra_body={"ignore_eos": True})
+    assert cut.truncation == "auto" and cut.usage.output_tokens == 4
+
+    def tokens(messages: list[dict]) -> int:
+        body = json.dumps({"messages": messages}).encode()
+        request = urllib.request.Request(f"{HTTP}/tokenize", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.loads(r.read())["count"]
+
+    context = POOL_BLOCKS * 16  # the pool holds less than max_model_len here
+    latest = next(turns[i:] for i in range(0, len(turns), 2) if tokens(turns[i:]) <= context - 4)
+    assert cut.usage.input_tokens == tokens(latest) and len(latest) < len(turns)
+
+
 def test_input_items_become_the_chat_messages_of_the_same_conversation():
     from pagedserve.cluster.openai_protocol import parse
     from pagedserve.cluster.openai_responses import ResponsesRequest
