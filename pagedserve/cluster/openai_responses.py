@@ -63,7 +63,8 @@ class ResponsesRequest(StrictBody):
     safety_identifier: str | None = None  # as `user`
     prompt_cache_key: str | None = None  # OpenAI's routing hint: the prefix cache here finds prefixes itself
     max_tool_calls: int | None = None  # bounds hosted tools' calls, and this server runs none
-    # "auto": an input too long for the context loses its start (truncate_prompt_tokens -1); "disabled": refused
+    # "auto": a conversation too long for the context loses its oldest turns (a chat's truncate_prompt_tokens
+    # -1); "disabled", the default: it is refused
     truncation: Literal["auto", "disabled"] | None = None
     # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
     store: bool | None = None
