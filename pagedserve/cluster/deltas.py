@@ -25,8 +25,7 @@ class Delta:
     usage: dict[str, Any] = field(default_factory=dict)  # the request's so far (every delta carries it)
     final: bool = False  # the request's last delta
     prompt_logprobs: list[Logprob] | None = None  # on the request's first delta, when asked for
-    # On the request's first delta: the prompt as the engine ran it (tokenized, truncated), for the front
-    # ends that return it when asked (a few bytes a token, once per request)
+    # On the request's first delta, when asked for: the prompt as the engine ran it (tokenized, truncated)
     prompt_token_ids: list[int] | None = None
     # With tools in play: the calls' new parts (then `text` is the new content, what is not a call)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
@@ -41,9 +40,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingParams) -> AsyncIterator[Delta]:
+async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingParams,
+                        prompt_ids: bool = False) -> AsyncIterator[Delta]:
     """Per-sample text and token deltas of a request's cumulative outputs. Text that could still turn out
-    to be the start of a stop string is held back until it cannot, so streamed text is never taken back."""
+    to be the start of a stop string is held back until it cannot, so streamed text is never taken back.
+    `prompt_ids`: the first delta carries the prompt's token ids (else they do not cross to the ingress)."""
     hold = max((len(s) for s in params.stop), default=1) - 1
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
@@ -69,7 +70,8 @@ async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingP
                 done.add(c.index)
         if batch and first:
             batch[0].prompt_logprobs = out.prompt_logprobs
-            batch[0].prompt_token_ids = list(out.prompt_token_ids)
+            if prompt_ids:  # the request's own list, never changed: nothing to copy
+                batch[0].prompt_token_ids = out.prompt_token_ids
             first = False
         if out.finished and batch:
             batch[-1].final = True

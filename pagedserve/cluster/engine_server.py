@@ -40,9 +40,9 @@ class EngineServer:
         self.publish_cached_blocks = publish_cached_blocks
 
     async def generate_deltas(self, prompt: str | list[int], params: SamplingParams,
-                              request_id: str | None = None) -> AsyncIterator[Delta]:
+                              request_id: str | None = None, prompt_ids: bool = False) -> AsyncIterator[Delta]:
         # Deltas are cut here, on the engine side: only what is new crosses between processes each step.
-        async for d in stream_deltas(self.core.generate(prompt, params, request_id), params):
+        async for d in stream_deltas(self.core.generate(prompt, params, request_id), params, prompt_ids):
             yield d
 
     async def chat_plan(self, messages: list[dict[str, Any]], params: SamplingParams,
@@ -228,30 +228,31 @@ class EngineClient:
         running.abort()
         return True
 
-    def chat_deltas(self, plan: ChatPlan, request_id: str | None,
-                    include_reasoning: bool = True) -> AsyncIterator[Delta]:
+    def chat_deltas(self, plan: ChatPlan, request_id: str | None, include_reasoning: bool = True,
+                    prompt_ids: bool = False) -> AsyncIterator[Delta]:
         """A chat request's deltas: its reasoning parsed out with a reasoning parser (and left out without
-        `include_reasoning`), and then its tool calls when tools are in play."""
+        `include_reasoning`), and then its tool calls when tools are in play; `prompt_ids` as `deltas`."""
         if plan.reasoning is None and not include_reasoning:
             raise ValueError("include_reasoning=false is not supported: this server parses no reasoning out "
                              "of the answer (the engine's reasoning_parser is not set), so it cannot be left out")
-        deltas = self.deltas(plan.prompt_token_ids, plan.params, request_id)
+        deltas = self.deltas(plan.prompt_token_ids, plan.params, request_id, prompt_ids)
         if plan.reasoning is not None:
             deltas = with_reasoning(deltas, plan.reasoning, include_reasoning)
         return deltas if plan.tool_parsing is None else with_tool_calls(deltas, plan.tool_parsing)
 
-    def batch_deltas(self, prompts: list[str | list[int]], params: SamplingParams,
-                     request_id: str) -> AsyncIterator[Delta]:
+    def batch_deltas(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
+                     prompt_ids: bool = False) -> AsyncIterator[Delta]:
         """The deltas of a batch of prompts (a completions request may send several): one request each,
         `<request_id>-<i>`, run side by side, prompt i's samples numbered from i*n (`merge_prompts`)."""
         if len(prompts) == 1:
-            return self.deltas(prompts[0], params, request_id)
-        return merge_prompts([self.deltas(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)],
-                             params.n, request_id)
+            return self.deltas(prompts[0], params, request_id, prompt_ids)
+        return merge_prompts([self.deltas(p, params, f"{request_id}-{i}", prompt_ids)
+                              for i, p in enumerate(prompts)], params.n, request_id)
 
-    async def deltas(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None) -> AsyncIterator[Delta]:
-        """The request's deltas (see `stream_deltas`) from whichever engine replica the router picks.
+    async def deltas(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
+                     prompt_ids: bool = False) -> AsyncIterator[Delta]:
+        """The request's deltas (see `stream_deltas`; `prompt_ids`: the first carries the prompt's token ids)
+        from whichever engine replica the router picks.
 
         A request id that is still streaming here is a retry of it (a client that lost the first attempt's
         connection): the earlier attempt is aborted first, so the request never runs twice. A request whose
@@ -272,7 +273,8 @@ class EngineClient:
         usage_so_far: dict[str, int] = {}
         try:
             for attempt in range(_RUNS_PER_REQUEST):
-                running.stream = self.engine.options(stream=True).generate_deltas.remote(prompt, params, rid)
+                running.stream = self.engine.options(stream=True).generate_deltas.remote(prompt, params, rid,
+                                                                                         prompt_ids)
                 if running.aborted:  # aborted while the call was being made
                     running.stream.cancel()
                 started = False

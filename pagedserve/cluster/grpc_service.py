@@ -52,8 +52,8 @@ class GrpcService(EngineClient):
                 raise ValueError("prompt is empty (set text or token_ids)")
             prompt = request.text if which == "text" else list(request.token_ids.ids)
             params = SamplingParams(**sampling_from_proto(request.sampling))  # ValueError names the field
-            async for d in self.deltas(prompt, params, request.request_id or None):
-                yield _delta_to_proto(d, request.return_prompt_token_ids)
+            async for d in self.deltas(prompt, params, request.request_id or None, request.return_prompt_token_ids):
+                yield _delta_to_proto(d)
         except Exception as e:
             yield _error(grpc_context, e, pb.GenerateResponse())
 
@@ -68,8 +68,9 @@ class GrpcService(EngineClient):
                                                       tool_choice_from_proto(request), parallel,
                                                       chat_options_from_proto(request.template))
             include = request.include_reasoning if request.HasField("include_reasoning") else True
-            async for d in self.chat_deltas(plan, request.request_id or None, include):
-                yield _delta_to_proto(d, request.return_prompt_token_ids)
+            async for d in self.chat_deltas(plan, request.request_id or None, include,
+                                            request.return_prompt_token_ids):
+                yield _delta_to_proto(d)
         except Exception as e:
             yield _error(grpc_context, e, pb.GenerateResponse())
 
@@ -169,7 +170,7 @@ def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:
         pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token or "") for t in lp.top_logprobs])
 
 
-def _delta_to_proto(d: Delta, with_prompt_ids: bool = False) -> pb.GenerateResponse:
+def _delta_to_proto(d: Delta) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=d.request_id, index=d.index, text=d.text, token_ids=d.token_ids,
                               finish_reason=_FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
                               logprobs=[_logprob_to_proto(lp) for lp in d.logprobs],
@@ -182,7 +183,7 @@ def _delta_to_proto(d: Delta, with_prompt_ids: bool = False) -> pb.GenerateRespo
         msg.stop_token_id = d.stop_reason
     if d.prompt_logprobs:
         msg.prompt_logprobs.extend(_logprob_to_proto(lp) for lp in d.prompt_logprobs[1:])
-    if with_prompt_ids and d.prompt_token_ids:
+    if d.prompt_token_ids:
         msg.prompt_token_ids.extend(d.prompt_token_ids)
     if d.final and d.usage:
         u = d.usage

@@ -199,8 +199,9 @@ class Ingress(GrpcService):
         prompt's choices start with."""
         rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
-        deltas = self.chat_deltas(prompt, rid, body.include_reasoning) if chat else \
-            self.batch_deltas(prompt, params, rid)
+        prompt_ids = bool(body.return_token_ids)
+        deltas = self.chat_deltas(prompt, rid, body.include_reasoning, prompt_ids) if chat else \
+            self.batch_deltas(prompt, params, rid, prompt_ids)
         if not chat and body.scores_only():
             deltas = prompt_only(deltas)
         first = await _first(deltas, body.constraint_field())
