@@ -249,14 +249,27 @@ class LLMEngine:
         instead would cut into the template's own. The last message is never dropped: a prompt still too long
         is refused."""
         room = self.scheduler.prompt_room(params.max_tokens)
-        kept = list(messages)
-        first = next((i for i, m in enumerate(kept) if m.get("role") not in ("system", "developer")), len(kept))
-        while len(ids) > room and first < len(kept) - 1:
-            del kept[first]
-            while first < len(kept) - 1 and kept[first].get("role") != "user":
-                del kept[first]  # the rest of the turn: its answer, calls and their results
-            ids = template.render(kept, tools, options)
-        return ids, dataclasses.replace(params, truncate_prompt_tokens=None)
+        params = dataclasses.replace(params, truncate_prompt_tokens=None)
+        if len(ids) <= room:
+            return ids, params
+        first = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")),
+                     len(messages))
+        # Where the kept conversation may start: at a later user message (whole turns dropped before it), or
+        # at the last message. Fewer messages never render longer, so the earliest start that fits is found
+        # by bisection: a long conversation is rendered a few times, not once per turn.
+        starts = sorted({i for i in range(first + 1, len(messages)) if messages[i].get("role") == "user"}
+                        | ({len(messages) - 1} if first < len(messages) - 1 else set()))
+        lo, hi, fits = 0, len(starts), None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            tried = template.render(messages[:first] + messages[starts[mid]:], tools, options)
+            if len(tried) <= room:
+                hi, fits = mid, tried
+            else:
+                lo = mid + 1
+        if fits is None and starts:  # not even the last message fits: its prompt, refused when it is run
+            fits = template.render(messages[:first] + messages[starts[-1]:], tools, options)
+        return (ids if fits is None else fits), params
 
     def _chat_template(self) -> ChatTemplate:
         if self._template is None:
