@@ -40,6 +40,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def cached_of(u: dict[str, Any]) -> int:
+    """The cached prompt tokens of a usage `usage` made (0 in an empty one: a delta made before any came)."""
+    return u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
 async def stream_deltas(outputs: AsyncIterator[RequestOutput], params: SamplingParams,
                         prompt_ids: bool = False) -> AsyncIterator[Delta]:
     """Per-sample text and token deltas of a request's cumulative outputs. Text that could still turn out
@@ -106,8 +111,7 @@ async def merge_prompts(streams: list[AsyncIterator[Delta]], n: int, request_id:
             if d is None:
                 running -= 1
                 continue
-            counts[i] = (d.usage.get("prompt_tokens", 0), d.usage.get("completion_tokens", 0),
-                         d.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
+            counts[i] = (d.usage.get("prompt_tokens", 0), d.usage.get("completion_tokens", 0), cached_of(d.usage))
             d.request_id, d.index = request_id, i * n + d.index
             d.usage = usage(*(sum(c[k] for c in counts) for k in range(3)))
             ended += d.final
@@ -125,8 +129,7 @@ async def prompt_only(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
     try:
         async for d in deltas:
             d.text, d.token_ids, d.logprobs = "", [], []
-            cached = d.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-            d.usage = usage(d.usage.get("prompt_tokens", 0), 0, cached) if d.usage else d.usage
+            d.usage = usage(d.usage.get("prompt_tokens", 0), 0, cached_of(d.usage)) if d.usage else d.usage
             if d.finish_reason is not None:
                 d.finish_reason, d.stop_reason = "length", None
             yield d

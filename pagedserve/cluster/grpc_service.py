@@ -17,7 +17,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
-from pagedserve.cluster.deltas import Delta
+from pagedserve.cluster.deltas import Delta, cached_of
 from pagedserve.cluster.engine_server import EngineClient
 from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.outputs import Logprob
@@ -189,7 +189,7 @@ def _delta_to_proto(d: Delta) -> pb.GenerateResponse:
         u = d.usage
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
                                     total_tokens=u["total_tokens"],
-                                    cached_tokens=u["prompt_tokens_details"]["cached_tokens"]))
+                                    cached_tokens=cached_of(u)))
     return msg
 
 

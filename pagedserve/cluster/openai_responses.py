@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pagedserve.chat import ChatOptions
-from pagedserve.cluster.deltas import Delta
+from pagedserve.cluster.deltas import Delta, cached_of
 from pagedserve.cluster.errors import classify
 from pagedserve.cluster.openai_protocol import StrictBody, refuse_what_is_asked
 from pagedserve.reasoning import ReasoningStart, reasoning_tokens
@@ -287,7 +287,7 @@ class ResponseBuilder:
             thought = 0 if self.reasoning_start is None or self.reasoning_end_id is None else reasoning_tokens(
                 self.reasoning_start, self.token_ids, self.reasoning_end_id, self.reasoning_text)
             out["usage"] = {"input_tokens": u["prompt_tokens"],
-                            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                            "input_tokens_details": {"cached_tokens": cached_of(u)},
                             "output_tokens": u["completion_tokens"],
                             "output_tokens_details": {"reasoning_tokens": thought},
                             "total_tokens": u["total_tokens"]}
