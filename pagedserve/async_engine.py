@@ -1,6 +1,8 @@
 """AsyncEngine: an `LLMEngine` driven by an asyncio step loop, streaming each request's outputs.
 
-Requests are added and aborted on the event loop while a step's workers compute. The Ray actor
+Requests are added and aborted on the event loop while a step's workers compute. What a request costs to
+prepare (tokenizing it, rendering a chat template, compiling its grammar: a large schema takes a second)
+runs on a thread of its own (`AsyncEngine.prepare`), so the streams already running go on meanwhile. The Ray actor
 (`cluster/engine_actor.py`) and the Serve deployment (`cluster/engine_server.py`) both wrap one;
 nothing here depends on Ray.
 
@@ -12,15 +14,19 @@ nothing here depends on Ray.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
+
+T = TypeVar("T")
 
 __all__ = ["AsyncEngine", "QueueFull", "RequestFailed"]
 
@@ -108,6 +114,16 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        # One thread: preparations run in the order they arrive, and never two tokenizer encodes at once.
+        self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-prepare")
+
+    async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` (a request's preparation: `LLMEngine.make_request`, `chat_plan`, `tokenize`,
+        ...) on the preparing thread, off the event loop, so that the step loop goes on while it runs. The
+        engine's step state is the event loop's alone; a preparation reads only what does not change (the
+        tokenizer, the model's limits) and the grammar cache (locked)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._preparing, functools.partial(fn, *args, **kwargs))
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -119,11 +135,12 @@ class AsyncEngine:
             if waiting >= self.max_waiting_requests:
                 raise QueueFull(f"{waiting} requests are waiting "
                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
-        request = self.engine.make_request(prompt, params, request_id)
+        arrival = time.monotonic()
+        request = await self.prepare(self.engine.make_request, prompt, params, request_id)
         rid = request.request_id
         if rid in self._streams:  # its request has ended, but its last output is not read yet
             raise ValueError(f"request_id={rid!r} is already in use")
-        stream = self._streams[rid] = _Stream(request, time.monotonic())
+        stream = self._streams[rid] = _Stream(request, arrival)
         self.engine.enqueue(request)
         self._start_loop()
         self._work.set()
@@ -229,4 +246,5 @@ class AsyncEngine:
     def shutdown(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self._preparing.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()

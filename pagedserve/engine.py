@@ -114,15 +114,16 @@ class LLMEngine:
             token_ids = token_ids[-keep:]
         for name, ids in params.token_ids_named().items():
             self._check_token_ids(name, ids)
-        if params.structured_outputs is not None:
-            self.grammars().compile(params.structured_outputs)  # ValueError now, not mid-generation
+        constraint = params.structured_outputs  # compiled now: a ValueError here, not mid-generation
+        grammar = self.grammars().compile(constraint) if constraint is not None else None
         bad_words = self._bad_words_token_ids(params.bad_words)
         if params.allowed_token_ids is not None and {ids[0] for ids in bad_words if len(ids) == 1}.issuperset(
                 params.allowed_token_ids):
             raise ValueError("bad_words ban every token of allowed_token_ids: nothing would be left to draw")
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
-                          prompt=prompt if isinstance(prompt, str) else None, bad_words_token_ids=bad_words)
+                          prompt=prompt if isinstance(prompt, str) else None, bad_words_token_ids=bad_words,
+                          grammar=grammar)
         self.scheduler.check_admissible(request)
         return request
 
@@ -605,4 +606,14 @@ def _load_tokenizer(source: ModelSource):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    # A tokenizer.json may carry truncation or padding settings. transformers' encode clears them on its
+    # first call (it never truncates or pads unless asked), which changes the Rust tokenizer in place, and that
+    # fails ("Already borrowed") while another thread decodes with it: requests are tokenized on a thread of
+    # their own beside the step loop's detokenizing (AsyncEngine). Cleared once here, encode only reads.
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and getattr(backend, "truncation", None) is not None:
+        backend.no_truncation()
+    if backend is not None and getattr(backend, "padding", None) is not None:
+        backend.no_padding()
+    return tokenizer

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -59,6 +60,9 @@ class GrammarManager:
                                                   stop_token_ids=list(eos_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        # Requests compile on the engine's preparing thread while the step loop may look a grammar up; the
+        # compile itself runs outside the lock (xgrammar releases the GIL), so the steps go on meanwhile.
+        self._compiled_lock = threading.Lock()
         self._seqs: dict[int, _Constrained] = {}  # by seq_id
         self._broken: set[int] = set()  # sequences whose last token the grammar refused
         self.vocab_size = vocab_size
@@ -68,10 +72,11 @@ class GrammarManager:
     def compile(self, constraint: StructuredOutputs) -> object:
         """The compiled grammar (cached); ValueError naming the field when it does not compile."""
         key = constraint.key()
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+        with self._compiled_lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
         kind, text = key
         try:
             if kind == "json":
@@ -87,9 +92,10 @@ class GrammarManager:
                 compiled = self._compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses of its own
             raise ValueError(f"structured_outputs.{kind} does not compile: {str(e).strip()[:300]}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > _CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        with self._compiled_lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return compiled
 
     def _state(self, seq: Sequence) -> _Constrained:
@@ -126,7 +132,8 @@ class GrammarManager:
         """The sequence's matcher, caught up with its output tokens from `begins` (a fork's child starts its
         own)."""
         if state.matcher is None:
-            state.matcher = self._xgr.GrammarMatcher(self.compile(seq.request.params.structured_outputs))
+            request = seq.request
+            state.matcher = self._xgr.GrammarMatcher(request.grammar or self.compile(request.params.structured_outputs))
         tokens, first = seq.token_ids, seq.num_prompt_tokens  # the output is tokens[first:]
         for token in tokens[first + begins + state.accepted:]:  # the new ones only
             # The mask allows only what the matcher accepts, so this is a bug if it happens; should it, the

@@ -383,3 +383,74 @@ def test_a_request_reports_the_prompt_tokens_the_prefix_cache_held(tiny_random):
         assert again.num_cached_tokens == llm.stats()["prefix_cache_hits"] - before == 48
     finally:
         llm.shutdown()
+
+
+def test_a_request_is_prepared_off_the_event_loop_while_the_streams_go_on(tiny_random):
+    """A request's preparation (here made to last until a running stream has had three more outputs) runs
+    beside the step loop: on the event loop it would hold the loop, the stream could not move, and the
+    preparation would wait in vain. Requests prepared meanwhile keep their order, and nothing leaks."""
+    import threading
+
+    async def main():
+        core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256))
+        try:
+            running = core.generate([9, 8, 7], greedy(200), request_id="running")
+            await anext(running)
+            moved = threading.Event()
+            make_request = core.engine.make_request
+            prepared: list[str] = []
+
+            def slow_make_request(prompt, params, request_id=None):
+                if request_id == "slow":
+                    assert moved.wait(timeout=30), "the running stream stood still while a request was prepared"
+                prepared.append(request_id)
+                return make_request(prompt, params, request_id)
+
+            core.engine.make_request = slow_make_request
+
+            async def read_running():
+                seen = 0
+                async for _ in running:
+                    seen += 1
+                    if seen == 3:
+                        moved.set()
+
+            async def collect(prompt, request_id):
+                return [out async for out in core.generate(prompt, greedy(12), request_id)][-1]
+
+            reader = asyncio.create_task(read_running())
+            slow, after = await asyncio.gather(collect([5, 6, 7, 8], "slow"), collect([9, 8, 7], "after"))
+            core.abort("running")
+            await reader
+            return slow, after, prepared, core.stats()
+        finally:
+            core.shutdown()
+
+    slow, after, prepared, stats = asyncio.run(main())
+    assert slow.finished and after.finished and prepared == ["slow", "after"]
+    assert stats["num_streams"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_tokenizer_that_carries_truncation_settings_never_truncates_a_prompt(tmp_path, tiny_random):
+    """A tokenizer.json may set truncation and padding; the engine clears both as it loads the tokenizer
+    (transformers' encode would clear them on its first call, changing the Rust tokenizer in place while the
+    step loop's thread may be decoding with it), and a prompt longer than the setting is kept whole."""
+    import json
+    import shutil
+
+    src = tiny_random.removeprefix("random:").rsplit("/", 1)[0]
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    engine = LLMEngine(EngineConfig(model=f"random:{tmp_path / 'config.json'}", max_model_len=256))
+    try:
+        backend = engine.tokenizer._tokenizer
+        assert backend.truncation is None and backend.padding is None
+        text = "one two three four five six seven eight nine ten eleven twelve"
+        ids = engine.encode_prompt(text)
+        assert len(ids) > 8 and engine.tokenizer.decode(ids) == text
+    finally:
+        engine.shutdown()

@@ -97,6 +97,33 @@ def test_choice_regex_grammar_and_json_object(smol):
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
 
 
+def test_no_step_compiles_a_grammar(smol):
+    """A request's grammar is compiled when it is made (on the served engine's preparing thread) and kept with
+    it: its steps never compile, even when a burst of other schemas has pushed it out of the compile cache
+    meanwhile (a compile on the step loop would hold every running stream)."""
+    engine = smol.engine
+    schema = SCHEMAS[0]
+    request = engine.make_request(engine.chat_prompt(ASK), constrained(StructuredOutputs(json=schema)))
+    assert request.grammar is not None
+    grammars = engine.grammars()
+    compile_ = grammars.compile
+    grammars._compiled.clear()  # as if 256 other schemas had come since
+
+    def no_compile(constraint):
+        raise AssertionError("a step compiled a grammar")
+
+    grammars.compile = no_compile
+    try:
+        engine.enqueue(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        grammars.compile = compile_
+    out = engine.output(request).outputs[0]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), schema)
+
+
 def test_n_samples_under_preemption_stay_valid(embedded_dir):
     """A pool of 5 blocks for 3 samples of a 36-token prompt: preemption by recompute must not disturb the
     grammar state."""

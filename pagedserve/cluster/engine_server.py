@@ -48,18 +48,19 @@ class EngineServer:
     async def chat_plan(self, messages: list[dict[str, Any]], params: SamplingParams,
                         tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
                         parallel_tool_calls: bool | None = None, options: ChatOptions | None = None) -> ChatPlan:
-        return self.core.engine.chat_plan(messages, params, tools, tool_choice, parallel_tool_calls, options)
+        return await self.core.prepare(self.core.engine.chat_plan, messages, params, tools, tool_choice,
+                                       parallel_tool_calls, options)
 
     async def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool | None,
                        tools: list[dict[str, Any]] | None = None,
                        options: ChatOptions | None = None) -> tuple[list[int], list[str]]:
-        return self.core.engine.tokenize(text, messages, add_special_tokens, tools, options)
+        return await self.core.prepare(self.core.engine.tokenize, text, messages, add_special_tokens, tools, options)
 
     async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.core.engine.encode_prompt(prompt)
+        return await self.core.prepare(self.core.engine.encode_prompt, prompt)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return self.core.engine.detokenize(token_ids)
+        return await self.core.prepare(self.core.engine.detokenize, token_ids)
 
     async def model_info(self) -> dict[str, Any]:
         return self.core.model_info()

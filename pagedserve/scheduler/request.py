@@ -38,6 +38,8 @@ class Request:
     arrival: int = 0  # the order the scheduler took it in (set by `Scheduler.add_request`)
     # Prompt tokens the prefix cache held when it was first admitted (None before)
     num_cached_tokens: int | None = None
+    # params.structured_outputs compiled (`LLMEngine.make_request`), so that no step waits for a compile
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
