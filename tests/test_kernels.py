@@ -231,6 +231,18 @@ def test_tile_overrides_and_split_counts_match_reference():
                          expected, torch.float16)
 
 
+def test_more_slices_than_the_merge_takes_at_once():
+    """A row cut into more slices than the merge kernel reads in one pass (its slice block is fixed, so that
+    the step's count of slices never compiles a new variant) is merged over several passes, exactly."""
+    rows = [(1, 700), (1, 290), (1, 5)]
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 4, 2, 64, 16, torch.float32, seed=12)
+    expected = reference_fp32(query, kv, cu, ctx, tables, 0.125)
+    assert attention._MERGE_BLOCK_S < 40
+    for num_splits in (40, 44):  # 22 and 44 slices of the 700-token row: two and three passes
+        out = run_triton(query, poisoned, cu, ctx, tables, 0.125, num_splits=num_splits, max_query_len=1)
+        assert_close(out, expected, torch.float32)
+
+
 def test_bad_tiles_and_split_counts_are_named():
     with pytest.raises(ValueError, match="decode_n must be a power of two of at least 16, got 48"):
         replace(attention.GPU_TILES, decode_n=48)

@@ -237,6 +237,11 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
+# Slices of a row merged at a time: fixed, so the count of slices (which follows each step's batch) never
+# compiles a new variant of the kernel mid-run; more slices take more passes of the loops.
+_MERGE_BLOCK_S = 16
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     cu_q_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -250,15 +255,27 @@ def _merge_kernel(
         return
     ctx_len = tl.load(ctx_ptr + row).to(tl.int32)
     used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))  # splits that saw keys
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < used
+    first = (row * num_q_heads + head).to(tl.int64) * num_splits  # this (row, head)'s first slice
     offs_d = tl.arange(0, BLOCK_D)
-    part = (row * num_q_heads + head).to(tl.int64) * num_splits + offs_s  # [BLOCK_S]
-    lse = tl.load(part_lse_ptr + part, mask=mask_s, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    weight = weight / tl.sum(weight, 0)
-    part_out = tl.load(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    out = tl.sum(part_out * weight[:, None], 0)  # [BLOCK_D]
+    # Two passes over the slices' log-sum-exps: their largest, then the weighted sum of their outputs.
+    largest = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(part_lse_ptr + first + offs_s, mask=offs_s < used, other=float("-inf"))
+        largest = tl.maximum(largest, lse)
+    m = tl.max(largest, 0)
+    weights = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < used
+        lse = tl.load(part_lse_ptr + first + offs_s, mask=mask_s, other=float("-inf"))
+        weight = tl.exp2(lse - m)  # [BLOCK_S]; 0 for masked slices
+        part_out = tl.load(part_out_ptr + (first + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                           mask=mask_s[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+        acc += tl.sum(part_out * weight[:, None], 0)
+        weights += weight
+    out = acc / tl.sum(weights, 0)  # [BLOCK_D]
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -439,7 +456,7 @@ def paged_attention(
         _merge_kernel[(num_rows, num_q_heads)](
             cu_seqlens_q, context_lens, out, part_out, part_lse,
             splits, num_q_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_S=_MERGE_BLOCK_S, BLOCK_D=block_d,
             BLOCK_N=tiles.decode_n,
             num_warps=1 if block_d <= 64 else 2,
         )
