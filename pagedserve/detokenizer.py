@@ -82,6 +82,15 @@ class Detokenizer:
             text = self._decode(token_ids[start:end], skip_special_tokens)
         return end, text
 
+    def text_of(self, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool) -> str:
+        """The text `update` makes of the output token_ids[num_prompt_tokens:] given all at once, keeping no
+        state (a beam search's answers, whose tokens no sequence decoded)."""
+        key = -1  # no sequence's id (they count from 0); released before returning
+        self.update(key, token_ids, num_prompt_tokens, skip_special_tokens, [])
+        text = self.text(key)
+        self.release(key)
+        return text
+
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included (what logprobs show)."""
         return [self._decode([t], False) for t in token_ids]

@@ -15,6 +15,7 @@ import json
 import logging
 from typing import Any
 
+from pagedserve.beam_search import BeamSearch, check_beam_search
 from pagedserve.chat import ChatOptions, ChatPlan, ChatTemplate
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
@@ -98,6 +99,10 @@ class LLMEngine:
         """Validate and tokenize; raises ValueError naming the bad field. Adds nothing."""
         _check_params(params)
         params.validate()
+        if params.use_beam_search:
+            raise ValueError("use_beam_search: a beam search runs as requests of its own (make_beam_search; "
+                             "LLM.generate and AsyncEngine.generate run it)")
+        check_beam_search(params, 0)
         for name in ("stop", "bad_words"):
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}: words need a tokenizer, and this model has none (name tokens by id: "
@@ -126,6 +131,25 @@ class LLMEngine:
                           grammar=grammar)
         self.scheduler.check_admissible(request)
         return request
+
+    def make_beam_search(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> BeamSearch:
+        """A beam search's start (`params.use_beam_search`), validated as `make_request` validates a request:
+        the prompt tokenized and cut as truncate_prompt_tokens says, and checked to fit with max_tokens.
+        ValueError naming the field."""
+        _check_params(params)
+        params.validate()
+        ends = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
+        check_beam_search(params, len(ends))
+        first = self.make_request(prompt, dataclasses.replace(params, n=1, use_beam_search=False, length_penalty=1.0),
+                                  request_id)
+        prompt_ids = first.prompt_token_ids
+        room = self.scheduler.prompt_room(None) + 1 - len(prompt_ids)  # the context left for the output
+        return BeamSearch(first.request_id, first.prompt, prompt_ids, params, params.max_tokens or room, ends)
+
+    def beam_output(self, search: BeamSearch) -> RequestOutput:
+        """A finished beam search's answer, its texts decoded as a request's output is."""
+        prompt_ids, skip = search.prompt_token_ids, search.params.skip_special_tokens
+        return search.output(lambda ids: self.detokenizer.text_of(prompt_ids + ids, len(prompt_ids), skip))
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the token sequences that spell it: alone, and after a space (mid-text, where a

@@ -6,12 +6,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import asdict
 from typing import Any
 
+from pagedserve.beam_search import BeamSearch
 from pagedserve.chat import ChatOptions
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
 from pagedserve.reasoning import split_reasoning
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.request import Request
 from pagedserve.tool_calls import ToolCallStream
 
 
@@ -42,26 +44,62 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         engine = self.engine
-        requests = []
+        requests: list[Request | BeamSearch] = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             try:
-                requests.append(engine.make_request(prompt, params))
+                make = engine.make_beam_search if params.use_beam_search else engine.make_request
+                requests.append(make(prompt, params))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        for r in requests:
-            r.final_output_only = True  # only finished outputs are read below: none is built before
-            engine.enqueue(r)
-        order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
+        # Requests running, by id: (the prompt's index, and for a beam search's step, the beam's)
+        running: dict[str, tuple[int, int | None]] = {}
+        steps: dict[int, list[RequestOutput | None]] = {}  # a beam search's step: its beams' outputs so far
+
+        def start(i: int, request: Request) -> None:
+            request.final_output_only = True  # only finished outputs are read below: none is built before
+            engine.enqueue(request)
+            running[request.request_id] = (i, None)
+
+        def next_step(i: int, search: BeamSearch) -> None:
+            prompts = search.step_prompts()
+            steps[i] = [None] * len(prompts)
+            for b, ids in enumerate(prompts):
+                request = engine.make_request(ids, search.step_params(), f"{search.request_id}#{b}")
+                start(i, request)
+                running[request.request_id] = (i, b)
+
+        for i, r in enumerate(requests):
+            if isinstance(r, BeamSearch):
+                next_step(i, r)
+            else:
+                start(i, r)
         try:
-            while any(x is None for x in results):
+            while running:
                 for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
+                    if not out.finished or out.request_id not in running:
+                        continue
+                    i, beam = running.pop(out.request_id)
+                    search = requests[i]
+                    if beam is None:
+                        results[i] = out
+                    elif out.error:
+                        results[i] = RequestOutput(search.request_id, search.prompt, search.prompt_token_ids,
+                                                   finished=True, error=out.error)
+                        for rid in [rid for rid, (j, _) in running.items() if j == i]:
+                            engine.abort_request(rid)
+                            del running[rid]
+                    else:
+                        steps[i][beam] = out
+                        if all(o is not None for o in steps[i]):
+                            search.advance(steps.pop(i))
+                            if search.done:
+                                results[i] = engine.beam_output(search)
+                            else:
+                                next_step(i, search)
         finally:
-            for r in requests:
-                if results[order[r.request_id]] is None:
-                    engine.abort_request(r.request_id)
+            for rid in running:
+                engine.abort_request(rid)
         errors = [o.error for o in results if o.error]
         if errors:
             raise RequestFailed(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")

@@ -102,6 +102,10 @@ class SamplingParams:
     # Prefix caching among requests with the same salt only (vLLM's): tenants that keep theirs secret cannot
     # reuse, or detect by its speed, another's cached prompt. Make it long and random (e.g. 32 random bytes).
     cache_salt: str | None = None
+    # Beam search (vLLM's fields): the n most likely sequences, found as transformers' num_beams=n finds them,
+    # best first; each one's score is its log-probability over its length ** length_penalty (`beam_search`)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,7 +145,8 @@ class SamplingParams:
             raise ValueError(f"cache_salt={self.cache_salt!r} must be a non-empty string (or unset)")
         _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        _float(self, "length_penalty")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):

@@ -1,0 +1,152 @@
+"""Beam search (`SamplingParams(use_beam_search=True, n=width, length_penalty=...)`), searched as Hugging Face
+transformers' `generate(num_beams=width, num_return_sequences=width, length_penalty=...)` searches: the same
+candidates, finished hypotheses, length penalty and stopping rule (its default `early_stopping=False`), so
+the beams come out the same, best first.
+
+Each step extends every running beam by one token: one request per beam, its prompt the beam's tokens, one
+greedy token with the `keep` most likely next tokens' log-probabilities (the model's raw distribution). The
+prefix cache holds each beam's blocks but the last, so a step computes a block's worth of tokens at most per
+beam. The drivers, `LLM.generate` offline and `AsyncEngine.generate` served, run those requests and hand
+their outputs to `BeamSearch.advance`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_DROPPED = -1.0e9  # transformers' score for a candidate that may not be chosen
+
+# What a beam search cannot honour, unless left as it is by default: it ranks whole sequences by the model's
+# own log-probabilities, and one rule ends them (an end-of-sequence token or max_tokens).
+_REFUSED = {
+    "top_k": "it keeps the most likely sequences, it draws nothing",
+    "top_p": "it keeps the most likely sequences, it draws nothing",
+    "min_p": "it keeps the most likely sequences, it draws nothing",
+    "repetition_penalty": "it ranks beams by the model's own log-probabilities",
+    "presence_penalty": "it ranks beams by the model's own log-probabilities",
+    "frequency_penalty": "it ranks beams by the model's own log-probabilities",
+    "logit_bias": "it ranks beams by the model's own log-probabilities",
+    "allowed_token_ids": "it ranks beams by the model's own log-probabilities",
+    "bad_words": "it ranks beams by the model's own log-probabilities",
+    "structured_outputs": "a beam search is not constrained by a grammar here",
+    "stop": "a beam ends at an end-of-sequence token, a stop_token_ids token or max_tokens",
+    "min_tokens": "a beam ends at an end-of-sequence token, a stop_token_ids token or max_tokens",
+    "logprobs": "a beam search returns its sequences, not per-token log-probabilities",
+    "prompt_logprobs": "a beam search returns its sequences, not per-token log-probabilities",
+}
+
+
+def check_beam_search(params: SamplingParams, num_eos: int) -> None:
+    """ValueError naming the field a beam search cannot honour; `num_eos`: the end-of-sequence token ids a beam
+    may end at (the model's, unless ignore_eos, and stop_token_ids)."""
+    if not params.use_beam_search:
+        if params.length_penalty != 1.0:
+            raise ValueError(f"length_penalty={params.length_penalty} weighs beams by their length: it needs "
+                             "use_beam_search")
+        return
+    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                for f in fields(SamplingParams)}
+    for name, why in _REFUSED.items():
+        if getattr(params, name) != defaults[name]:
+            raise ValueError(f"{name}={getattr(params, name)!r} cannot be combined with use_beam_search: {why}")
+    if params.temperature not in (0.0, 1.0):
+        raise ValueError(f"temperature={params.temperature} cannot be combined with use_beam_search: it ranks "
+                         "beams by the model's own log-probabilities (leave it unset, 0 or 1)")
+    keep = candidates_per_step(params.n, num_eos)
+    if keep > MAX_LOGPROBS:
+        raise ValueError(f"n={params.n} beams with {num_eos} end-of-sequence token(s) need each beam's {keep} most "
+                         f"likely next tokens at every step, more than {MAX_LOGPROBS}: at most "
+                         f"n={MAX_LOGPROBS // max(2, 1 + num_eos)}")
+
+
+def candidates_per_step(width: int, num_eos: int) -> int:
+    """Candidates kept per step (transformers' `beams_to_keep`): enough that `width` of them go on even when
+    the best ones end."""
+    return max(2, 1 + num_eos) * width
+
+
+@dataclass
+class _Finished:
+    score: float  # the cumulative log-probability over the output's length ** length_penalty
+    tokens: list[int]
+    ended: bool  # by an end-of-sequence token (else by max_tokens)
+
+
+@dataclass
+class BeamSearch:
+    """One prompt's search. `step_prompts()` are the token ids to extend by one token; `advance(outputs)` takes
+    those requests' outputs (in the same order); when `done`, `output()` is the answer."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int]  # what ends a beam: EOS (unless ignore_eos) and stop_token_ids
+    # Output tokens and cumulative log-probability of each running beam, best first. transformers starts
+    # `width` copies of the prompt, all but the first at -1e9; only the first can give candidates, so one runs.
+    running: list[tuple[list[int], float]] = field(default_factory=lambda: [([], 0.0)])
+    finished: list[_Finished] = field(default_factory=list)  # at most `width`, best first
+    improvable: bool = True  # transformers' early-stop heuristic: a running beam may still beat a finished one
+    done: bool = False
+    num_cached_tokens: int | None = None  # of the prompt, at the first step
+
+    @property
+    def width(self) -> int:
+        return self.params.n
+
+    def step_params(self) -> SamplingParams:
+        keep = candidates_per_step(self.width, len(self.eos_token_ids))
+        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=keep, ignore_eos=True,
+                              priority=self.params.priority, cache_salt=self.params.cache_salt)
+
+    def step_prompts(self) -> list[list[int]]:
+        return [self.prompt_token_ids + tokens for tokens, _ in self.running]
+
+    def advance(self, outputs: list[RequestOutput]) -> None:
+        """One step: the running beams' next-token candidates, from their requests' outputs."""
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = outputs[0].num_cached_tokens
+        keep = candidates_per_step(self.width, len(self.eos_token_ids))
+        length = len(self.running[0][0]) + 1  # output tokens of every candidate
+        candidates = []  # (cumulative log-probability, beam, token)
+        for b, ((_, cumulative), out) in enumerate(zip(self.running, outputs, strict=True)):
+            top = out.outputs[0].logprobs[0].top_logprobs
+            candidates += [(cumulative + t.logprob, b, t.token_id) for t in top[:keep]]
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        candidates = candidates[:keep]
+        ends = [token in self.eos_token_ids or length >= self.max_tokens for _, _, token in candidates]
+
+        # The best `width` candidates that go on run next; a candidate that ended is only taken, at -1e9, when
+        # fewer go on (as transformers does).
+        beams = [tokens for tokens, _ in self.running]
+        going_on = sorted(range(len(candidates)), key=lambda i: -(candidates[i][0] + _DROPPED * ends[i]))
+        self.running = [(beams[candidates[i][1]] + [candidates[i][2]], candidates[i][0] + _DROPPED * ends[i])
+                        for i in going_on[:self.width]]
+
+        # Of the best `width` candidates, those that ended are hypotheses, kept if among the best `width` yet.
+        if self.improvable:
+            for (cumulative, b, token), ended in zip(candidates[:self.width], ends, strict=False):
+                if ended:
+                    self.finished.append(_Finished(cumulative / length ** self.params.length_penalty,
+                                                   beams[b] + [token], token in self.eos_token_ids))
+            self.finished = sorted(self.finished, key=lambda f: -f.score)[:self.width]
+
+        # transformers' heuristic (early_stopping=False): the best running beam, scored at its length now, can
+        # still beat the worst of `width` hypotheses (any, while fewer than `width` are found).
+        best_running = self.running[0][1] / length ** self.params.length_penalty
+        worst = self.finished[-1].score if len(self.finished) == self.width else _DROPPED
+        self.improvable = self.improvable and best_running > worst
+        self.done = not self.improvable or all(ends)
+
+    def output(self, text_of) -> RequestOutput:
+        """The answer: the `width` hypotheses, best first; `text_of(token_ids)` gives an output's text."""
+        outputs = [CompletionOutput(index=i, text=text_of(f.tokens), token_ids=f.tokens,
+                                    finish_reason="stop" if f.ended else "length")
+                   for i, f in enumerate(self.finished)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=True,
+                             num_cached_tokens=self.num_cached_tokens)
