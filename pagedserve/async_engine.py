@@ -14,12 +14,16 @@ nothing here depends on Ray.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from pagedserve.beam_search import BeamSearch
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
@@ -64,8 +68,9 @@ class _Stream:
     message per interval however short the steps are, and no output is built that is not sent. The first
     output (time to first token) and the last go at once."""
 
-    def __init__(self, request: Request, arrival: float) -> None:
+    def __init__(self, request: Request, arrival: float, counted: bool = True) -> None:
         self.request = request
+        self.counted = counted  # its end is a request's in the metrics (not a beam search's step)
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.arrival = arrival
         self.last_tokens = arrival  # when the engine last gave it tokens (for the latency metrics)
@@ -97,6 +102,14 @@ class _Stream:
             self.timer.cancel()
 
 
+@dataclass
+class _Search:
+    """A beam search running on the step loop: its step's requests, and whether `abort` ended it."""
+
+    steps: list[asyncio.Future] = field(default_factory=list)
+    aborted: bool = False
+
+
 class AsyncEngine:
     """`max_waiting_requests` bounds the admission queue (QueueFull beyond it). `stream_interval_ms`: a
     stream yields at most one output per this many milliseconds, the newest (outputs are cumulative), so that
@@ -112,6 +125,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}
+        self._searches: dict[str, _Search] = {}  # beam searches running, by request id
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         # One thread: preparations run in the order they arrive, and never two tokenizer encodes at once.
@@ -129,18 +143,31 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError naming the field), queue, and yield outputs until the request ends: each the
         request's whole output so far, so a caller that reads slower than the engine steps gets the newest
-        and misses nothing. RequestFailed if a failed step ended it."""
+        and misses nothing. RequestFailed if a failed step ended it. A beam search (`use_beam_search`) yields
+        once, its answer."""
         if self.max_waiting_requests is not None:
             waiting = self.engine.num_waiting_requests()
             if waiting >= self.max_waiting_requests:
                 raise QueueFull(f"{waiting} requests are waiting "
                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         arrival = time.monotonic()
+        if params.use_beam_search:
+            search = await self.prepare(self.engine.make_beam_search, prompt, params, request_id)
+            yield await self._beam_search(search, arrival)
+            return
         request = await self.prepare(self.engine.make_request, prompt, params, request_id)
+        # Closed with this generator (a caller that stops reading), not when the collector finds it.
+        async with contextlib.aclosing(self._run(request, arrival)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def _run(self, request: Request, arrival: float, counted: bool = True) -> AsyncIterator[RequestOutput]:
+        """Queue a made request and yield its outputs (`generate`); `counted`: its end is a request's in the
+        metrics (a beam search's steps are not)."""
         rid = request.request_id
-        if rid in self._streams:  # its request has ended, but its last output is not read yet
+        if rid in self._streams or rid in self._searches:  # an ended request whose last output is not read yet
             raise ValueError(f"request_id={rid!r} is already in use")
-        stream = self._streams[rid] = _Stream(request, arrival)
+        stream = self._streams[rid] = _Stream(request, arrival, counted)
         self.engine.enqueue(request)
         self._start_loop()
         self._work.set()
@@ -161,7 +188,52 @@ class AsyncEngine:
             if not finished and self.engine.abort_request(rid) is not None:
                 self._record_finish(stream, time.monotonic())
 
+    async def _beam_search(self, search: BeamSearch, arrival: float) -> RequestOutput:
+        """Run a beam search to its end: each step's beams are requests of their own, run side by side. An
+        `abort` ends it with its best beams so far (finish_reason "abort")."""
+        rid = search.request_id
+        if rid in self._streams or rid in self._searches:
+            raise ValueError(f"request_id={rid!r} is already in use")
+        state = self._searches[rid] = _Search()
+        params = search.step_params()
+        try:
+            for step in itertools.count():
+                if search.done:
+                    out = self.engine.beam_output(search)
+                    break
+                requests = await self.prepare(self._beam_requests, search, params, f"{rid}#{step}")
+                state.steps = [asyncio.ensure_future(self._last(r, arrival)) for r in requests]
+                try:
+                    outputs = await asyncio.gather(*state.steps)
+                except BaseException as e:  # a beam's request failed, the caller left, or an abort
+                    for task in state.steps:
+                        task.cancel()
+                    if not (state.aborted and isinstance(e, asyncio.CancelledError)):
+                        raise
+                    out = self.engine.beam_output(search, aborted=True)
+                    break
+                search.advance(outputs)
+        finally:
+            self._searches.pop(rid, None)
+        if self.metrics is not None:
+            self.metrics.on_finish([c.finish_reason for c in out.outputs], len(search.prompt_token_ids),
+                                   time.monotonic() - arrival)
+        return out
+
+    def _beam_requests(self, search: BeamSearch, params: SamplingParams, step_id: str) -> list[Request]:
+        return [self.engine.make_request(ids, params, f"{step_id}.{b}") for b, ids in enumerate(search.step_prompts())]
+
+    async def _last(self, request: Request, arrival: float) -> RequestOutput:
+        outputs = [out async for out in self._run(request, arrival, counted=False)]
+        return outputs[-1]
+
     def abort(self, request_id: str) -> bool:
+        search = self._searches.get(request_id)
+        if search is not None:
+            search.aborted = True
+            for step in search.steps:
+                step.cancel()
+            return True
         out = self.engine.abort_request(request_id)
         if out is None:
             return False
@@ -197,7 +269,7 @@ class AsyncEngine:
             self.metrics.on_tokens(count, first, later)
 
     def _record_finish(self, stream: _Stream, now: float) -> None:
-        if self.metrics is not None:
+        if self.metrics is not None and stream.counted:
             request = stream.request
             self.metrics.on_finish([seq.finish_reason or "abort" for seq in request.sequences],
                                    len(request.prompt_token_ids), now - stream.arrival)

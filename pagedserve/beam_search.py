@@ -143,10 +143,14 @@ class BeamSearch:
         self.improvable = self.improvable and best_running > worst
         self.done = not self.improvable or all(ends)
 
-    def output(self, text_of) -> RequestOutput:
-        """The answer: the `width` hypotheses, best first; `text_of(token_ids)` gives an output's text."""
-        outputs = [CompletionOutput(index=i, text=text_of(f.tokens), token_ids=f.tokens,
-                                    finish_reason="stop" if f.ended else "length")
-                   for i, f in enumerate(self.finished)]
+    def output(self, text_of, aborted: bool = False) -> RequestOutput:
+        """The answer: the `width` hypotheses, best first; `text_of(token_ids)` gives an output's text. Aborted:
+        the best beams so far, finished ones first, each ended by the abort."""
+        if aborted:
+            best = [(f.tokens, "abort") for f in self.finished] + [(tokens, "abort") for tokens, _ in self.running]
+        else:
+            best = [(f.tokens, "stop" if f.ended else "length") for f in self.finished]
+        outputs = [CompletionOutput(index=i, text=text_of(tokens), token_ids=tokens, finish_reason=reason)
+                   for i, (tokens, reason) in enumerate(best[:self.width])]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=True,
                              num_cached_tokens=self.num_cached_tokens)

@@ -146,10 +146,10 @@ class LLMEngine:
         room = self.scheduler.prompt_room(None) + 1 - len(prompt_ids)  # the context left for the output
         return BeamSearch(first.request_id, first.prompt, prompt_ids, params, params.max_tokens or room, ends)
 
-    def beam_output(self, search: BeamSearch) -> RequestOutput:
-        """A finished beam search's answer, its texts decoded as a request's output is."""
+    def beam_output(self, search: BeamSearch, aborted: bool = False) -> RequestOutput:
+        """A beam search's answer (`BeamSearch.output`), its texts decoded as a request's output is."""
         prompt_ids, skip = search.prompt_token_ids, search.params.skip_special_tokens
-        return search.output(lambda ids: self.detokenizer.text_of(prompt_ids + ids, len(prompt_ids), skip))
+        return search.output(lambda ids: self.detokenizer.text_of(prompt_ids + ids, len(prompt_ids), skip), aborted)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the token sequences that spell it: alone, and after a space (mid-text, where a

@@ -76,9 +76,9 @@ class _Sampling(StrictBody):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens as "token_id:<id>" (vLLM's)
     # vLLM's: true adds the prompt's token ids; false leaves out the choices' token ids too (unset: sent)
     return_token_ids: bool | None = None
+    use_beam_search: bool | None = None  # the n most likely sequences, best first (pagedserve.beam_search)
+    length_penalty: float | None = None  # a beam's score: its log-probability over its length ** this
     # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
     # Either value gives the same text: the (fast) tokenizer's decode puts no space between special tokens, as
     # vLLM's does (a slow tokenizer's option; with skip_special_tokens, the default, there are none to space)
     spaces_between_special_tokens: bool = True
@@ -140,7 +140,8 @@ class _Sampling(StrictBody):
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                      "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
                      "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "stop",
-                     "allowed_token_ids", "truncate_prompt_tokens", "bad_words", "priority", "cache_salt"):
+                     "allowed_token_ids", "truncate_prompt_tokens", "bad_words", "priority", "cache_salt",
+                     "use_beam_search", "length_penalty"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -165,8 +166,6 @@ def refuse_what_is_asked(body: BaseModel, nothing: dict[str, tuple[tuple[Any, ..
 
 # field -> (the values that ask for nothing, why others cannot be honoured)
 _NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), "this server samples or decodes greedily, it does not search beams"),
-    "length_penalty": ((1.0,), "it weighs beams by length, and this server does not search beams"),
     "logits_processors": ((None, []), "this server runs no code named by a request"),
     "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs are decoded by xgrammar"),
     "guided_whitespace_pattern": ((None,), "JSON outputs follow xgrammar's whitespace rules"),

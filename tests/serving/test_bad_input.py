@@ -81,7 +81,10 @@ HTTP_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 7}]}, "messages.0.name"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "documents": [{"title": 1}]}, "documents"),
-    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "top_p": 0.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 11}, "n=11"),
+    ("/v1/chat/completions", {"messages": MSG, "use_beam_search": True, "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "length_penalty": 0.5}, "length_penalty"),
     ("/v1/completions", {"prompt": "hi", "priority": 3}, "priority"),
     ("/v1/chat/completions", {"messages": MSG, "priority": 1.5}, "priority"),
     ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "logprobs"),
@@ -174,6 +177,8 @@ GRPC_CASES = [
     (dict(allowed_token_ids=[10**7]), "allowed_token_ids"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(priority=2), "priority"),  # the served engine runs first come, first served
+    (dict(use_beam_search=True, top_k=5), "top_k"),
+    (dict(length_penalty=0.5), "length_penalty"),  # weighs beams, without use_beam_search
 ]
 
 

@@ -257,7 +257,7 @@ def test_fields_asking_for_nothing_pass_and_others_are_refused_by_name(oai, mode
     out = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0,
                                       extra_body={**nothing, **chat_nothing})
     assert out.choices[0].message.content == plain.choices[0].message.content
-    for field, value in [("use_beam_search", True), ("length_penalty", 0.8), ("logits_processors", ["my.Processor"]),
+    for field, value in [("logits_processors", ["my.Processor"]),
                          ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " "),
                          ("structural_tag", "{}"), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
                          ("store", True), ("service_tier", "flex")]:
@@ -443,3 +443,29 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(oai, model, client
     assert cached == wait_idle()["prefix_cache_hits"] - before > first.prompt_tokens_details.cached_tokens
     assert cached % 16 == 0 and cached < again.prompt_tokens
     assert client.chat(messages, temperature=0, max_tokens=2).usage["cached_tokens"] == cached
+
+
+def test_beam_search_answers_as_offline_through_completions_chat_and_grpc(oai, model, client, offline):
+    """use_beam_search (vLLM's) gives the n best beams, best first, as the offline engine's search (itself
+    checked against transformers' num_beams search), in one answer: completions, a streamed chat, gRPC."""
+    beams = {"use_beam_search": True, "length_penalty": 0.5}
+    want = offline.generate(PROMPT, SamplingParams(n=3, max_tokens=8, temperature=0, **beams))[0].outputs
+    assert len({tuple(c.token_ids) for c in want}) == 3
+    out = oai.completions.create(model=model, prompt=PROMPT, n=3, max_tokens=8, extra_body=beams)
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
+        (i, c.text, c.finish_reason) for i, c in enumerate(want)]
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in want)
+
+    ask = offline.engine.chat_prompt(MESSAGES)
+    chat_want = offline.generate(ask, SamplingParams(n=2, max_tokens=10, temperature=0, **beams))[0].outputs
+    texts = ["", ""]
+    for chunk in oai.chat.completions.create(model=model, messages=MESSAGES, n=2, max_tokens=10, stream=True,
+                                             extra_body=beams):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.text for c in chat_want]
+
+    completion = client.generate(PROMPT, n=3, max_tokens=8, **beams)
+    assert [c.token_ids for c in completion.choices] == [c.token_ids for c in want]
+    stats = wait_idle()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_streams"] == 0
