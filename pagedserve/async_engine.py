@@ -126,6 +126,7 @@ class AsyncEngine:
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}
         self._searches: dict[str, _Search] = {}  # beam searches running, by request id
+        self._num_preparing = 0  # requests on the preparing thread, not queued yet
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         # One thread: preparations run in the order they arrive, and never two tokenizer encodes at once.
@@ -146,18 +147,23 @@ class AsyncEngine:
         and misses nothing. RequestFailed if a failed step ended it. A beam search (`use_beam_search`) yields
         once, its answer."""
         if self.max_waiting_requests is not None:
-            waiting = self.engine.num_waiting_requests()
+            # Requests still being prepared are waiting too: they are queued the moment they are ready.
+            waiting = self.engine.num_waiting_requests() + self._num_preparing
             if waiting >= self.max_waiting_requests:
                 raise QueueFull(f"{waiting} requests are waiting "
                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         arrival = time.monotonic()
+        make = self.engine.make_beam_search if params.use_beam_search else self.engine.make_request
+        self._num_preparing += 1
+        try:
+            made = await self.prepare(make, prompt, params, request_id)
+        finally:
+            self._num_preparing -= 1
         if params.use_beam_search:
-            search = await self.prepare(self.engine.make_beam_search, prompt, params, request_id)
-            yield await self._beam_search(search, arrival)
+            yield await self._beam_search(made, arrival)
             return
-        request = await self.prepare(self.engine.make_request, prompt, params, request_id)
         # Closed with this generator (a caller that stops reading), not when the collector finds it.
-        async with contextlib.aclosing(self._run(request, arrival)) as outputs:
+        async with contextlib.aclosing(self._run(made, arrival)) as outputs:
             async for out in outputs:
                 yield out
 
@@ -198,10 +204,11 @@ class AsyncEngine:
         params = search.step_params()
         try:
             for step in itertools.count():
-                if search.done:
-                    out = self.engine.beam_output(search)
+                if search.done or state.aborted:
                     break
                 requests = await self.prepare(self._beam_requests, search, params, f"{rid}#{step}")
+                if state.aborted:  # while they were made: none of them runs
+                    break
                 state.steps = [asyncio.ensure_future(self._last(r, arrival)) for r in requests]
                 try:
                     outputs = await asyncio.gather(*state.steps)
@@ -210,11 +217,11 @@ class AsyncEngine:
                         task.cancel()
                     if not (state.aborted and isinstance(e, asyncio.CancelledError)):
                         raise
-                    out = self.engine.beam_output(search, aborted=True)
                     break
                 search.advance(outputs)
         finally:
             self._searches.pop(rid, None)
+        out = self.engine.beam_output(search, aborted=not search.done)
         if self.metrics is not None:
             self.metrics.on_finish([c.finish_reason for c in out.outputs], len(search.prompt_token_ids),
                                    time.monotonic() - arrival)

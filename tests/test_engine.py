@@ -454,3 +454,27 @@ def test_a_tokenizer_that_carries_truncation_settings_never_truncates_a_prompt(t
         assert len(ids) > 8 and engine.tokenizer.decode(ids) == text
     finally:
         engine.shutdown()
+
+
+def test_requests_being_prepared_count_toward_the_waiting_bound(tiny_random):
+    """Requests that arrive together are all prepared on the preparing thread before any is queued: they count
+    as waiting from the moment they pass the bound, so max_waiting_requests still refuses the ones beyond it."""
+    from pagedserve.async_engine import QueueFull
+
+    async def main():
+        core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256), max_waiting_requests=2)
+        try:
+            async def one(i):
+                try:
+                    return [out async for out in core.generate([9, 8, 7, i], greedy(4))][-1]
+                except QueueFull as e:
+                    return e
+            return await asyncio.gather(*(one(i) for i in range(6))), core.stats()
+        finally:
+            core.shutdown()
+
+    results, stats = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, QueueFull)]
+    assert len(refused) == 4 and "max_waiting_requests=2" in str(refused[0])
+    assert all(r.finished for r in results if not isinstance(r, QueueFull))
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
