@@ -74,6 +74,7 @@ class _Finished:
     score: float  # the cumulative log-probability over the output's length ** length_penalty
     tokens: list[int]
     ended: bool  # by an end-of-sequence token (else by max_tokens)
+    stop_reason: int | None = None  # the stop_token_ids token it ended at
 
 
 @dataclass
@@ -132,8 +133,9 @@ class BeamSearch:
         if self.improvable:
             for (cumulative, b, token), ended in zip(candidates[:self.width], ends, strict=False):
                 if ended:
+                    stop = token if token in self.params.stop_token_ids else None
                     self.finished.append(_Finished(cumulative / length ** self.params.length_penalty,
-                                                   beams[b] + [token], token in self.eos_token_ids))
+                                                   beams[b] + [token], token in self.eos_token_ids, stop))
             self.finished = sorted(self.finished, key=lambda f: -f.score)[:self.width]
 
         # transformers' heuristic (early_stopping=False): the best running beam, scored at its length now, can
@@ -147,10 +149,11 @@ class BeamSearch:
         """The answer: the `width` hypotheses, best first; `text_of(token_ids)` gives an output's text. Aborted:
         the best beams so far, finished ones first, each ended by the abort."""
         if aborted:
-            best = [(f.tokens, "abort") for f in self.finished] + [(tokens, "abort") for tokens, _ in self.running]
+            best = [(f.tokens, "abort", None) for f in self.finished]
+            best += [(tokens, "abort", None) for tokens, _ in self.running]
         else:
-            best = [(f.tokens, "stop" if f.ended else "length") for f in self.finished]
-        outputs = [CompletionOutput(index=i, text=text_of(tokens), token_ids=tokens, finish_reason=reason)
-                   for i, (tokens, reason) in enumerate(best[:self.width])]
+            best = [(f.tokens, "stop" if f.ended else "length", f.stop_reason) for f in self.finished]
+        outputs = [CompletionOutput(index=i, text=text_of(tokens), token_ids=tokens, finish_reason=reason,
+                                    stop_reason=stop) for i, (tokens, reason, stop) in enumerate(best[:self.width])]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=True,
                              num_cached_tokens=self.num_cached_tokens)

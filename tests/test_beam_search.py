@@ -68,8 +68,10 @@ def test_beam_searches_and_plain_requests_share_a_generate_call(smol):
     mixed = smol.generate([prompt, prompt, prompt], [plain, beams(2, 8), beams(3, 8, stop_token_ids=[30])])
     assert mixed[0].outputs[0].token_ids == alone[1].outputs[0].token_ids
     assert [c.token_ids for c in mixed[1].outputs] == [c.token_ids for c in alone[0].outputs]
-    # a stop_token_ids token ends a beam as an end-of-sequence token does
-    assert all(c.finish_reason == "length" or c.token_ids[-1] in (2, 30) for c in mixed[2].outputs)
+    # a stop_token_ids token ends a beam as an end-of-sequence token does, and is its stop_reason
+    for c in mixed[2].outputs:
+        assert (c.finish_reason, c.stop_reason) in {("length", None), ("stop", None), ("stop", 30)}
+        assert c.finish_reason == "length" or c.token_ids[-1] == (c.stop_reason or 2)
     assert smol.stats()["num_free_blocks"] == smol.stats()["num_total_blocks"]
 
 
