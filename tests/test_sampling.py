@@ -461,6 +461,25 @@ def test_allowed_token_ids_outside_the_vocabulary_or_all_bad_are_named(smol):
         smol.generate("Hello", SamplingParams(allowed_token_ids=paris, bad_words=["Paris"]))
 
 
+def test_an_output_ends_when_bad_words_leave_no_allowed_token(smol):
+    """With allowed_token_ids, bad words of several tokens may ban every allowed token after some output: the
+    output ends there ("stop"), rather than with a draw from a row with nothing left (a token outside both)."""
+    hello, world = (smol.tokenizer.encode(w, add_special_tokens=False) for w in (" hello", " world"))
+    assert len(hello) == len(world) == 1
+    allowed = hello + world
+    rules = dict(allowed_token_ids=allowed, bad_words=["hello hello", "hello world"])
+    params = [SamplingParams(temperature=0, max_tokens=8, **rules)]
+    params += [SamplingParams(temperature=1.0, seed=seed, max_tokens=8, **rules) for seed in range(6)]
+    params += [SamplingParams(temperature=0, max_tokens=8, logit_bias={world[0]: 100}, **rules)]
+    outs = [o.outputs[0] for o in smol.generate(["Say:"] * len(params), params)]
+    assert outs[0].token_ids == hello and outs[0].finish_reason == "stop"  # after " hello", nothing is left
+    assert outs[-1].token_ids == world * 8 and outs[-1].finish_reason == "length"  # " world" leaves " hello"
+    for c in outs:
+        assert set(c.token_ids) <= set(allowed) and not contains(c.token_ids, hello * 2)
+        assert not contains(c.token_ids, hello + world)
+        assert c.finish_reason == "length" or c.token_ids[-1] == hello[0]
+
+
 def contains(tokens: list[int], seq: list[int]) -> bool:
     return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
 

@@ -363,6 +363,11 @@ class Scheduler:
             self.finish(seq, "stop")
         elif self._ends_by_length(seq, seq.num_tokens):
             self.finish(seq, "length")
+        elif params.allowed_token_ids is not None and request.bans_by_history and set(params.allowed_token_ids) <= set(
+                self._banned_tokens(seq, seq.num_tokens - seq.num_prompt_tokens) or ()):
+            # Every allowed token would now complete a bad word: nothing may follow, and a draw from a row with
+            # nothing left would be a token outside both rules.
+            self.finish(seq, "stop")
 
     def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
         """Into the running or waiting queue: at its place in order of urgency ("priority"), else at the end."""
