@@ -5,9 +5,9 @@ the beams come out the same, best first.
 
 Each step extends every running beam by one token: one request per beam, its prompt the beam's tokens, one
 greedy token with the `keep` most likely next tokens' log-probabilities (the model's raw distribution). The
-prefix cache holds each beam's blocks but the last, so a step computes a block's worth of tokens at most per
-beam. The drivers, `LLM.generate` offline and `AsyncEngine.generate` served, run those requests and hand
-their outputs to `BeamSearch.advance`.
+prefix cache holds each beam's blocks, its partial last one as a tail that its step before left
+(`BlockPool.cache_tail`), so a step computes one token per beam. The drivers, `LLM.generate` offline and
+`AsyncEngine.generate` served, run those requests and hand their outputs to `BeamSearch.advance`.
 """
 
 from __future__ import annotations

@@ -452,6 +452,10 @@ class LLMEngine:
             for seq in request.sequences:
                 self.scheduler.finish(seq, "error")
             ended.append(request)
+        if not lost_workers:
+            # Every request has ended. The prefix cache may name K/V the failed step (or one scheduled ahead
+            # of it) never wrote: forget it all, as new workers' empty pools would.
+            self.block_manager.reset()
         return ended, lost_workers
 
     def _restart_workers(self) -> None:

@@ -28,8 +28,8 @@ def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
 
 
 def admit(bm: BlockManager, seq: Sequence) -> list[tuple[int, int]] | None:
-    hit, hashes = bm.get_computed_blocks(seq)
-    return bm.allocate_slots(seq, seq.num_tokens - len(hit) * bm.block_size, hit, hashes)
+    cached = bm.get_computed_blocks(seq)
+    return bm.allocate_slots(seq, seq.num_tokens - cached.num_tokens, cached)
 
 
 def test_pool_errors_name_the_problem():
@@ -77,8 +77,8 @@ def test_a_salted_prefix_is_found_only_under_the_same_salt():
         compute(bm, seq, 10 - seq.num_computed_tokens)
     assert hits == [0, 0, 8, 0]
     # the unsalted copy of the prompt is cached under its own hashes, as before
-    assert len(bm.get_computed_blocks(make_seq(prompt, 9))[0]) == 2
-    assert bm.get_computed_blocks(make_seq(prompt, 10, "tenant-c")) == ([], [])
+    assert len(bm.get_computed_blocks(make_seq(prompt, 9)).blocks) == 2
+    assert bm.get_computed_blocks(make_seq(prompt, 10, "tenant-c")).num_tokens == 0
 
 
 def test_reset_forgets_blocks_and_prefixes_but_keeps_counting():
@@ -93,7 +93,7 @@ def test_reset_forgets_blocks_and_prefixes_but_keeps_counting():
     bm.reset()
     assert bm.pool.num_cached_blocks == 0 and bm.num_free_blocks == 8
     b = make_seq(list(range(10)), seq_id=1)
-    assert bm.get_computed_blocks(b) == ([], [])  # the rebuilt KV pool holds nothing to hit
+    assert bm.get_computed_blocks(b).num_tokens == 0  # the rebuilt KV pool holds nothing to hit
     admit(bm, b)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (20, 0)
     bm.pool.check_invariants()
@@ -164,6 +164,34 @@ def test_fork_then_copy_on_write_of_shared_partial_block():
     assert bm.num_free_blocks == 8
 
 
+def test_a_freed_partial_block_is_copied_not_computed_again():
+    """A sequence that lets its blocks go leaves its partial last block's computed tokens findable: one that
+    goes on from all of them (a beam's next step, the next chat turn) copies that block and computes only
+    what follows; one that shares fewer of them, or another salt, does not."""
+    bm = BlockManager(16, BS)
+    a = make_seq(list(range(10)), 0)
+    admit(bm, a)
+    compute(bm, a, 10)
+    a.token_ids.append(10)  # drawn, never computed: not part of the tail
+    tail_block = a.block_table[2]
+    bm.free(a)
+    b = make_seq(list(range(10)) + [42], 1)
+    copies = admit(bm, b)
+    assert b.num_computed_tokens == 10 and copies == [(tail_block, b.block_table[2])] != [(tail_block, tail_block)]
+    assert bm.prefix_cache_hits == 10 and bm.pool.ref_count(tail_block) == 0
+    for seq_id, tokens, salt in ((2, list(range(9)) + [7, 7], None), (3, list(range(10)) + [42], "other")):
+        seq = make_seq(tokens, seq_id, salt)
+        admit(bm, seq)
+        assert seq.num_computed_tokens == (8 if salt is None else 0)
+        bm.free(seq)
+    # allocated again, the block forgets its tail
+    bm.free(b)
+    while bm.num_free_blocks:
+        bm.pool.allocate()
+    assert bm.pool.lookup_tail(None, [0]) is None and not bm.pool._tails
+    bm.pool.check_invariants()
+
+
 def test_allocate_slots_changes_nothing_when_short():
     bm = BlockManager(2, BS)
     a = make_seq(list(range(12)), 0)
@@ -172,21 +200,33 @@ def test_allocate_slots_changes_nothing_when_short():
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random admissions, steps, forks, writes and frees; the pool stays consistent throughout."""
+    """Random admissions, steps, forks, writes and frees; the pool stays consistent throughout, and every
+    sequence reads what was written for its tokens."""
 
     @initialize(num_blocks=st.integers(4, 24), caching=st.booleans())
     def setup(self, num_blocks, caching):
         self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
         self.seqs: list[Sequence] = []
         self.next_id = 0
+        # What each block's slots hold, as a worker would have written them: (position, token) per slot.
+        self.kv: list[list[tuple[int, int] | None]] = [[None] * BS for _ in range(num_blocks)]
+
+    def run(self, seq: Sequence, copies: list[tuple[int, int]], num_tokens: int) -> None:
+        """A worker's step: the block copies, then the K/V of `num_tokens` more tokens into their slots."""
+        for src, dst in copies:
+            self.kv[dst] = list(self.kv[src])
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_tokens):
+            self.kv[seq.block_table[pos // BS]][pos % BS] = (pos, seq.token_ids[pos])
+        compute(self.bm, seq, num_tokens)
 
     # A tiny alphabet makes shared prefixes (and so cache hits) common.
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=20))
     def admit(self, tokens):
         seq = make_seq(tokens, self.next_id)
         self.next_id += 1
-        if admit(self.bm, seq) is not None:
-            compute(self.bm, seq, seq.num_tokens - seq.num_computed_tokens)
+        copies = admit(self.bm, seq)
+        if copies is not None:
+            self.run(seq, copies, seq.num_tokens - seq.num_computed_tokens)
             self.seqs.append(seq)
 
     @precondition(lambda self: self.seqs)
@@ -194,8 +234,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def decode(self, i, token):
         seq = self.seqs[i % len(self.seqs)]
         seq.token_ids.append(token)
-        if self.bm.allocate_slots(seq, 1) is not None:
-            compute(self.bm, seq, 1)
+        copies = self.bm.allocate_slots(seq, 1)
+        if copies is not None:
+            self.run(seq, copies, 1)
         else:
             seq.token_ids.pop()
 
@@ -226,6 +267,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 held[b] = held.get(b, 0) + 1
         for block in self.bm.pool.blocks:
             assert block.ref_count == held.get(block.block_id, 0)
+        # Every sequence reads its own tokens' K/V through its table, however its blocks came (computed, a
+        # cached prefix, a copied tail, a fork, a copy on write).
+        for seq in self.seqs:
+            for pos in range(seq.num_computed_tokens):
+                assert self.kv[seq.block_table[pos // BS]][pos % BS] == (pos, seq.token_ids[pos]), (seq.seq_id, pos)
 
     def teardown(self):
         if hasattr(self, "bm"):

@@ -20,8 +20,8 @@ BS = 4
 def _cache(bm: BlockManager, token_ids: list[int]) -> None:
     """Run a prompt through the block manager as the scheduler would, computing it whole, then free it."""
     seq = Sequence(0, Request("r", token_ids, SamplingParams()), list(token_ids), sample_index=0)
-    blocks, hashes = bm.get_computed_blocks(seq)
-    assert bm.allocate_slots(seq, len(token_ids) - len(blocks) * BS, blocks, hashes) is not None
+    cached = bm.get_computed_blocks(seq)
+    assert bm.allocate_slots(seq, len(token_ids) - cached.num_tokens, cached) is not None
     seq.num_computed_tokens = len(token_ids)
     bm.cache_full_blocks(seq)
     bm.free(seq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -36,6 +37,22 @@ def prefix_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None =
     return hashes
 
 
+@dataclass
+class CachedPrefix:
+    """What the prefix cache holds of a sequence's tokens (`BlockManager.get_computed_blocks`): whole blocks,
+    shared as they are, then perhaps the first tokens of the next block, copied from a block that holds them
+    (a tail: the partial last block of a sequence that has let it go)."""
+
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    tail: tuple[int, int] | None = None  # (block id, its tokens taken)
+    block_size: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size + (self.tail[1] if self.tail else 0)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
@@ -64,17 +81,17 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Longest cached prefix of a sequence that holds no blocks, without taking it.
+    def get_computed_blocks(self, seq: Sequence) -> CachedPrefix:
+        """Longest cached prefix of a sequence that holds no blocks, without taking it: whole cached blocks,
+        then the longest tail that goes on from them.
 
-        Stops before the block holding the last token: that token must be computed
-        for its logits, and a full cached block is never written again.
+        Stops before the last token: that token must be computed for its logits (and a full cached block is
+        never written again, so the block holding it is never shared whole).
         """
+        cached = CachedPrefix(block_size=self.block_size)
         if not self.enable_prefix_caching:
-            return [], []
+            return cached
         bs = self.block_size
-        block_ids: list[int] = []
-        hashes: list[int] = []
         parent = chain_root(seq.request.params.cache_salt)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
@@ -82,47 +99,55 @@ class BlockManager:
             block_id = self.pool.lookup(h, parent, tokens)
             if block_id is None:
                 break
-            block_ids.append(block_id)
-            hashes.append(h)
+            cached.blocks.append(block_id)
+            cached.hashes.append(h)
             parent = h
-        return block_ids, hashes
+        start = len(cached.blocks) * bs
+        cached.tail = self.pool.lookup_tail(parent, seq.token_ids[start:min(start + bs - 1, seq.num_tokens - 1)])
+        return cached
 
-    def allocate_slots(
-        self,
-        seq: Sequence,
-        num_new_tokens: int,
-        computed_blocks: list[int] | None = None,
-        computed_hashes: list[int] | None = None,
-    ) -> list[tuple[int, int]] | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       cached: CachedPrefix | None = None) -> list[tuple[int, int]] | None:
         """Make the block table cover `num_new_tokens` more tokens.
 
-        `computed_blocks` (from `get_computed_blocks`) are attached first. Returns the
-        (src, dst) block copies the worker must do before writing, or None when the pool
-        is short, in which case nothing changed.
+        The `cached` prefix (from `get_computed_blocks`) is attached first: its whole blocks shared, its tail
+        copied into a block of the sequence's own. Returns the (src, dst) block copies the worker must do
+        before writing, or None when the pool is short, in which case nothing changed.
         """
-        computed_blocks = computed_blocks or []
+        cached = cached or CachedPrefix(block_size=self.block_size)
+        computed_blocks, tail = cached.blocks, cached.tail
         bs = self.block_size
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        num_computed = seq.num_computed_tokens + cached.num_tokens
         table_len = len(seq.block_table) + len(computed_blocks)
-        needed = self.blocks_for(num_computed + num_new_tokens) - table_len
+        needed = self.blocks_for(num_computed + num_new_tokens) - table_len  # the tail's copy among them
         # The block the first new token lands in is shared after a fork: copy it first.
         write_idx = num_computed // bs
         cow = write_idx < len(seq.block_table) and self.pool.ref_count(seq.block_table[write_idx]) > 1
-        if needed <= 0 and not cow and not computed_blocks:
+        if needed <= 0 and not cow and not computed_blocks and tail is None:
             return []  # most decode steps: the tokens fit the last block, which is the sequence's own
         revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
-        if max(needed, 0) + cow > self.pool.num_free_blocks - revived:
+        # A free tail block is held while its copy is allocated (so that the copy is not the block itself).
+        held = tail is not None and tail[0] not in computed_blocks and self.pool.ref_count(tail[0]) == 0
+        if max(needed, 0) + cow > self.pool.num_free_blocks - revived - held:
             return None
 
         if seq.block_table == [] and seq.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) * bs
+            self.prefix_cache_hits += cached.num_tokens
         if computed_blocks:
             self.pool.touch(computed_blocks)
             seq.block_table.extend(computed_blocks)
-            seq.block_hashes.extend(computed_hashes or [])
-            seq.num_computed_tokens = num_computed
+            seq.block_hashes.extend(cached.hashes)
+        seq.num_computed_tokens = num_computed
         copies = []
+        if tail is not None:
+            src = tail[0]
+            self.pool.touch([src])
+            dst = self.pool.allocate().block_id
+            self.pool.free([src])
+            seq.block_table.append(dst)
+            copies.append((src, dst))
+            needed -= 1
         if cow:
             src = seq.block_table[write_idx]
             dst = self.pool.allocate().block_id
@@ -154,7 +179,17 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks; tail blocks first so they are evicted first."""
+        """Release a sequence's blocks; tail blocks first so they are evicted first. A partial last block's
+        computed tokens stay findable (`BlockPool.cache_tail`) until the block is allocated again: a
+        sequence that goes on from them (a beam search's next step, a preempted sequence readmitted, the
+        next turn of a chat) copies the block instead of computing them."""
+        computed = min(seq.num_computed_tokens, seq.num_tokens)  # a pending token's K/V is not written yet
+        full, partial = divmod(computed, self.block_size)
+        if (self.enable_prefix_caching and partial and full < len(seq.block_table)
+                and len(seq.block_hashes) >= full):
+            parent = seq.block_hashes[full - 1] if full else chain_root(seq.request.params.cache_salt)
+            start = full * self.block_size
+            self.pool.cache_tail(seq.block_table[full], parent, seq.token_ids[start:start + partial])
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.block_hashes = []

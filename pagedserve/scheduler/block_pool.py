@@ -19,6 +19,9 @@ class Block:
     block_hash: int | None = None
     parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    # A partial block's computed tokens, kept when the sequence that wrote them lets it go (`cache_tail`); valid
+    # until the block is allocated again. None while it is no tail.
+    tail: tuple[int | None, tuple[int, ...]] | None = None
 
 
 class BlockPool:
@@ -33,6 +36,7 @@ class BlockPool:
         # removal from the middle when a cached free block is hit.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self._tails: dict[tuple[int | None, tuple[int, ...]], int] = {}  # (parent hash, its tokens) -> block id
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +101,28 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
 
+    def cache_tail(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
+        """Register the first tokens of a partial block, computed after the full block `parent_hash` (or at a
+        chain's root): a later sequence with the same tokens there copies the block instead of computing them.
+        First writer wins on duplicates; a block holds one tail, its latest."""
+        key = (parent_hash, tuple(token_ids))
+        if key in self._tails:
+            return
+        block = self._get(block_id)
+        if block.tail is not None:
+            del self._tails[block.tail]
+        block.tail = key
+        self._tails[key] = block_id
+
+    def lookup_tail(self, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """The block whose tail after `parent_hash` is the longest prefix of `token_ids`, and that prefix's
+        length; None when no tail is. One dict lookup per length: no scan of the tails."""
+        for n in range(len(token_ids), 0, -1):
+            block_id = self._tails.get((parent_hash, tuple(token_ids[:n])))
+            if block_id is not None:
+                return block_id, n
+        return None
+
     def ref_count(self, block_id: int) -> int:
         return self._get(block_id).ref_count
 
@@ -106,6 +132,9 @@ class BlockPool:
             block.block_hash = None
             block.parent_hash = None
             block.token_ids = ()
+        if block.tail is not None:
+            del self._tails[block.tail]
+            block.tail = None
 
     def _get(self, block_id: int) -> Block:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
@@ -122,3 +151,5 @@ class BlockPool:
         assert len(free) + len(used) == self.num_blocks, "free + used != total"
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == h
+        for key, block_id in self._tails.items():
+            assert self.blocks[block_id].tail == key and 0 < len(key[1])

@@ -173,10 +173,9 @@ class Scheduler:
                 break  # preempted while its last token was in flight: it waits for that token
             seq_copies = None
             if len(scheduled) < self.max_num_seqs and num_seqs + _seqs_to_come(seq) <= self.max_num_seqs:
-                hit_blocks, hit_hashes = (([], []) if seq.request.needs_prompt_logprobs
-                                          else bm.get_computed_blocks(seq))
-                num_new = min(seq.num_tokens - len(hit_blocks) * bm.block_size, budget)
-                seq_copies = bm.allocate_slots(seq, num_new, hit_blocks, hit_hashes)
+                cached = None if seq.request.needs_prompt_logprobs else bm.get_computed_blocks(seq)
+                num_new = min(seq.num_tokens - (cached.num_tokens if cached else 0), budget)
+                seq_copies = bm.allocate_slots(seq, num_new, cached)
             if seq_copies is None:
                 # No room: under "priority", the least urgent running sequence gives way to a more urgent one.
                 if not (self.by_priority and self.running
@@ -194,7 +193,7 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             if seq.request.num_cached_tokens is None:  # its first admission: what the prefix cache held
-                seq.request.num_cached_tokens = len(hit_blocks) * bm.block_size
+                seq.request.num_cached_tokens = cached.num_tokens if cached else 0
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)
