@@ -100,6 +100,8 @@ def test_an_engine_bug_fails_every_request_and_the_engine_serves_on(tiny_random,
                    for o in failed)
         assert not engine.has_unfinished_requests()
         assert engine.stats()["num_worker_failures"] == 0
+        # nothing says which K/V the failed step wrote: no cached block or tail survives it
+        assert engine.block_manager.pool.num_cached_blocks == 0 and not engine.block_manager.pool._tails
         again = engine.add_request([5, 6, 7, 8], greedy(12))
         assert drain(engine)[again].outputs[0].token_ids == reference[(5, 6, 7, 8)]
     finally:
