@@ -132,8 +132,10 @@ class GrammarManager:
         """The sequence's matcher, caught up with its output tokens from `begins` (a fork's child starts its
         own)."""
         if state.matcher is None:
-            request = seq.request
-            state.matcher = self._xgr.GrammarMatcher(request.grammar or self.compile(request.params.structured_outputs))
+            grammar = seq.request.grammar
+            if grammar is None:  # a request not made by `LLMEngine.make_request`
+                grammar = self.compile(seq.request.params.structured_outputs)
+            state.matcher = self._xgr.GrammarMatcher(grammar)
         tokens, first = seq.token_ids, seq.num_prompt_tokens  # the output is tokens[first:]
         for token in tokens[first + begins + state.accepted:]:  # the new ones only
             # The mask allows only what the matcher accepts, so this is a bug if it happens; should it, the
