@@ -62,10 +62,10 @@ class LLM:
             running[request.request_id] = (i, None)
 
         def next_step(i: int, search: BeamSearch) -> None:
-            prompts = search.step_prompts()
+            prompts, params = search.step_prompts(), search.step_params()
             steps[i] = [None] * len(prompts)
             for b, ids in enumerate(prompts):
-                request = engine.make_request(ids, search.step_params(), f"{search.request_id}#{b}")
+                request = engine.make_request(ids, params, f"{search.request_id}#{b}")
                 start(i, request)
                 running[request.request_id] = (i, b)
 
