@@ -249,6 +249,9 @@ class LLMEngine:
         constraint, parsing = plan_tool_calls(offered, choice, parallel_tool_calls, template.tool_format)
         if constraint is not None:
             named = repr(choice.function) if choice.function else "'required'"
+            if params.use_beam_search:
+                raise ValueError(f"tool_choice={named} constrains the output: it cannot be combined with "
+                                 "use_beam_search (a beam search is not constrained by a grammar here)")
             if params.structured_outputs is not None:
                 raise ValueError(f"tool_choice={named} constrains the output itself: it cannot be combined with "
                                  "structured_outputs / response_format")

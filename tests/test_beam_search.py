@@ -131,6 +131,12 @@ def test_what_a_beam_search_cannot_honour_is_refused_by_name(smol, kw, named):
         smol.generate("Hi", SamplingParams(max_tokens=4, use_beam_search=True, **kw))
 
 
+def test_a_forced_tool_call_is_refused_with_a_beam_search_by_its_own_name(smol):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with pytest.raises(ValueError, match="tool_choice='required' constrains the output: .* use_beam_search"):
+        smol.chat(ASKS[0], beams(2, 8), tools=tools, tool_choice="required")
+
+
 def test_length_penalty_needs_a_beam_search(smol):
     with pytest.raises(ValueError, match="length_penalty=0.5 .* needs use_beam_search"):
         smol.generate("Hi", SamplingParams(max_tokens=4, length_penalty=0.5))
