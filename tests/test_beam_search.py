@@ -5,6 +5,7 @@ block; what a beam search cannot honour is refused by name."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -90,9 +91,11 @@ def test_a_served_beam_search_answers_once_and_ends_on_abort_or_when_its_caller_
 
             aborted = asyncio.create_task(run("aborted"))
             left = asyncio.create_task(run("left"))
-            while not {"aborted", "left"} <= core._searches.keys():  # both prepared and running
+            deadline = time.monotonic() + 60
+            # both searches running their third step (their beams have tokens), or the test's time is up
+            while not all(any(k.startswith(f"{rid}#2.") for k in core._streams) for rid in ("aborted", "left")):
+                assert time.monotonic() < deadline, "the searches did not reach their third step"
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)  # a few steps of both searches
             assert core.abort("aborted") and not core.abort("nothing-by-this-id")
             left.cancel()
             with pytest.raises(asyncio.CancelledError):
