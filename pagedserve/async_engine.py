@@ -171,8 +171,7 @@ class AsyncEngine:
         """Queue a made request and yield its outputs (`generate`); `counted`: its end is a request's in the
         metrics (a beam search's steps are not)."""
         rid = request.request_id
-        if rid in self._streams or rid in self._searches:  # an ended request whose last output is not read yet
-            raise ValueError(f"request_id={rid!r} is already in use")
+        self._check_unused(rid)
         stream = self._streams[rid] = _Stream(request, arrival, counted)
         self.engine.enqueue(request)
         self._start_loop()
@@ -198,8 +197,7 @@ class AsyncEngine:
         """Run a beam search to its end: each step's beams are requests of their own, run side by side. An
         `abort` ends it with its best beams so far (finish_reason "abort")."""
         rid = search.request_id
-        if rid in self._streams or rid in self._searches:
-            raise ValueError(f"request_id={rid!r} is already in use")
+        self._check_unused(rid)
         state = self._searches[rid] = _Search()
         params = search.step_params()
         try:
@@ -226,6 +224,12 @@ class AsyncEngine:
             self.metrics.on_finish([c.finish_reason for c in out.outputs], len(search.prompt_token_ids),
                                    time.monotonic() - arrival)
         return out
+
+    def _check_unused(self, request_id: str) -> None:
+        """The scheduler knows the ids it runs (`make_request` checks them); here, also those of requests whose
+        last output is not read yet, and of beam searches."""
+        if request_id in self._streams or request_id in self._searches:
+            raise ValueError(f"request_id={request_id!r} is already in use")
 
     def _beam_requests(self, search: BeamSearch, params: SamplingParams, step_id: str) -> list[Request]:
         return [self.engine.make_request(ids, params, f"{step_id}.{b}") for b, ids in enumerate(search.step_prompts())]

@@ -12,53 +12,20 @@ prefix cache holds each beam's blocks, its partial last one as a tail that its s
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _DROPPED = -1.0e9  # transformers' score for a candidate that may not be chosen
 
-# What a beam search cannot honour, unless left as it is by default: it ranks whole sequences by the model's
-# own log-probabilities, and one rule ends them (an end-of-sequence token or max_tokens).
-_REFUSED = {
-    "top_k": "it keeps the most likely sequences, it draws nothing",
-    "top_p": "it keeps the most likely sequences, it draws nothing",
-    "min_p": "it keeps the most likely sequences, it draws nothing",
-    "repetition_penalty": "it ranks beams by the model's own log-probabilities",
-    "presence_penalty": "it ranks beams by the model's own log-probabilities",
-    "frequency_penalty": "it ranks beams by the model's own log-probabilities",
-    "logit_bias": "it ranks beams by the model's own log-probabilities",
-    "allowed_token_ids": "it ranks beams by the model's own log-probabilities",
-    "bad_words": "it ranks beams by the model's own log-probabilities",
-    "structured_outputs": "a beam search is not constrained by a grammar here",
-    "stop": "a beam ends at an end-of-sequence token, a stop_token_ids token or max_tokens",
-    "min_tokens": "a beam ends at an end-of-sequence token, a stop_token_ids token or max_tokens",
-    "logprobs": "a beam search returns its sequences, not per-token log-probabilities",
-    "prompt_logprobs": "a beam search returns its sequences, not per-token log-probabilities",
-}
-
-
-def check_beam_search(params: SamplingParams, num_eos: int) -> None:
-    """ValueError naming the field a beam search cannot honour; `num_eos`: the end-of-sequence token ids a beam
-    may end at (the model's, unless ignore_eos, and stop_token_ids)."""
-    if not params.use_beam_search:
-        if params.length_penalty != 1.0:
-            raise ValueError(f"length_penalty={params.length_penalty} weighs beams by their length: it needs "
-                             "use_beam_search")
-        return
-    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                for f in fields(SamplingParams)}
-    for name, why in _REFUSED.items():
-        if getattr(params, name) != defaults[name]:
-            raise ValueError(f"{name}={getattr(params, name)!r} cannot be combined with use_beam_search: {why}")
-    if params.temperature not in (0.0, 1.0):
-        raise ValueError(f"temperature={params.temperature} cannot be combined with use_beam_search: it ranks "
-                         "beams by the model's own log-probabilities (leave it unset, 0 or 1)")
-    keep = candidates_per_step(params.n, num_eos)
+def check_width(width: int, num_eos: int) -> None:
+    """ValueError naming n when `width` beams need more candidates a step than a request's logprobs may give;
+    `num_eos`: the end-of-sequence token ids a beam may end at (the model's, unless ignore_eos, and
+    stop_token_ids). What a beam search cannot honour of the other fields, SamplingParams refuses itself."""
+    keep = candidates_per_step(width, num_eos)
     if keep > MAX_LOGPROBS:
-        raise ValueError(f"n={params.n} beams with {num_eos} end-of-sequence token(s) need each beam's {keep} most "
+        raise ValueError(f"n={width} beams with {num_eos} end-of-sequence token(s) need each beam's {keep} most "
                          f"likely next tokens at every step, more than {MAX_LOGPROBS}: at most "
                          f"n={MAX_LOGPROBS // max(2, 1 + num_eos)}")
 
@@ -100,9 +67,13 @@ class BeamSearch:
     def width(self) -> int:
         return self.params.n
 
+    @property
+    def keep(self) -> int:
+        """Candidates a step keeps, and so the next tokens each beam's request scores."""
+        return candidates_per_step(self.width, len(self.eos_token_ids))
+
     def step_params(self) -> SamplingParams:
-        keep = candidates_per_step(self.width, len(self.eos_token_ids))
-        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=keep, ignore_eos=True,
+        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.keep, ignore_eos=True,
                               priority=self.params.priority, cache_salt=self.params.cache_salt)
 
     def step_prompts(self) -> list[list[int]]:
@@ -112,7 +83,7 @@ class BeamSearch:
         """One step: the running beams' next-token candidates, from their requests' outputs."""
         if self.num_cached_tokens is None:
             self.num_cached_tokens = outputs[0].num_cached_tokens
-        keep = candidates_per_step(self.width, len(self.eos_token_ids))
+        keep = self.keep
         length = len(self.running[0][0]) + 1  # output tokens of every candidate
         candidates = []  # (cumulative log-probability, beam, token)
         for b, ((_, cumulative), out) in enumerate(zip(self.running, outputs, strict=True)):

@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from pagedserve.beam_search import BeamSearch, check_beam_search
+from pagedserve.beam_search import BeamSearch, check_width
 from pagedserve.chat import ChatOptions, ChatPlan, ChatTemplate
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
@@ -102,7 +102,6 @@ class LLMEngine:
         if params.use_beam_search:
             raise ValueError("use_beam_search: a beam search runs as requests of its own (make_beam_search; "
                              "LLM.generate and AsyncEngine.generate run it)")
-        check_beam_search(params, 0)
         for name in ("stop", "bad_words"):
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}: words need a tokenizer, and this model has none (name tokens by id: "
@@ -139,7 +138,7 @@ class LLMEngine:
         _check_params(params)
         params.validate()
         ends = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
-        check_beam_search(params, len(ends))
+        check_width(params.n, len(ends))
         first = self.make_request(prompt, dataclasses.replace(params, n=1, use_beam_search=False, length_penalty=1.0),
                                   request_id)
         prompt_ids = first.prompt_token_ids

@@ -56,18 +56,16 @@ class LLM:
         running: dict[str, tuple[int, int | None]] = {}
         steps: dict[int, list[RequestOutput | None]] = {}  # a beam search's step: its beams' outputs so far
 
-        def start(i: int, request: Request) -> None:
+        def start(i: int, request: Request, beam: int | None = None) -> None:
             request.final_output_only = True  # only finished outputs are read below: none is built before
             engine.enqueue(request)
-            running[request.request_id] = (i, None)
+            running[request.request_id] = (i, beam)
 
         def next_step(i: int, search: BeamSearch) -> None:
             prompts, params = search.step_prompts(), search.step_params()
             steps[i] = [None] * len(prompts)
             for b, ids in enumerate(prompts):
-                request = engine.make_request(ids, params, f"{search.request_id}#{b}")
-                start(i, request)
-                running[request.request_id] = (i, b)
+                start(i, engine.make_request(ids, params, f"{search.request_id}#{b}"), b)
 
         for i, r in enumerate(requests):
             if isinstance(r, BeamSearch):

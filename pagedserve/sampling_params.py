@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
@@ -179,6 +179,11 @@ class SamplingParams:
                 if getattr(self, name):
                     raise ValueError(f"{name} cannot be combined with structured_outputs: the grammar decides "
                                      "which tokens may come")
+        if self.use_beam_search:
+            _check_beside_beam_search(self)
+        elif self.length_penalty != 1.0:
+            raise ValueError(f"length_penalty={self.length_penalty} weighs beams by their length: it needs "
+                             "use_beam_search")
 
     def token_ids_named(self) -> dict[str, list[int]]:
         """The token ids this request names, by field: checked against the vocabulary by the engine."""
@@ -193,6 +198,37 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+# What a beam search cannot honour, unless left as it is by default: it ranks whole sequences by the model's
+# own log-probabilities, and one rule ends them (an end-of-sequence token or max_tokens).
+_NOT_WITH_BEAM_SEARCH = {
+    "top_k": "it keeps the most likely sequences, it draws nothing",
+    "top_p": "it keeps the most likely sequences, it draws nothing",
+    "min_p": "it keeps the most likely sequences, it draws nothing",
+    "repetition_penalty": "it ranks beams by the model's own log-probabilities",
+    "presence_penalty": "it ranks beams by the model's own log-probabilities",
+    "frequency_penalty": "it ranks beams by the model's own log-probabilities",
+    "logit_bias": "it ranks beams by the model's own log-probabilities",
+    "allowed_token_ids": "it ranks beams by the model's own log-probabilities",
+    "bad_words": "it ranks beams by the model's own log-probabilities",
+    "structured_outputs": "a beam search is not constrained by a grammar here",
+    "stop": "a beam ends at an end-of-sequence token, a stop_token_ids token or max_tokens",
+    "min_tokens": "a beam ends at an end-of-sequence token, a stop_token_ids token or max_tokens",
+    "logprobs": "a beam search returns its sequences, not per-token log-probabilities",
+    "prompt_logprobs": "a beam search returns its sequences, not per-token log-probabilities",
+}
+
+
+def _check_beside_beam_search(p: SamplingParams) -> None:
+    """ValueError naming the first field set to what a beam search cannot honour (`pagedserve.beam_search`)."""
+    defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(p)}
+    for name, why in _NOT_WITH_BEAM_SEARCH.items():
+        if getattr(p, name) != defaults[name]:
+            raise ValueError(f"{name}={getattr(p, name)!r} cannot be combined with use_beam_search: {why}")
+    if p.temperature not in (0.0, 1.0):
+        raise ValueError(f"temperature={p.temperature} cannot be combined with use_beam_search: it ranks beams by "
+                         "the model's own log-probabilities (leave it unset, 0 or 1)")
 
 
 def _is_int(v: object) -> bool:
