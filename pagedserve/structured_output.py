@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+# Compiled grammars kept, least recently used dropped first, bounded by their size: a schema's compiled
+# grammar takes ~2 MB on a 49k vocabulary and ~20 MB with a thousand properties, so a bound by count would let
+# a few hundred distinct large schemas hold gigabytes.
+_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -59,7 +62,8 @@ class GrammarManager:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(eos_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()  # key -> (grammar, bytes)
+        self._compiled_bytes = 0
         # Requests compile on the engine's preparing thread while the step loop may look a grammar up; the
         # compile itself runs outside the lock (xgrammar releases the GIL), so the steps go on meanwhile.
         self._compiled_lock = threading.Lock()
@@ -73,10 +77,10 @@ class GrammarManager:
         """The compiled grammar (cached); ValueError naming the field when it does not compile."""
         key = constraint.key()
         with self._compiled_lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
+            cached = self._compiled.get(key)
+            if cached is not None:
                 self._compiled.move_to_end(key)
-                return compiled
+                return cached[0]
         kind, text = key
         try:
             if kind == "json":
@@ -92,11 +96,22 @@ class GrammarManager:
                 compiled = self._compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses of its own
             raise ValueError(f"structured_outputs.{kind} does not compile: {str(e).strip()[:300]}") from None
-        with self._compiled_lock:
-            self._compiled[key] = compiled
-            if len(self._compiled) > _CACHE_SIZE:
-                self._compiled.popitem(last=False)
+        self._keep(key, compiled, compiled.memory_size_bytes + len(text))
         return compiled
+
+    def _keep(self, key: tuple[str, str], compiled: object, size: int) -> None:
+        """Cache a compiled grammar of `size` bytes, dropping the least recently used ones past the bound; one
+        larger than the whole bound is not kept (its requests hold it while they run)."""
+        if size > _CACHE_BYTES:
+            return
+        with self._compiled_lock:
+            if key in self._compiled:  # compiled twice meanwhile: one copy
+                return
+            self._compiled[key] = (compiled, size)
+            self._compiled_bytes += size
+            while self._compiled_bytes > _CACHE_BYTES:
+                _, (_, dropped) = self._compiled.popitem(last=False)
+                self._compiled_bytes -= dropped
 
     def _state(self, seq: Sequence) -> _Constrained:
         state = self._seqs.get(seq.seq_id)

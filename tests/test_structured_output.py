@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, structured_output
 from pagedserve.sampling_params import StructuredOutputs
+from pagedserve.structured_output import GrammarManager
 
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMAS = [
@@ -107,7 +109,7 @@ def test_no_step_compiles_a_grammar(smol):
     assert request.grammar is not None
     grammars = engine.grammars()
     compile_ = grammars.compile
-    grammars._compiled.clear()  # as if 256 other schemas had come since
+    empty_cache(grammars)  # as if a burst of other schemas had filled the cache since
 
     def no_compile(constraint):
         raise AssertionError("a step compiled a grammar")
@@ -122,6 +124,45 @@ def test_no_step_compiles_a_grammar(smol):
     out = engine.output(request).outputs[0]
     assert out.finish_reason == "stop", out.text
     jsonschema.validate(json.loads(out.text), schema)
+
+
+def empty_cache(grammars: GrammarManager) -> None:
+    grammars._compiled.clear()
+    grammars._compiled_bytes = 0
+
+
+def test_compiled_grammars_are_cached_within_a_byte_bound(smol, monkeypatch):
+    """The compile cache is bounded by the grammars' size, not their count: past the bound the least recently
+    used are dropped (and compiled again when asked for), and one larger than the bound is not kept."""
+    engine = smol.engine
+    grammars = GrammarManager(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    compiles = []
+    compile_json = grammars._compiler.compile_json_schema
+
+    def counted(schema, **kw):
+        compiles.append(schema)
+        return compile_json(schema, **kw)
+
+    grammars._compiler = SimpleNamespace(compile_json_schema=counted)
+    first, second, third = (StructuredOutputs(json=s) for s in SCHEMAS)
+    s1, s2, s3 = (grammars.compile(c).memory_size_bytes + len(c.key()[1]) for c in (first, second, third))
+    assert len(compiles) == 3 and grammars._compiled_bytes == s1 + s2 + s3
+    bound = max(s1 + s2, s1 + s3)  # room for first and either other, not for all three
+    monkeypatch.setattr(structured_output, "_CACHE_BYTES", bound)
+    empty_cache(grammars)
+    for c in (first, second, first, third):  # first used again before third comes: second is dropped
+        grammars.compile(c)
+    assert len(compiles) == 6 and grammars._compiled_bytes == s1 + s3
+    grammars.compile(first)
+    grammars.compile(third)
+    assert len(compiles) == 6  # both still cached
+    grammars.compile(second)
+    assert len(compiles) == 7  # compiled again
+    monkeypatch.setattr(structured_output, "_CACHE_BYTES", s1 - 1)
+    empty_cache(grammars)
+    grammars.compile(first)
+    grammars.compile(first)
+    assert len(compiles) == 9 and grammars._compiled_bytes == 0  # larger than the bound: never kept
 
 
 def test_n_samples_under_preemption_stay_valid(embedded_dir):
