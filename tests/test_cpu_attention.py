@@ -57,7 +57,32 @@ def test_block_outside_the_pool_is_an_error_not_a_read():
 
 
 def test_auto_backend_on_cpu_is_the_native_one():
-    assert get_attention_backend("auto", torch.device("cpu")).paged_attention is cpu.paged_attention
+    backend = get_attention_backend("auto", torch.device("cpu"))
+    assert backend.paged_attention is cpu.paged_attention and backend.write_kv_cache is cpu.write_kv_cache
+    assert backend.rms_norm is cpu.rms_norm and backend.rotate_qk is cpu.rotate_qk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # native, and the reference's
+def test_kv_write_matches_reference(dtype):
+    """K and V as views of one projection's output (strided rows), padding slots (-1) skipped."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (4 + 2 * 2) * 64, generator=gen).to(dtype)  # [T, (Hq + 2 Hkv) D]
+    _, k, v = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    k, v = k.view(5, 2, 64), v.view(5, 2, 64)
+    slots = torch.tensor([17, -1, 3, 40, -1])
+    pool = torch.full((2, 4, 16, 2, 64), float("nan"), dtype=dtype)  # [2, N, B, Hkv, D]
+    expected = pool.clone()
+    ref.write_kv_cache(k, v, expected, slots)
+    cpu.write_kv_cache(k, v, pool, slots)
+    assert torch.equal(pool.nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+def test_kv_write_past_the_pool_is_an_error_and_writes_nothing():
+    k = v = torch.ones(2, 2, 64)
+    pool = torch.zeros(2, 4, 16, 2, 64)
+    with pytest.raises(IndexError, match="past the KV pool"):
+        cpu.write_kv_cache(k, v, pool, torch.tensor([5, 64]))
+    assert not pool.any()
     assert get_attention_backend("reference", torch.device("cpu")).paged_attention is ref.paged_attention
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         get_attention_backend("cpu", torch.device("meta"))

@@ -65,6 +65,8 @@ def test_bad_inputs_are_named():
         QuantLinear(rows, "Q4_1", 96, None)
     with pytest.raises(ValueError, match="fp32 CPU inputs"):
         QuantLinear(rows, "Q4_1", 64, None)(torch.randn(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="inputs of 64 features, got \\(2, 3, 32\\)"):
+        QuantLinear(rows, "Q4_1", 64, None)(torch.randn(2, 3, 32))  # as many values as 3 rows of 64: not those
 
 
 @pytest.mark.parametrize("tp_rank", [None, 1])  # the whole model, and rank 1 of 3 (sliced along rows and K)

@@ -1,6 +1,7 @@
-"""The Triton rotary embedding of queries and keys against transformers' `q * cos + rotate_half(q) * sin`, in
-Triton's interpreter off-GPU (TRITON_INTERPRET=1, set in conftest.py): the same roundings, so the same bits.
-The interpreter mishandles bf16, so bf16 runs only on a GPU."""
+"""The one-call rotary embeddings of queries and keys against transformers' `q * cos + rotate_half(q) * sin`:
+the Triton kernel, in Triton's interpreter off-GPU (TRITON_INTERPRET=1, set in conftest.py), and the CPU's
+native one (fp32; other dtypes take the reference's torch ops). The same roundings, so the same bits. The
+interpreter mishandles bf16, so bf16 runs only on a GPU."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
-from pagedserve.kernels.rope import rotate_qk  # noqa: E402
+from pagedserve.kernels import cpu  # noqa: E402
+from pagedserve.kernels.rope import rotate_qk as triton_rotate_qk  # noqa: E402
 from pagedserve.workers.models.config import ModelConfig  # noqa: E402
 from pagedserve.workers.models.rope import RotaryEmbedding  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+ROTATIONS = [triton_rotate_qk] + ([cpu.rotate_qk] if DEVICE.type == "cpu" else [])  # the CPU's on the CPU only
 
 
 def hf_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -23,9 +26,10 @@ def hf_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
 
 
+@pytest.mark.parametrize("rotate_qk", ROTATIONS, ids=lambda f: f.__module__)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(14, 2, 64), (4, 4, 80), (7, 1, 32)])
-def test_rotation_matches_transformers_bit_for_bit(dtype, num_q_heads, num_kv_heads, head_dim):
+def test_rotation_matches_transformers_bit_for_bit(rotate_qk, dtype, num_q_heads, num_kv_heads, head_dim):
     config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=100, hidden_size=num_q_heads * head_dim,
                                         intermediate_size=64, num_hidden_layers=1, num_attention_heads=num_q_heads,
                                         num_key_value_heads=num_kv_heads, head_dim=head_dim,
@@ -44,7 +48,8 @@ def test_rotation_matches_transformers_bit_for_bit(dtype, num_q_heads, num_kv_he
     assert torch.equal(v, v_before)  # the rest of the projection is left alone
 
 
-def test_empty_steps_pass_and_bad_shapes_are_named():
+@pytest.mark.parametrize("rotate_qk", ROTATIONS, ids=lambda f: f.__module__)
+def test_empty_steps_pass_and_bad_shapes_are_named(rotate_qk):
     q, k = torch.zeros(0, 4, 64, device=DEVICE), torch.zeros(0, 2, 64, device=DEVICE)
     rotate_qk(q, k, torch.zeros(0, 1, 64, device=DEVICE), torch.zeros(0, 1, 64, device=DEVICE))
     q, k = torch.zeros(3, 4, 64, device=DEVICE), torch.zeros(3, 2, 64, device=DEVICE)

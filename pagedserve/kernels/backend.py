@@ -7,6 +7,10 @@ backends implement the contract:
 - `triton`: the Triton kernels (`attention.py`, `cache.py`), for CUDA (and Triton's interpreter in tests);
 - `cpu`: decode rows through the native C kernel, prefill rows through SDPA (`cpu.py`);
 - `reference`: plain torch (`reference.py`): the oracle the others are tested against, and the fallback.
+
+A backend may also bring the layer's RMSNorm (with the residual add before it) and rotary embedding as one
+kernel each (`rms_norm`, `rotate_qk`): Triton's on CUDA, where each eager op is a launch, and the CPU's
+native ones, where each is a dispatch. Without them the model runs the reference's torch ops.
 """
 
 from __future__ import annotations
@@ -32,17 +36,46 @@ class PagedAttention(Protocol):
         """Each row's new queries [T, Hq, D] over its paged context; see reference.paged_attention."""
 
 
+class RMSNormRows(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of each row of x [T, H] (contiguous in H), as reference.rms_norm: of `residual + x` when
+        `residual` [T, H] is given, which then holds that sum (in place)."""
+
+
+class RotateQK(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place, as reference.rotate_qk."""
+
+
+def check_norm_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """ValueError unless the arguments are what an `RMSNormRows` takes."""
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm needs rows [T, H] contiguous in H and a weight [H]: got x {tuple(x.shape)} "
+                         f"(strides {x.stride()}), weight {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+
+
+def check_rotation(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """ValueError unless the arguments are what a `RotateQK` takes: views of one projection's output may be
+    given, contiguous in D; cos/sin [T, 1, D] as `RotaryEmbedding.cos_sin` makes them, in q's dtype."""
+    num_tokens, _, head_dim = q.shape
+    if (k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2 or q.stride(-1) != 1
+            or k.stride(-1) != 1 or cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or q.dtype != k.dtype):
+        raise ValueError(f"rotate_qk needs q [T, Hq, D], k [T, Hkv, D] of one dtype, D even, and cos/sin "
+                         f"[T, 1, D], each contiguous in D: got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
+                         f"{k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str  # as `attention_backend` names it
     write_kv_cache: WriteKVCache
     paged_attention: PagedAttention
-
-    @property
-    def fuses_layers(self) -> bool:
-        """Whether the model's RMSNorms and rotary embeddings run as Triton kernels too (`norm.py`,
-        `rope.py`): with the Triton backend, where Triton is there and a step's launches count."""
-        return self.name == "triton"
+    rms_norm: RMSNormRows | None = None  # None: the reference's torch ops
+    rotate_qk: RotateQK | None = None
 
 
 @dataclass
@@ -76,16 +109,16 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device}")
         if not cpu.available():
             raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel (set CC)")
-        return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention)
+        return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention, cpu.rms_norm, cpu.rotate_qk)
     if name == "reference":
         from pagedserve.kernels import reference
 
         return AttentionBackend("reference", reference.write_kv_cache, reference.paged_attention)
     if not _triton_available():
         raise ValueError("attention_backend='triton' needs the triton package and its kernels")
-    from pagedserve.kernels import attention, cache
+    from pagedserve.kernels import attention, cache, norm, rope
 
-    return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention)
+    return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention, norm.rms_norm, rope.rotate_qk)
 
 
 def _triton_available() -> bool:

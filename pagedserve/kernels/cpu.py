@@ -1,6 +1,8 @@
 """The CPU attention backend: decode rows read the paged pool in place through a native kernel
 (csrc/paged_decode.c); rows with several new tokens (prefill, chunked prefill) go through the
 reference's per-row SDPA, whose K/V gather is small beside its O(new tokens x context) compute.
+In fp32, the K/V write, the RMSNorm and the rotary embedding are one native call each
+(csrc/layer_ops.c); other dtypes, or where no C compiler builds them, run the reference's torch ops.
 
 Same contract as kernels/reference.py, which stays the oracle it is tested against.
 """
@@ -12,10 +14,11 @@ import ctypes
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.native import paged_decode_library
-from pagedserve.kernels.reference import attend_rows, write_kv_cache
+from pagedserve.kernels.backend import check_norm_rows, check_rotation
+from pagedserve.kernels.native import layer_ops_library, paged_decode_library
+from pagedserve.kernels.reference import attend_rows
 
-__all__ = ["available", "paged_attention", "write_kv_cache"]
+__all__ = ["available", "paged_attention", "rms_norm", "rotate_qk", "write_kv_cache"]
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -76,3 +79,51 @@ def paged_attention(
         attend_rows(query, kv_cache, cu_seqlens_q.tolist(), context_lens.tolist(), block_tables, scale, other_rows,
                     out)
     return out
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """See reference.write_kv_cache; a slot past the pool is an IndexError, as index_copy_ makes it."""
+    lib = layer_ops_library()
+    if (lib is None or not _f32(key, value, kv_cache) or key.stride(-1) != 1 or value.stride(-1) != 1
+            or not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64):
+        reference.write_kv_cache(key, value, kv_cache, slot_mapping)
+        return
+    slot_mapping = slot_mapping.contiguous()
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    status = lib.write_kv_f32(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+                              value.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                              slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2], num_slots)
+    if status:
+        raise IndexError(f"slot_mapping names a slot past the KV pool's {num_slots}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """See backend.RMSNormRows."""
+    check_norm_rows(x, weight, residual)
+    lib = layer_ops_library()
+    if lib is None or not _f32(x, weight, *(() if residual is None else (residual,))) or not weight.is_contiguous():
+        return reference.rms_norm(x, weight, eps, residual)
+    out = torch.empty(x.shape)  # [T, H]
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                     0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
+                     out.stride(0), x.shape[0], x.shape[1], ctypes.c_float(eps))
+    return out
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """See backend.RotateQK."""
+    check_rotation(q, k, cos, sin)
+    lib = layer_ops_library()
+    if lib is None or not _f32(q, k, cos, sin):
+        q_rotated, k_rotated = reference.rotate_qk(q, k, cos, sin)
+        q.copy_(q_rotated)
+        k.copy_(k_rotated)
+        return
+    lib.rotate_qk_f32(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0), k.stride(1),
+                      k.shape[1], cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0), q.shape[0],
+                      q.shape[2])
+
+
+def _f32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)

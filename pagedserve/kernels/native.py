@@ -32,6 +32,8 @@ PAGED_DECODE_FLAGS = [*_COMMON_FLAGS, "-ffast-math"]
 # The linear kernel must round its dequantization exactly as the fp32 weights were rounded: no fast-math,
 # no contraction of d * q + m into one fused multiply-add.
 QUANT_LINEAR_FLAGS = [*_COMMON_FLAGS, "-ffp-contract=off"]
+# The layer's small ops round each product and sum as torch does: the same flags.
+LAYER_OPS_FLAGS = QUANT_LINEAR_FLAGS
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -69,6 +71,21 @@ def quant_linear_library() -> ctypes.CDLL | None:
     lib.quant_linear_panel_block_bytes.restype = _i64
     lib.quant_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, _i64, ctypes.c_int]
     lib.quant_linear.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def layer_ops_library() -> ctypes.CDLL | None:
+    """The built RMSNorm, rotary embedding and K/V write, or None (logged) where they cannot be built here."""
+    lib = _library("layer_ops.c", LAYER_OPS_FLAGS, "the layers' norms and rotations use torch ops")
+    if lib is None:
+        return None
+    lib.rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
+    lib.rms_norm_f32.restype = None
+    lib.rotate_qk_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
+    lib.rotate_qk_f32.restype = None
+    lib.write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
+    lib.write_kv_f32.restype = ctypes.c_int
     return lib
 
 

@@ -10,6 +10,31 @@ import torch
 import torch.nn.functional as F
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` in transformers' LlamaRMSNorm's order (fp32 variance, the normalized
+    values cast to x's dtype before the weight multiplies them). With `residual`: of `residual + x`, which
+    `residual` then holds (updated in place, as the fused kernels update it)."""
+    if residual is not None:
+        x = residual.add_(x)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] rotated by the rotary embedding (cos/sin [T, 1, D], halves duplicated),
+    as new tensors: transformers' `x * cos + rotate_half(x) * sin` (the non-interleaved layout)."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter key/value [T, Hkv, D] into kv_cache [2, N, B, Hkv, D] at slot_mapping [T] (-1: skip)."""

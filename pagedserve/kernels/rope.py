@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.backend import check_rotation
+
 
 @triton.jit
 def _rotate_heads(x_ptr, row, stride_t, stride_h, num_heads, c1, c2, s1, s2, offs_h, offs_d, mask_d,
@@ -49,15 +51,9 @@ def _rope_kernel(
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (views of one projection's output may be given: the
-    last dim must be contiguous) by cos/sin [T, 1, D] (`RotaryEmbedding.cos_sin`, in q's dtype)."""
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, 1, D] (see `backend.RotateQK`)."""
+    check_rotation(q, k, cos, sin)
     num_tokens, num_q_heads, head_dim = q.shape
-    if (k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2 or q.stride(-1) != 1
-            or k.stride(-1) != 1 or cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape
-            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or q.dtype != k.dtype):
-        raise ValueError(f"rotate_qk needs q [T, Hq, D], k [T, Hkv, D] of one dtype, D even, and cos/sin "
-                         f"[T, 1, D], each contiguous in D: got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
-                         f"{k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     if num_tokens == 0:
         return
     half = head_dim // 2

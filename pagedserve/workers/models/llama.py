@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.backend import AttentionContext
+from pagedserve.kernels import reference
+from pagedserve.kernels.backend import AttentionContext, RMSNormRows
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
@@ -25,32 +26,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """`fused`: in one Triton kernel (`kernels/norm.py`) where `x` is rows [T, H]."""
-        if fused and _rows(x):
-            from pagedserve.kernels.norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
-        # Same op order as transformers' LlamaRMSNorm (fp32 variance, cast before the weight).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, kernel: RMSNormRows | None = None) -> torch.Tensor:
+        """`kernel`: the backend's one-call RMSNorm, where `x` is rows [T, H] it takes (else torch ops)."""
+        if kernel is not None and _rows(x):
+            return kernel(x, self.weight, self.eps)
+        return reference.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm of `residual + x`, and that sum (the residual stream's next value). `fused`: add and norm
-        in one Triton kernel, `residual` updated in place."""
-        if fused and _rows(x) and _rows(residual):
-            from pagedserve.kernels.norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual), residual
-        residual = residual + x
-        return self(residual), residual
+                    kernel: RMSNormRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of `residual + x`, and that sum (the residual stream's next value, `residual` updated in
+        place). `kernel`: the backend's, which adds and normalizes in one call."""
+        if kernel is not None and _rows(x) and _rows(residual):
+            return kernel(x, self.weight, self.eps, residual), residual
+        return reference.rms_norm(x, self.weight, self.eps, residual), residual
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """Whether `x` is rows the Triton RMSNorm takes: [T, H], contiguous in H."""
+    """Whether `x` is rows a backend's RMSNorm takes: [T, H], contiguous in H."""
     return x.dim() == 2 and x.stride(-1) == 1
 
 
@@ -89,7 +81,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin, fused=ctx.backend.fuses_layers)
+        rotate = ctx.backend.rotate_qk
+        if rotate is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            rotate(q, k, cos, sin)  # in place
+        else:
+            q, k = reference.rotate_qk(q, k, cos, sin)
         ctx.backend.write_kv_cache(k, v, kv_cache, ctx.slot_mapping)
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,
@@ -139,14 +135,14 @@ class DecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """`x`: the layer before's output, still to be added to the residual stream `residual` (before the
         first layer: the stream itself, and `residual` None). Returns this layer's output and the stream
-        before it: each residual add is done by the norm after it, in one kernel with the Triton backend."""
-        fused = ctx.backend.fuses_layers
+        before it: each residual add is done by the norm after it, in one call where the backend has one."""
+        norm = ctx.backend.rms_norm
         if residual is None:
-            residual, h = x, self.input_layernorm(x, fused)
+            residual, h = x, self.input_layernorm(x, norm)
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual, fused)
+            h, residual = self.input_layernorm.add_forward(x, residual, norm)
         h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, ctx), residual,
-                                                                fused)
+                                                                norm)
         return self.mlp(h), residual
 
 
@@ -179,10 +175,10 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_caches[i], ctx)
-        fused = ctx.backend.fuses_layers
+        norm = ctx.backend.rms_norm
         if residual is None:  # no layers
-            return self.model.norm(h, fused)
-        return self.model.norm.add_forward(h, residual, fused)[0]
+            return self.model.norm(h, norm)
+        return self.model.norm.add_forward(h, residual, norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V] (on every rank)."""

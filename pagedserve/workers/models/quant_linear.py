@@ -64,6 +64,7 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
         self.panels = repack(rows, qtype)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._kernel = quant_linear_library().quant_linear  # a decode step makes a hundred calls: looked up once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -73,21 +74,23 @@ class QuantLinear(nn.Module):
         return self._matmul(x, None)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"QuantLinear takes fp32 CPU inputs, got {x.dtype} on {x.device}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear takes inputs of {self.in_features} features, got {tuple(x.shape)}")
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], self.out_features)  # [M, N]
-        if x2.shape[0]:
-            status = quant_linear_library().quant_linear(
-                x2.data_ptr(), x2.shape[0], self.in_features, x2.stride(0), self.panels.data_ptr(),
-                _KERNEL_TYPE[self.qtype], self.out_features, None if bias is None else bias.data_ptr(),
-                y.data_ptr(), self.out_features, torch.get_num_threads())
+        m = x2.shape[0]
+        y = torch.empty(m, self.out_features)  # [M, N]
+        if m:
+            status = self._kernel(x2.data_ptr(), m, self.in_features, x2.stride(0), self.panels.data_ptr(),
+                                  _KERNEL_TYPE[self.qtype], self.out_features,
+                                  None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
+                                  torch.get_num_threads())
             if status:
                 raise RuntimeError(f"quant_linear failed with status {status}")
-        return y.view(*lead, self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "

@@ -74,22 +74,3 @@ class RotaryEmbedding(torch.nn.Module):
             inv.append(_inv_freq(base, self.dim, positions.device))
         freqs = positions.float()[:, None] * torch.stack(inv)  # [T, D/2]
         return freqs.cos(), freqs.sin()
-
-    @staticmethod
-    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D] and k [T, Hkv, D] rotated by `apply`; `fused`: in place, in one Triton kernel
-        (`kernels/rope.py`, the same roundings)."""
-        if fused and q.stride(-1) == 1 and k.stride(-1) == 1:
-            from pagedserve.kernels.rope import rotate_qk
-
-            rotate_qk(q, k, cos, sin)
-            return q, k
-        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] rotated with rotate_half (HF's non-interleaved layout); cos/sin from `cos_sin`."""
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return x * cos + rotated * sin
