@@ -82,14 +82,16 @@ def main() -> None:
                 fn(x)
         return run
 
+    # Every layer is built before any runs, as an engine loads its weights before its first step: memory
+    # allocated after oneDNN's first packing streams slower here (the GGUF layers took ~1.6x as long).
     runs = [("F.linear, plain fp32", step([lambda x, w=w: F.linear(x, w) for w in weights]))]
-    if can_pack(torch.device("cpu"), torch.float32):
-        runs.append(("oneDNN packed fp32", step([PackedLinear(w, None, r) for w in weights])))
     if quant_linear.available(torch.device("cpu"), torch.float32):
         qtypes = ["Q4_1"] * (len(weights) - 1) + ["Q8_0"]
         blocks = [quant_linear.QuantLinear(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[t])), t,
                                            w.shape[1], None) for w, t in zip(weights, qtypes, strict=True)]
         runs.append(("GGUF blocks (Q4_1, Q8_0 head)", step(blocks)))
+    if can_pack(torch.device("cpu"), torch.float32):
+        runs.insert(1, ("oneDNN packed fp32", step([PackedLinear(w, None, r) for w in weights])))
     for name, fn in runs:
         ms = median_ms(fn, max(5, args.repeat // 3))
         print(f"  {name:28s} {ms:7.1f} ms  ({flops / ms / 1e6:5.1f} GFLOP/s)")
