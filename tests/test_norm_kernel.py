@@ -1,7 +1,6 @@
-"""The one-call RMSNorms (and their fused residual add) against transformers' order of operations: the Triton
-kernel, in Triton's interpreter off-GPU (TRITON_INTERPRET=1, set in conftest.py), and the CPU's native one
-(fp32; other dtypes take the reference's torch ops). The interpreter mishandles bf16, so bf16 runs only on a
-GPU."""
+"""The Triton RMSNorm (and its fused residual add) against transformers' order of operations, in Triton's
+interpreter off-GPU (TRITON_INTERPRET=1, set in conftest.py). The interpreter mishandles bf16, so bf16 runs
+only on a GPU."""
 
 from __future__ import annotations
 
@@ -10,12 +9,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
-from pagedserve.kernels import cpu  # noqa: E402
-from pagedserve.kernels.norm import rms_norm as triton_rms_norm  # noqa: E402
+from pagedserve.kernels.norm import rms_norm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# The CPU's runs on the CPU only; off a GPU both run here.
-NORMS = [triton_rms_norm] + ([cpu.rms_norm] if DEVICE.type == "cpu" else [])
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 # One unit in the last place of each dtype's values near 1: the kernel sums squares in another order.
 ULP = {torch.float32: 2e-7, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -29,10 +25,9 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(dtype)
 
 
-@pytest.mark.parametrize("rms_norm", NORMS, ids=lambda f: f.__module__)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [64, 96, 896])  # a power of two, and two that are not (masked lanes)
-def test_rms_norm_matches_transformers(rms_norm, dtype, hidden):
+def test_rms_norm_matches_transformers(dtype, hidden):
     gen = torch.Generator().manual_seed(hidden)
     x = (torch.randn(5, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
     weight = (1 + torch.randn(hidden, generator=gen) / 4).to(dtype).to(DEVICE)
@@ -41,9 +36,8 @@ def test_rms_norm_matches_transformers(rms_norm, dtype, hidden):
     torch.testing.assert_close(out, hf_rms_norm(x, weight, 1e-6), atol=ULP[dtype], rtol=ULP[dtype])
 
 
-@pytest.mark.parametrize("rms_norm", NORMS, ids=lambda f: f.__module__)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_add_updates_the_residual_and_normalizes_the_sum(rms_norm, dtype):
+def test_fused_add_updates_the_residual_and_normalizes_the_sum(dtype):
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(6, 80, generator=gen).to(dtype).to(DEVICE)
     residual = torch.randn(6, 80, generator=gen).to(dtype).to(DEVICE)
@@ -55,8 +49,7 @@ def test_fused_add_updates_the_residual_and_normalizes_the_sum(rms_norm, dtype):
                                rtol=ULP[dtype])
 
 
-@pytest.mark.parametrize("rms_norm", NORMS, ids=lambda f: f.__module__)
-def test_weight_dtype_sets_the_output_dtype_and_empty_rows_pass(rms_norm):
+def test_weight_dtype_sets_the_output_dtype_and_empty_rows_pass():
     x = torch.randn(3, 32).half().to(DEVICE)
     weight = torch.rand(32).to(DEVICE)  # fp32 weight over fp16 rows: fp32 out, as `weight * x` would be
     out = rms_norm(x, weight, 1e-6)
@@ -65,8 +58,7 @@ def test_weight_dtype_sets_the_output_dtype_and_empty_rows_pass(rms_norm):
     assert rms_norm(x[:0], weight, 1e-6).shape == (0, 32)
 
 
-@pytest.mark.parametrize("rms_norm", NORMS, ids=lambda f: f.__module__)
-def test_bad_shapes_are_named(rms_norm):
+def test_bad_shapes_are_named():
     x = torch.randn(4, 32, device=DEVICE)
     with pytest.raises(ValueError, match="rows \\[T, H\\] contiguous in H"):
         rms_norm(x.t(), torch.ones(4, device=DEVICE), 1e-6)

@@ -57,6 +57,19 @@ def test_product_matches_fp32_matmul(qtype, m):
     assert layer(x[:0]).shape == (0, n)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_row_gets_the_same_bits_in_any_batch(qtype):
+    """A row's output does not depend on the rows beside it: alone, among the first rows (which dequantize as
+    they go) or in the register tiles that follow, past one 48-row work item. So a sequence decodes to the same
+    tokens whatever else shares its steps."""
+    rows, _ = _quantized(40, 128, qtype, seed=1)
+    layer = QuantLinear(rows, qtype, 128, torch.randn(40))
+    x = torch.randn(60, 128, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(60)])
+    for m in (2, 4, 5, 7, 60):
+        assert torch.equal(torch.cat([layer(x[i:i + m]) for i in range(0, 60, m)]), alone), m
+
+
 def test_bad_inputs_are_named():
     rows, _ = _quantized(16, 64, "Q4_1", seed=0)
     with pytest.raises(ValueError, match="Q5_K"):

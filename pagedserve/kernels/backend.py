@@ -9,8 +9,8 @@ backends implement the contract:
 - `reference`: plain torch (`reference.py`): the oracle the others are tested against, and the fallback.
 
 A backend may also bring the layer's RMSNorm (with the residual add before it) and rotary embedding as one
-kernel each (`rms_norm`, `rotate_qk`): Triton's on CUDA, where each eager op is a launch, and the CPU's
-native ones, where each is a dispatch. Without them the model runs the reference's torch ops.
+kernel each (`rms_norm`, `rotate_qk`): Triton's on CUDA, where each eager op is a launch; the CPU's native
+rotation, where each is a dispatch. Without them the model runs the reference's torch ops.
 """
 
 from __future__ import annotations
@@ -46,15 +46,6 @@ class RMSNormRows(Protocol):
 class RotateQK(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place, as reference.rotate_qk."""
-
-
-def check_norm_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """ValueError unless the arguments are what an `RMSNormRows` takes."""
-    if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
-        raise ValueError(f"rms_norm needs rows [T, H] contiguous in H and a weight [H]: got x {tuple(x.shape)} "
-                         f"(strides {x.stride()}), weight {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
 
 
 def check_rotation(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -109,7 +100,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device}")
         if not cpu.available():
             raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel (set CC)")
-        return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention, cpu.rms_norm, cpu.rotate_qk)
+        return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention, rotate_qk=cpu.rotate_qk)
     if name == "reference":
         from pagedserve.kernels import reference
 

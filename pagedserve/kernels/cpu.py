@@ -1,8 +1,8 @@
 """The CPU attention backend: decode rows read the paged pool in place through a native kernel
 (csrc/paged_decode.c); rows with several new tokens (prefill, chunked prefill) go through the
 reference's per-row SDPA, whose K/V gather is small beside its O(new tokens x context) compute.
-In fp32, the K/V write, the RMSNorm and the rotary embedding are one native call each
-(csrc/layer_ops.c); other dtypes, or where no C compiler builds them, run the reference's torch ops.
+In fp32, the K/V write and the rotary embedding are one native call each (csrc/layer_ops.c);
+other dtypes, or where no C compiler builds them, run the reference's torch ops.
 
 Same contract as kernels/reference.py, which stays the oracle it is tested against.
 """
@@ -10,15 +10,16 @@ Same contract as kernels/reference.py, which stays the oracle it is tested again
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.backend import check_norm_rows, check_rotation
+from pagedserve.kernels.backend import check_rotation
 from pagedserve.kernels.native import layer_ops_library, paged_decode_library
 from pagedserve.kernels.reference import attend_rows
 
-__all__ = ["available", "paged_attention", "rms_norm", "rotate_qk", "write_kv_cache"]
+__all__ = ["available", "paged_attention", "rotate_qk", "write_kv_cache"]
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -44,34 +45,38 @@ def paged_attention(
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if (lib is None or kv_cache.dtype not in _KV_DTYPES or kv_cache.device.type != "cpu"
-            or not lib.paged_decode_supports(num_q_heads, num_kv_heads, head_dim, block_size)):
+            or not _supports(num_q_heads, num_kv_heads, head_dim, block_size)):
         return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
     cu_seqlens_q = cu_seqlens_q.to(torch.int64).contiguous()  # the kernel reads int64
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [R]
-    if max_query_len == 1:
-        decode_rows = torch.arange(len(q_lens))
-        other_rows: list[int] = []
+    other_rows: list[int] = []
+    if max_query_len == 1:  # every row decodes: the kernel takes them all, in order (no list of rows)
+        decode_rows, num_decode = None, context_lens.shape[0]
     else:
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [R]
         is_decode = q_lens == 1
         decode_rows = is_decode.nonzero().flatten()  # [Rd]
+        num_decode = len(decode_rows)
         other_rows = (~is_decode).nonzero().flatten().tolist()
 
     fp32 = query.dtype == torch.float32
     q32 = query.contiguous() if fp32 else query.float().contiguous()  # [T, Hq, D]
     out32 = torch.empty_like(q32)
-    if len(decode_rows):
+    if num_decode:
         context_lens = context_lens.to(torch.int64).contiguous()
         block_tables = block_tables.to(torch.int64).contiguous()
         kv_cache = kv_cache.contiguous()
         status = lib.paged_decode_attention(
             q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(),
-            decode_rows.data_ptr(), len(decode_rows), cu_seqlens_q.data_ptr(), context_lens.data_ptr(),
+            None if decode_rows is None else decode_rows.data_ptr(), num_decode, cu_seqlens_q.data_ptr(),
+            context_lens.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), num_q_heads, num_kv_heads, head_dim, block_size,
             kv_cache.shape[1], ctypes.c_float(scale), torch.get_num_threads())
         if status == -2:
             raise ValueError("block_tables name a block outside the KV pool "
                              f"(num_blocks={kv_cache.shape[1]})")
+        if status == -3:
+            raise MemoryError("paged_decode_attention: no memory for its slices' partial sums")
         if status != 0:
             raise RuntimeError(f"paged_decode_attention failed with status {status}")
     out = out32 if fp32 else out32.to(query.dtype)
@@ -98,19 +103,6 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         raise IndexError(f"slot_mapping names a slot past the KV pool's {num_slots}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """See backend.RMSNormRows."""
-    check_norm_rows(x, weight, residual)
-    lib = layer_ops_library()
-    if lib is None or not _f32(x, weight, *(() if residual is None else (residual,))) or not weight.is_contiguous():
-        return reference.rms_norm(x, weight, eps, residual)
-    out = torch.empty(x.shape)  # [T, H]
-    lib.rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                     0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
-                     out.stride(0), x.shape[0], x.shape[1], ctypes.c_float(eps))
-    return out
-
-
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """See backend.RotateQK."""
     check_rotation(q, k, cos, sin)
@@ -123,6 +115,12 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     lib.rotate_qk_f32(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0), k.stride(1),
                       k.shape[1], cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0), q.shape[0],
                       q.shape[2])
+
+
+@functools.cache
+def _supports(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the native decode kernel takes this shape (asked once per shape, not once per layer and step)."""
+    return bool(paged_decode_library().paged_decode_supports(num_q_heads, num_kv_heads, head_dim, block_size))
 
 
 def _f32(*tensors: torch.Tensor) -> bool:

@@ -76,12 +76,10 @@ def quant_linear_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def layer_ops_library() -> ctypes.CDLL | None:
-    """The built RMSNorm, rotary embedding and K/V write, or None (logged) where they cannot be built here."""
-    lib = _library("layer_ops.c", LAYER_OPS_FLAGS, "the layers' norms and rotations use torch ops")
+    """The built rotary embedding and K/V write, or None (logged) where they cannot be built here."""
+    lib = _library("layer_ops.c", LAYER_OPS_FLAGS, "the layers' rotations and K/V writes use torch ops")
     if lib is None:
         return None
-    lib.rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
-    lib.rms_norm_f32.restype = None
     lib.rotate_qk_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
     lib.rotate_qk_f32.restype = None
     lib.write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]

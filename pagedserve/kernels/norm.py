@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.backend import check_norm_rows
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -42,7 +40,11 @@ def _rms_norm_kernel(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of each row of `x` [T, H] (of `residual + x` when `residual` is given: `residual` then holds
     that sum afterwards, updated in place). The output has the dtype `weight * x` would have."""
-    check_norm_rows(x, weight, residual)
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm needs rows [T, H] contiguous in H and a weight [H]: got x {tuple(x.shape)} "
+                         f"(strides {x.stride()}), weight {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)  # [T, H]
     if x.shape[0] == 0:
         return out

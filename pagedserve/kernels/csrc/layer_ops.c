@@ -1,39 +1,14 @@
-/* A decoder layer's small fp32 operations on the CPU, one call each: the residual add with the RMSNorm after
- * it, the rotary embedding of q and k, and the scatter of new K/V into the paged pool.
+/* A decoder layer's small fp32 operations on the CPU, one call each: the rotary embedding of q and k, and the
+ * scatter of new K/V into the paged pool.
  *
- * In eager torch each is six to ten small ops; at a decode step of a few sequences their dispatch, not their
- * arithmetic, is the cost (~50 us of a layer's ~80 us outside its linear layers and attention, one sequence
- * decoding the embedded model). Built without -ffast-math and with -ffp-contract=off: every product and sum
- * is rounded as torch's op for op rounds it, so the rotation and the norm's scaling give torch's bits; only
- * the norm's mean of squares is summed in another order (in double, then rounded).
+ * In eager torch the rotation is ten small ops and the write five; at a decode step of a few sequences their
+ * dispatch, not their arithmetic, is the cost. Built without -ffast-math and with -ffp-contract=off: every
+ * product and sum is rounded as torch's op for op rounds it, so both give torch's bits. (The RMSNorm stays
+ * torch's: its mean of squares, summed in another order, changed last bits, and with them sampled tokens
+ * at near-ties between runs that must agree.)
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-/* out = weight * (s * rsqrt(mean(s * s) + eps)) per row, s = x (residual NULL) or s = residual + x, written back
- * to residual; as transformers' LlamaRMSNorm computes it in fp32. Strides in floats, between rows. */
-void rms_norm_f32(const float *x, int64_t stride_x, float *residual, int64_t stride_r, const float *weight,
-                  float *out, int64_t stride_o, int64_t rows, int64_t hidden, float eps) {
-    for (int64_t t = 0; t < rows; t++) {
-        const float *xr = x + t * stride_x;
-        float *o = out + t * stride_o;
-        const float *s = xr;
-        if (residual) {
-            float *r = residual + t * stride_r;
-            for (int64_t i = 0; i < hidden; i++) r[i] = r[i] + xr[i];
-            s = r;
-        }
-        double sum = 0.0;
-        for (int64_t i = 0; i < hidden; i++) sum += (double)s[i] * (double)s[i];
-        const float variance = (float)(sum / (double)hidden);
-        const float scale = 1.0f / sqrtf(variance + eps);
-        for (int64_t i = 0; i < hidden; i++) {
-            const float normed = s[i] * scale;
-            o[i] = weight[i] * normed;
-        }
-    }
-}
 
 /* x [rows, heads, dim] (strides in floats) rotated in place by cos/sin [rows, dim] (row strides):
  * x * cos + rotate_half(x) * sin, each product and the sum rounded, as transformers computes it. */

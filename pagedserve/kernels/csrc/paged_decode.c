@@ -13,9 +13,11 @@
  * libgomp.so.1), on as many threads as torch uses.
  */
 #include <float.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <omp.h>
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
@@ -145,14 +147,98 @@ int paged_decode_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t hea
         && block_size * head_dim <= MAX_BLOCK_DIM;
 }
 
+/* Attention of one row's query token over its tokens [t0, t1) (t0 a multiple of B), KV heads h0 .. h0 + heads - 1:
+ * the unnormalised sum acc, running maximum m and sum l per query head (query head h0 * group + j at j).
+ * Returns 0, or -2 when the block table names a block outside the pool (then stops). */
+__attribute__((noinline)) static int attend_range(const float *q_in, const void *kv, int kv_dtype, int64_t elem_size, const int64_t *table,
+                        int64_t t0, int64_t t1, int64_t h0, int64_t heads, int64_t group, int64_t D, int64_t B,
+                        int64_t token_stride, int64_t v_offset, int64_t num_blocks, float scale, float *acc, float *m,
+                        float *l) {
+    const int64_t hgd = heads * group * D;
+    /* Sized by the shapes (bounded by paged_decode_supports): small stacks suffice. */
+    float q[hgd], scores[group * B];
+    float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
+    for (int64_t i = 0; i < hgd; i++) q[i] = q_in[i] * scale;
+    memset(acc, 0, sizeof(float) * hgd);
+    for (int64_t j = 0; j < heads * group; j++) { m[j] = -FLT_MAX; l[j] = 0.0f; }
+
+    for (int64_t start = t0; start < t1; start += B) {
+        const int64_t blk = table[start / B], n = t1 - start < B ? t1 - start : B;
+        if (blk < 0 || blk >= num_blocks) return -2;
+        if (start + B < t1) {
+            const int64_t next = table[start / B + 1];
+            if (next >= 0 && next < num_blocks) {
+                const int64_t nn = t1 - start - B < B ? t1 - start - B : B, at = next * B * token_stride + h0 * D;
+                prefetch_tokens(kv, elem_size, at, token_stride, nn, heads * D);
+                prefetch_tokens(kv, elem_size, v_offset + at, token_stride, nn, heads * D);
+            }
+        }
+        for (int64_t i = 0; i < heads; i++) {
+            const int64_t base = blk * B * token_stride + (h0 + i) * D;
+            float *qi = q + i * group * D, *acc_i = acc + i * group * D, *m_i = m + i * group, *l_i = l + i * group;
+            int64_t kstride, vstride;
+            const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n, D, k_scratch, &kstride);
+            for (int64_t j = 0; j < group; j++) dot_tokens(qi + j * D, k, kstride, n, D, scores + j * B);
+            for (int64_t j = 0; j < group; j++) {
+                float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
+                for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
+                const float new_max = block_max > m_i[j] ? block_max : m_i[j];
+                const float correction = expf(m_i[j] - new_max);
+                #pragma omp simd reduction(+:sum)
+                for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - new_max); sum += s[t]; }
+                l_i[j] = l_i[j] * correction + sum;
+                m_i[j] = new_max;
+                float *a = acc_i + j * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] *= correction;
+            }
+            const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n, D, v_scratch, &vstride);
+            for (int64_t j = 0; j < group; j++)
+                accumulate_tokens(acc_i + j * D, scores + j * B, v, vstride, n, D);
+        }
+    }
+    return 0;
+}
+
+/* A row's context is cut into slices of SLICE_TOKENS (whole blocks), each attended on its own and merged: the
+ * cut depends on the row's own length only, so a row gets the same bits whatever else is in the step. */
+#define SLICE_TOKENS 256
+
+static inline int64_t num_slices(int64_t ctx, int64_t slice) { return ctx > slice ? (ctx + slice - 1) / slice : 1; }
+
+/* o [hg, D] = the slices' sums, each rescaled from its own maximum to their common one, normalised. `parts`
+ * holds `count` slices of acc [hg * D], m [hg], l [hg], `stride` floats apart. One compiled copy for every
+ * caller: with -ffast-math, two inlined copies could sum in different orders. */
+__attribute__((noinline)) static void merge_slices(const float *parts, int64_t count, int64_t stride, int64_t hg,
+                                                   int64_t D, float *o) {
+    const int64_t hgd = hg * D;
+    for (int64_t j = 0; j < hg; j++) {
+        float top = -FLT_MAX, total = 0.0f;
+        for (int64_t sp = 0; sp < count; sp++) {
+            const float mj = parts[sp * stride + hgd + j];
+            top = mj > top ? mj : top;
+        }
+        float acc[D];
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t sp = 0; sp < count; sp++) {
+            const float *part = parts + sp * stride;
+            const float w = expf(part[hgd + j] - top);
+            total += part[hgd + hg + j] * w;
+            for (int64_t d = 0; d < D; d++) acc[d] += part[j * D + d] * w;
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[d] * inv;
+    }
+}
+
 /* Returns 0; -1 for a shape paged_decode_supports refuses; -2 when a block table names a block
- * outside the pool (nothing outside the pool is read; the output is then not valid). */
+ * outside the pool (nothing outside the pool is read; the output is then not valid); -3 when out of memory. */
 int paged_decode_attention(
     const float *query,          /* [T, Hq, D] fp32, contiguous */
     const void *kv,              /* [2, N, B, Hkv, D] one layer's pool, contiguous, of kv_dtype */
     int kv_dtype,
     float *out,                  /* [T, Hq, D] fp32: only the decode rows' tokens are written */
-    const int64_t *rows,         /* [num_rows]: the batch rows to compute (each has one query token) */
+    const int64_t *rows,         /* [num_rows]: the batch rows to compute (each has one query token); NULL: 0 .. */
     int64_t num_rows,
     const int64_t *cu_seqlens_q, /* [R + 1]: row r's query token is cu_seqlens_q[r] */
     const int64_t *context_lens, /* [R] */
@@ -167,73 +253,54 @@ int paged_decode_attention(
     const int64_t token_stride = Hkv * D;                 /* elements between tokens of one block */
     const int64_t v_offset = num_blocks * B * token_stride; /* V follows K */
     const int64_t elem_size = kv_dtype == KV_F32 ? 4 : 2;
+    const int64_t slice = (SLICE_TOKENS + B - 1) / B * B;
     /* A work item is a row's KV heads `heads` at a time: all of them when there are rows enough to keep the
      * threads busy, so that each block's K and V are read as two contiguous runs; one when there are few
-     * rows (a long single decode still uses every thread). */
+     * rows. With fewer such units than twice the threads (one or two sequences decoding), each slice of a
+     * unit is an item of its own, merged after the loop: otherwise 3 KV heads on 2 threads leave one thread
+     * idle a third of the time, and one head on many threads all but one. Else a unit's slices run one after
+     * another in its item. The same slices and the same merge either way. */
     const int64_t heads = num_rows >= 2 * num_threads && num_q_heads * D <= MAX_GROUP_DIM ? Hkv : 1;
-    const int64_t chunks = Hkv / heads;
-    const int64_t items = num_rows * chunks, hgd = heads * group * D;
+    const int64_t chunks = Hkv / heads, hg = heads * group, hgd = hg * D, stride = hgd + 2 * hg;
+    const int64_t units = num_rows * chunks;
+    int64_t max_slices = 1;
+    for (int64_t i = 0; i < num_rows; i++) {
+        const int64_t n = num_slices(context_lens[rows ? rows[i] : i], slice);
+        max_slices = n > max_slices ? n : max_slices;
+    }
+    const int spread = units < 2 * num_threads;
+    const int64_t items = spread ? units * max_slices : units;
+    /* Spread: every item's partial sums; else each thread's own, for one unit's slices at a time. */
+    const int64_t part_count = spread ? items : num_threads * max_slices;
+    float *parts = malloc(sizeof(float) * (size_t)(part_count * stride));
+    if (!parts) return -3;
     int bad_block = 0;
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t r = rows[item / chunks], h0 = (item % chunks) * heads;
-        const int64_t ctx = context_lens[r], token = cu_seqlens_q[r];
-        const int64_t *table = block_tables + r * table_stride;
-        /* Sized by the shapes (bounded by paged_decode_supports): small stacks suffice. Query heads of
-         * KV head h0 + i are q[(i * group + j) * D ...], their state m / l[i * group + j]. */
-        float q[hgd], acc[hgd], scores[group * B], m[heads * group], l[heads * group];
-        float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
-        const float *q_in = query + (token * num_q_heads + h0 * group) * D;
-        for (int64_t i = 0; i < hgd; i++) q[i] = q_in[i] * scale;
-        memset(acc, 0, sizeof(float) * hgd);
-        for (int64_t j = 0; j < heads * group; j++) { m[j] = -FLT_MAX; l[j] = 0.0f; }
-
-        for (int64_t start = 0; start < ctx; start += B) {
-            const int64_t blk = table[start / B], n = ctx - start < B ? ctx - start : B;
-            if (blk < 0 || blk >= num_blocks) {
+        const int64_t unit = spread ? item / max_slices : item;
+        const int64_t r = rows ? rows[unit / chunks] : unit / chunks, h0 = (unit % chunks) * heads;
+        const int64_t ctx = context_lens[r], n = num_slices(ctx, slice);
+        const int64_t first = spread ? item % max_slices : 0, last = spread ? first + 1 : n;
+        if (first >= n) continue;  /* a slice past this row's end */
+        float *own = spread ? parts + item * stride : parts + (int64_t)omp_get_thread_num() * max_slices * stride;
+        for (int64_t sp = first; sp < last; sp++) {
+            const int64_t t0 = sp * slice, t1 = t0 + slice < ctx ? t0 + slice : ctx;
+            float *part = spread ? own : own + sp * stride;
+            if (attend_range(query + (cu_seqlens_q[r] * num_q_heads + h0 * group) * D, kv, kv_dtype, elem_size,
+                             block_tables + r * table_stride, t0, t1, h0, heads, group, D, B, token_stride,
+                             v_offset, num_blocks, scale, part, part + hgd, part + hgd + hg)) {
                 #pragma omp atomic write
                 bad_block = 1;
-                break;
-            }
-            if (start + B < ctx) {
-                const int64_t next = table[start / B + 1];
-                if (next >= 0 && next < num_blocks) {
-                    const int64_t nn = ctx - start - B < B ? ctx - start - B : B, at = next * B * token_stride + h0 * D;
-                    prefetch_tokens(kv, elem_size, at, token_stride, nn, heads * D);
-                    prefetch_tokens(kv, elem_size, v_offset + at, token_stride, nn, heads * D);
-                }
-            }
-            for (int64_t i = 0; i < heads; i++) {
-                const int64_t base = blk * B * token_stride + (h0 + i) * D;
-                float *qi = q + i * group * D, *acc_i = acc + i * group * D, *m_i = m + i * group, *l_i = l + i * group;
-                int64_t kstride, vstride;
-                const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n, D, k_scratch, &kstride);
-                for (int64_t j = 0; j < group; j++) dot_tokens(qi + j * D, k, kstride, n, D, scores + j * B);
-                for (int64_t j = 0; j < group; j++) {
-                    float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
-                    for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
-                    const float new_max = block_max > m_i[j] ? block_max : m_i[j];
-                    const float correction = expf(m_i[j] - new_max);
-                    #pragma omp simd reduction(+:sum)
-                    for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - new_max); sum += s[t]; }
-                    l_i[j] = l_i[j] * correction + sum;
-                    m_i[j] = new_max;
-                    float *a = acc_i + j * D;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] *= correction;
-                }
-                const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n, D, v_scratch, &vstride);
-                for (int64_t j = 0; j < group; j++)
-                    accumulate_tokens(acc_i + j * D, scores + j * B, v, vstride, n, D);
             }
         }
-        float *o = out + (token * num_q_heads + h0 * group) * D;
-        for (int64_t j = 0; j < heads * group; j++) {
-            const float inv = ctx > 0 ? 1.0f / l[j] : 0.0f;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] * inv;
-        }
+        if (!spread) merge_slices(own, n, stride, hg, D, out + (cu_seqlens_q[r] * num_q_heads + h0 * group) * D);
     }
+    for (int64_t unit = 0; spread && unit < units; unit++) {
+        const int64_t r = rows ? rows[unit / chunks] : unit / chunks, h0 = (unit % chunks) * heads;
+        merge_slices(parts + unit * max_slices * stride, num_slices(context_lens[r], slice), stride, hg, D,
+                     out + (cu_seqlens_q[r] * num_q_heads + h0 * group) * D);
+    }
+    free(parts);
     return bad_block ? -2 : 0;
 }

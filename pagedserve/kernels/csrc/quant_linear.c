@@ -4,20 +4,23 @@
  * Exact against the fp32 weights the GGUF converter writes: each weight is formed as gguf's dequantize
  * forms it (d * q + m, rounded after the multiply and after the add), and the product accumulates in fp32
  * with fused multiply-adds along K, like any fp32 GEMM. This file is built without -ffast-math and with
- * -ffp-contract=off so that the compiler neither fuses the dequantization nor reorders it. A call of at
- * most 4 rows (decode steps of a few sequences) computes the same sum with each block's scale factored out
- * (see tile_direct): fp32-accurate, rounded in another order.
+ * -ffp-contract=off so that the compiler neither fuses the dequantization nor reorders it.
  *
  * Weights are repacked once at load time (workers/models/quant_linear.py) into panels of 16 output rows:
  * per panel and 32-wide K block, the 16 rows' fp16 scales (and mins), then for each of the 32 k the 16
  * rows' quants side by side (4-bit: byte j holds row j in its low nibble and row j + 8 in its high one).
- * With more than 4 rows, the first 4 run against a panel straight from its blocks, dequantizing each k's
- * 16 weights in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run
+ * The first rows of x (up to 4) run against a panel straight from its blocks, dequantizing each k's 16
+ * weights in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run
  * against that scratch in tiles of 6 rows x 16 columns, 12 accumulators in registers (the classic AVX2
- * GEMM tile). So each weight is dequantized once per call, in the same pass that first uses it.
- * The blocks are read with software prefetches PREFETCH_BLOCKS ahead: with few rows a block's arithmetic
- * is short, and the hardware prefetcher alone left the loop waiting on memory (one sequence's decode step
- * read its weights at a quarter of the memory's bandwidth; prefetched, its linear layers took half the time).
+ * GEMM tile). So each weight is dequantized once per call, in the same pass that first uses it. Every row,
+ * in either tile, sums the same products in the same order: a row's output does not depend on the other
+ * rows of the call, so a sequence decodes to the same bits whatever else shares its step (the seeded
+ * sampling and the tests rely on it). Factoring each block's scale out of its sum would halve the
+ * vector work of a call of few rows, but only if every row summed that way, prefill's tiles included.
+ * With no rows after the first ones (a decode step of up to 4 sequences) nothing is stored. The blocks are
+ * read with software prefetches PREFETCH_BLOCKS ahead: with few rows a block's arithmetic is short, and the
+ * hardware prefetcher alone left the loop waiting on memory (one sequence's decode step read its weights
+ * at a quarter of the memory's bandwidth; prefetched, its linear layers take half the time).
  * Work items are groups of panels, spread over torch's OpenMP threads.
  */
 #include <stdint.h>
@@ -104,8 +107,10 @@ TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
     for (int kk = 0; kk < QK; kk++) { \
         const int64_t k = b * QK + kk; \
         DEQ(kk) \
-        _mm256_storeu_ps(wt + k * NR, w0); \
-        _mm256_storeu_ps(wt + k * NR + 8, w1); \
+        if (wt) { \
+            _mm256_storeu_ps(wt + k * NR, w0); \
+            _mm256_storeu_ps(wt + k * NR + 8, w1); \
+        } \
         STEP \
     }
 #define TILE_FUSED(n) \
@@ -133,92 +138,9 @@ TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
         } \
         ROWS_##n(ACC_STORE) \
     }
-TILE_FUSED(4)  /* MR_FUSED rows: only calls of more rows than that dequantize */
-
-
-/* Rows of x with no rows after them (a decode step of up to MR_FUSED sequences) need no dequantized weights
- * at all: per K block, the quants' products with x are summed unscaled, then scaled once by the row's d, and
- * m (Q4_1's minimum, Q4_0's -8 d) multiplies the block's sum of x: d * sum(q x) + m * sum(x), the same sum as
- * with each weight d * q + m formed, in another order. Half the vector work of dequantizing each weight. The
- * running sums live in out (in L1); each block's partial sums in registers, two chains per row. */
-#define QF_Q8(kk) \
-    const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (kk))); \
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_)); \
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v_, 8)));
-#define QF_Q4(kk) \
-    const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (kk))); \
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4))); \
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)));
-#define S_INIT(i) __m256 s##i##0 = _mm256_setzero_ps(), s##i##1 = _mm256_setzero_ps();
-#define T_INIT(i) __m256 t##i##0 = _mm256_setzero_ps(), t##i##1 = _mm256_setzero_ps();
-#define S_STEP(i) \
-    { \
-        const __m256 xb = _mm256_broadcast_ss(x + (i) * ldx + b * QK + kk); \
-        s##i##0 = _mm256_fmadd_ps(xb, q0, s##i##0); \
-        s##i##1 = _mm256_fmadd_ps(xb, q1, s##i##1); \
-    }
-#define T_STEP(i) \
-    { \
-        const __m256 xb = _mm256_broadcast_ss(x + (i) * ldx + b * QK + kk + 1); \
-        t##i##0 = _mm256_fmadd_ps(xb, q0, t##i##0); \
-        t##i##1 = _mm256_fmadd_ps(xb, q1, t##i##1); \
-    }
-#define T_JOIN(i) s##i##0 = _mm256_add_ps(s##i##0, t##i##0); s##i##1 = _mm256_add_ps(s##i##1, t##i##1);
-#define S_FOLD(i) \
-    { \
-        float *o = out + (i) * NR; \
-        __m256 o0 = _mm256_fmadd_ps(d0, s##i##0, _mm256_loadu_ps(o)); \
-        __m256 o1 = _mm256_fmadd_ps(d1, s##i##1, _mm256_loadu_ps(o + 8)); \
-        if (qtype != Q8_0) { \
-            const __m256 xs = _mm256_set1_ps(block_sum(x + (i) * ldx + b * QK)); \
-            o0 = _mm256_fmadd_ps(m0, xs, o0); \
-            o1 = _mm256_fmadd_ps(m1, xs, o1); \
-        } \
-        _mm256_storeu_ps(o, o0); \
-        _mm256_storeu_ps(o + 8, o1); \
-    }
-
-static inline float block_sum(const float *x) {
-    const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                                   _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-
-#define TILE_DIRECT(n) \
-    static void tile_direct_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, float *out) { \
-        const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
-        const __m128i low4 = _mm_set1_epi8(0x0F); \
-        const int64_t quants = qtype == Q4_1 ? 4 * NR : 2 * NR; \
-        memset(out, 0, (size_t)(n) * NR * sizeof(float)); \
-        for (int64_t b = 0; b < nb; b++, p += bytes) { \
-            for (int64_t c = 0; c < bytes; c += 64) \
-                _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + c, _MM_HINT_T0); \
-            const uint8_t *q = p + quants; \
-            ROWS_##n(S_INIT) \
-            if (n <= 2) {  /* even and odd k in two chains: one would wait on each multiply-add */ \
-                ROWS_##n(T_INIT) \
-                if (qtype == Q8_0) { \
-                    for (int kk = 0; kk < QK; kk += 2) { { QF_Q8(kk) ROWS_##n(S_STEP) } { QF_Q8(kk + 1) ROWS_##n(T_STEP) } } \
-                } else { \
-                    for (int kk = 0; kk < QK; kk += 2) { { QF_Q4(kk) ROWS_##n(S_STEP) } { QF_Q4(kk + 1) ROWS_##n(T_STEP) } } \
-                } \
-                ROWS_##n(T_JOIN) \
-            } else if (qtype == Q8_0) { \
-                for (int kk = 0; kk < QK; kk++) { QF_Q8(kk) ROWS_##n(S_STEP) } \
-            } else { \
-                for (int kk = 0; kk < QK; kk++) { QF_Q4(kk) ROWS_##n(S_STEP) } \
-            } \
-            const __m256 d0 = half8(p), d1 = half8(p + 16); \
-            const __m256 m0 = qtype == Q4_1 ? half8(p + 32) : _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f)); \
-            const __m256 m1 = qtype == Q4_1 ? half8(p + 48) : _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f)); \
-            ROWS_##n(S_FOLD) \
-        } \
-    }
-TILE_DIRECT(1) TILE_DIRECT(2) TILE_DIRECT(3) TILE_DIRECT(4)
-typedef void (*direct_fn)(const float *, int64_t, const uint8_t *, int, int64_t, float *);
-static const direct_fn DIRECT[MR_FUSED + 1] = {0, tile_direct_1, tile_direct_2, tile_direct_3, tile_direct_4};
+TILE_FUSED(1) TILE_FUSED(2) TILE_FUSED(3) TILE_FUSED(4)
+typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, float *, float *);
+static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *);
 static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
@@ -247,7 +169,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        /* The dequantized panels' scratch; calls of up to MR_FUSED rows read the blocks alone. */
+        /* The dequantized panels' scratch: calls of up to MR_FUSED rows read the blocks alone. */
         const int scratch = M > MR_FUSED;
         float *wt = scratch ? aligned_alloc(64, (size_t)(group * K * NR * sizeof(float))) : NULL;  /* K: 32k */
         float out[MR * NR];
@@ -264,15 +186,13 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                 for (int64_t p = p0; p < p1; p++) {
                     const int64_t n0 = p * NR;
                     const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-                    float *panel = wt + (p - p0) * K * NR;
+                    float *panel = scratch ? wt + (p - p0) * K * NR : NULL;
                     for (int64_t i = i0; i < iend;) {
                         int mr;
-                        if (M <= MR_FUSED) {  /* no rows after these: no dequantized panel */
-                            mr = (int)M;
-                            DIRECT[mr](x, ldx, w + p * panel_bytes, qtype, K, out);
-                        } else if (i == 0) {  /* the panel's first rows dequantize it as they go */
-                            mr = MR_FUSED;
-                            tile_fused_4(x, ldx, w + p * panel_bytes, qtype, K, panel, out);
+                        if (i == 0) {  /* the panel's first rows dequantize it as they go */
+                            mr = (int)(iend < MR_FUSED ? iend : MR_FUSED);
+                            /* panel NULL: no rows come after these, nothing is stored */
+                            FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, panel, out);
                         } else {
                             mr = (int)(iend - i < MR ? iend - i : MR);
                             TILES[mr](x + i * ldx, ldx, panel, K, out);
