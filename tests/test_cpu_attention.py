@@ -46,7 +46,7 @@ def test_decode_only_batches(seed):
 
 
 @pytest.mark.parametrize("threads", [2, 4])
-@pytest.mark.parametrize("rows", [[(1, 700)], [(1, 700), (1, 20)], [(1, 5)], [(1, 33), (1, 1)]],
+@pytest.mark.parametrize("rows", [[(1, 1100)], [(1, 700), (1, 20)], [(1, 5)], [(1, 33), (1, 1)]],
                          ids=["one-long", "long-and-short", "shorter-than-its-slices", "two-short"])
 def test_few_rows_cut_each_context_into_slices(rows, threads):
     """Fewer work items than twice the threads: each head's context is cut into slices of whole blocks and
@@ -66,7 +66,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(threads):
     """A row's output does not depend on the other rows of the step, nor on how the work was spread over the
     threads (its slices as items of their own, or one after another): a sequence decodes to the same tokens
     whatever else shares its steps."""
-    rows = [(1, 700), (1, 20), (1, 300), (1, 513), (1, 256), (1, 257), (1, 1)] * 2
+    rows = [(1, 1100), (1, 20), (1, 300), (1, 513), (1, 512), (1, 700), (1, 1)] * 2  # 1-3 slices of 512
     query, _, kv, cu, ctx, tables = make_batch(rows, 9, 3, 64, 16, torch.float32)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -202,7 +202,8 @@ __attribute__((noinline)) static int attend_range(const float *q_in, const void 
 
 /* A row's context is cut into slices of SLICE_TOKENS (whole blocks), each attended on its own and merged: the
  * cut depends on the row's own length only, so a row gets the same bits whatever else is in the step. */
-#define SLICE_TOKENS 256
+/* One sequence, 3 KV heads on 2 threads: 1.3-1.6x at 2-4k tokens, even at 1k; 256 was slower at 1k. */
+#define SLICE_TOKENS 512
 
 static inline int64_t num_slices(int64_t ctx, int64_t slice) { return ctx > slice ? (ctx + slice - 1) / slice : 1; }
 
