@@ -12,7 +12,8 @@
  * The first rows of x (up to 4) run against a panel straight from its blocks, dequantizing each k's 16
  * weights in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run
  * against that scratch in tiles of 6 rows x 16 columns, 12 accumulators in registers (the classic AVX2
- * GEMM tile). So each weight is dequantized once per call, in the same pass that first uses it. Every row,
+ * GEMM tile; built for a CPU with AVX-512, 12 rows x 16 columns in 16-wide registers). So each weight is
+ * dequantized once per call, in the same pass that first uses it. Every row,
  * in either tile, sums the same products in the same order: a row's output does not depend on the other
  * rows of the call, so a sequence decodes to the same bits whatever else shares its step (the seeded
  * sampling and the tests rely on it). Factoring each block's scale out of its sum would halve the
@@ -74,6 +75,12 @@ static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
 #define ROWS_4(X) ROWS_3(X) X(3)
 #define ROWS_5(X) ROWS_4(X) X(4)
 #define ROWS_6(X) ROWS_5(X) X(5)
+#define ROWS_7(X) ROWS_6(X) X(6)
+#define ROWS_8(X) ROWS_7(X) X(7)
+#define ROWS_9(X) ROWS_8(X) X(8)
+#define ROWS_10(X) ROWS_9(X) X(9)
+#define ROWS_11(X) ROWS_10(X) X(10)
+#define ROWS_12(X) ROWS_11(X) X(11)
 #define TILE(n)                                                                                          \
     static void tile_##n(const float *x, int64_t ldx, const float *wt, int64_t K, float *out) {          \
         ROWS_##n(ACC_INIT)                                                                               \
@@ -83,7 +90,6 @@ static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
         }                                                                                                \
         ROWS_##n(ACC_STORE)                                                                              \
     }
-TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 
 /* The first rows of x against a panel still in its blocks: each k's 16 weights are dequantized in registers,
  * used at once, and stored to wt for the rows that follow (one pass over the weights instead of two). */
@@ -143,7 +149,33 @@ typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, 
 static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *);
-static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+#if defined(__AVX512F__)
+/* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
+ * 12 rows' accumulators. Each column still sums its products in k order from zero, as the 8-wide tiles and
+ * the dequantizing ones do, so a row's bits do not depend on which tile ran it. */
+#define MR_TILE 12
+#define WIDE_INIT(i) __m512 c##i = _mm512_setzero_ps();
+#define WIDE_STEP(i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(x[(i) * ldx + k]), w, c##i);
+#define WIDE_STORE(i) _mm512_storeu_ps(out + (i) * NR, c##i);
+#define TILE_WIDE(n)                                                                                     \
+    static void tile_wide_##n(const float *x, int64_t ldx, const float *wt, int64_t K, float *out) {     \
+        ROWS_##n(WIDE_INIT)                                                                              \
+        for (int64_t k = 0; k < K; k++) {                                                                \
+            const __m512 w = _mm512_loadu_ps(wt + k * NR);                                               \
+            ROWS_##n(WIDE_STEP)                                                                          \
+        }                                                                                                \
+        ROWS_##n(WIDE_STORE)                                                                             \
+    }
+TILE_WIDE(1) TILE_WIDE(2) TILE_WIDE(3) TILE_WIDE(4) TILE_WIDE(5) TILE_WIDE(6)
+TILE_WIDE(7) TILE_WIDE(8) TILE_WIDE(9) TILE_WIDE(10) TILE_WIDE(11) TILE_WIDE(12)
+static const tile_fn TILES[MR_TILE + 1] = {0, tile_wide_1, tile_wide_2, tile_wide_3, tile_wide_4, tile_wide_5,
+                                           tile_wide_6, tile_wide_7, tile_wide_8, tile_wide_9, tile_wide_10,
+                                           tile_wide_11, tile_wide_12};
+#else
+#define MR_TILE MR
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+static const tile_fn TILES[MR_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+#endif
 
 /* x [M, K] with row stride ldx; w the repacked panels of W [N, K]; y [M, N] with row stride ldy.
  * Returns 0, or -1 when K is not a multiple of 32, -2 for an unknown type, -3 when out of memory. */
@@ -172,7 +204,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         /* The dequantized panels' scratch: calls of up to MR_FUSED rows read the blocks alone. */
         const int scratch = M > MR_FUSED;
         float *wt = scratch ? aligned_alloc(64, (size_t)(group * K * NR * sizeof(float))) : NULL;  /* K: 32k */
-        float out[MR * NR];
+        float out[MR_TILE * NR];
         if (scratch && !wt) {
             #pragma omp atomic write
             failed = 1;
@@ -194,7 +226,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                             /* panel NULL: no rows come after these, nothing is stored */
                             FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, panel, out);
                         } else {
-                            mr = (int)(iend - i < MR ? iend - i : MR);
+                            mr = (int)(iend - i < MR_TILE ? iend - i : MR_TILE);
                             TILES[mr](x + i * ldx, ldx, panel, K, out);
                         }
                         for (int r = 0; r < mr; r++) {
