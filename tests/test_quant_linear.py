@@ -3,6 +3,8 @@ like an fp32 GEMM, and a GGUF checkpoint's model computes the same tokens with t
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import native
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.loader import build_model, resolve_model
 from pagedserve.workers.models import quant_linear
@@ -68,6 +71,27 @@ def test_a_row_gets_the_same_bits_in_any_batch(qtype):
     alone = torch.cat([layer(x[i:i + 1]) for i in range(60)])
     for m in (2, 4, 5, 7, 60):
         assert torch.equal(torch.cat([layer(x[i:i + m]) for i in range(0, 60, m)]), alone), m
+
+
+@pytest.mark.skipif("avx512f" not in native._cpu_flags().split(), reason="this CPU's build is the AVX2 one")
+def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
+    """Built for this CPU the kernel runs 16-wide tiles; built for AVX2 alone, 8-wide ones. Machines differ
+    (CI's among them), and a sequence's tokens must not: both builds give the same bits, row for row."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    flags = [f for f in native.QUANT_LINEAR_FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
+    avx2 = ctypes.CDLL(str(native._build(native.compiler(), native.CSRC / "quant_linear.c", flags)))
+    avx2.quant_linear.argtypes = native.quant_linear_library().quant_linear.argtypes
+    avx2.quant_linear.restype = ctypes.c_int
+    for qtype in QTYPES:
+        rows, _ = _quantized(40, 128, qtype, seed=3)
+        layer = QuantLinear(rows, qtype, 128, None)
+        for m in (1, 3, 4, 5, 17, 60):  # dequantizing rows alone, then with register tiles after them
+            x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+            y = torch.empty(m, 40)
+            code = quant_linear._KERNEL_TYPE[qtype]
+            assert avx2.quant_linear(x.data_ptr(), m, 128, 128, layer.panels.data_ptr(), code, 40, None, y.data_ptr(),
+                                     40, 2) == 0
+            assert torch.equal(layer.product(x), y), (qtype, m)
 
 
 def test_bad_inputs_are_named():

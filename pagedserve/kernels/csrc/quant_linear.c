@@ -144,19 +144,62 @@ static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
         } \
         ROWS_##n(ACC_STORE) \
     }
-TILE_FUSED(1) TILE_FUSED(2) TILE_FUSED(3) TILE_FUSED(4)
 typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, float *, float *);
-static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
-
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *);
 #if defined(__AVX512F__)
 /* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
- * 12 rows' accumulators. Each column still sums its products in k order from zero, as the 8-wide tiles and
- * the dequantizing ones do, so a row's bits do not depend on which tile ran it. */
+ * 12 rows' accumulators. Each weight is formed by the same two roundings and each column still sums its
+ * products in k order from zero, as in the 8-wide tiles, so the bits are the AVX2 build's, and a row's bits
+ * do not depend on which tile ran it. */
 #define MR_TILE 12
 #define WIDE_INIT(i) __m512 c##i = _mm512_setzero_ps();
 #define WIDE_STEP(i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(x[(i) * ldx + k]), w, c##i);
 #define WIDE_STORE(i) _mm512_storeu_ps(out + (i) * NR, c##i);
+static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* A k's 16 quants, rows 0-15 in order: Q8_0's bytes; Q4's low nibbles (rows 0-7) then high (rows 8-15). */
+#define WIDE_NIBBLES(k) \
+    const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
+    const __m128i n_ = _mm_unpacklo_epi64(_mm_and_si128(v_, low4), _mm_and_si128(_mm_srli_epi16(v_, 4), low4));
+#define WIDE_Q8(k) \
+    const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps( \
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k))))), d);
+#define WIDE_Q40(k) WIDE_NIBBLES(k) \
+    const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), eight)));
+#define WIDE_Q41(k) WIDE_NIBBLES(k) \
+    const __m512 w = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_))), m);
+#define WIDE_FUSED_LOOP(DEQ, STEP) \
+    for (int kk = 0; kk < QK; kk++) { \
+        const int64_t k = b * QK + kk; \
+        DEQ(kk) \
+        if (wt) _mm512_storeu_ps(wt + k * NR, w); \
+        STEP \
+    }
+#define TILE_FUSED_WIDE(n) \
+    static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, float *wt, \
+                               float *out) { \
+        const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
+        const __m128i low4 = _mm_set1_epi8(0x0F); \
+        ROWS_##n(WIDE_INIT) \
+        for (int64_t b = 0; b < nb; b++, p += bytes) { \
+            for (int64_t c = 0; c < bytes; c += 64) \
+                _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + c, _MM_HINT_T0); \
+            const __m512 d = half16(p); \
+            if (qtype == Q8_0) { \
+                const uint8_t *q = p + 2 * NR; \
+                WIDE_FUSED_LOOP(WIDE_Q8, ROWS_##n(WIDE_STEP)) \
+            } else if (qtype == Q4_1) { \
+                const __m512 m = half16(p + 32); \
+                const uint8_t *q = p + 4 * NR; \
+                WIDE_FUSED_LOOP(WIDE_Q41, ROWS_##n(WIDE_STEP)) \
+            } else { \
+                const __m512i eight = _mm512_set1_epi32(8); \
+                const uint8_t *q = p + 2 * NR; \
+                WIDE_FUSED_LOOP(WIDE_Q40, ROWS_##n(WIDE_STEP)) \
+            } \
+        } \
+        ROWS_##n(WIDE_STORE) \
+    }
+TILE_FUSED_WIDE(1) TILE_FUSED_WIDE(2) TILE_FUSED_WIDE(3) TILE_FUSED_WIDE(4)
 #define TILE_WIDE(n)                                                                                     \
     static void tile_wide_##n(const float *x, int64_t ldx, const float *wt, int64_t K, float *out) {     \
         ROWS_##n(WIDE_INIT)                                                                              \
@@ -173,9 +216,11 @@ static const tile_fn TILES[MR_TILE + 1] = {0, tile_wide_1, tile_wide_2, tile_wid
                                            tile_wide_11, tile_wide_12};
 #else
 #define MR_TILE MR
+TILE_FUSED(1) TILE_FUSED(2) TILE_FUSED(3) TILE_FUSED(4)
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn TILES[MR_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 #endif
+static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
 
 /* x [M, K] with row stride ldx; w the repacked panels of W [N, K]; y [M, N] with row stride ldy.
  * Returns 0, or -1 when K is not a multiple of 32, -2 for an unknown type, -3 when out of memory. */
