@@ -12,16 +12,19 @@
  * The first rows of x (up to 4) run against a panel straight from its blocks, dequantizing each k's 16
  * weights in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run
  * against that scratch in tiles of 6 rows x 16 columns, 12 accumulators in registers (the classic AVX2
- * GEMM tile; built for a CPU with AVX-512, 12 rows x 16 columns in 16-wide registers). So each weight is
- * dequantized once per call, in the same pass that first uses it. Every row,
- * in either tile, sums the same products in the same order: a row's output does not depend on the other
- * rows of the call, so a sequence decodes to the same bits whatever else shares its step (the seeded
- * sampling and the tests rely on it). Factoring each block's scale out of its sum would halve the
- * vector work of a call of few rows, but only if every row summed that way, prefill's tiles included.
- * With no rows after the first ones (a decode step of up to 4 sequences) nothing is stored. The blocks are
- * read with software prefetches PREFETCH_BLOCKS ahead: with few rows a block's arithmetic is short, and the
- * hardware prefetcher alone left the loop waiting on memory (one sequence's decode step read its weights
- * at a quarter of the memory's bandwidth; prefetched, its linear layers take half the time).
+ * GEMM tile). So each weight is dequantized once per call, in the same pass that first uses it; with no
+ * rows after the first ones (a decode step of up to 4 sequences) nothing is stored. Built for a CPU with
+ * AVX-512, both tiles hold a panel's 16 columns in one register, the register tile 12 rows.
+ *
+ * Every row, in any tile and either build, sums the same products in the same order: a row's output does
+ * not depend on the other rows of the call nor on the CPU's vector width, so a sequence decodes to the same
+ * bits whatever else shares its step (the seeded sampling and the tests rely on it). Factoring each
+ * block's scale out of its sum would halve the vector work of a call of few rows, but only if every row
+ * summed that way, prefill's tiles included.
+ *
+ * The blocks are read with software prefetches PREFETCH_BLOCKS ahead: with few rows a block's arithmetic
+ * is short, and the hardware prefetcher alone left the loop waiting on memory (one sequence's decode step
+ * read its weights at a quarter of the memory's bandwidth; prefetched, its linear layers take half the time).
  * Work items are groups of panels, spread over torch's OpenMP threads.
  */
 #include <stdint.h>
