@@ -96,6 +96,9 @@ def test_auto_backend_on_cpu_is_the_native_one():
     assert backend.paged_attention is cpu.paged_attention and backend.write_kv_cache is cpu.write_kv_cache
     # The norm stays torch's: its sum of squares in another order changed last bits between runs
     assert backend.rms_norm is None and backend.rotate_qk is cpu.rotate_qk
+    assert get_attention_backend("reference", torch.device("cpu")).paged_attention is ref.paged_attention
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        get_attention_backend("cpu", torch.device("meta"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # native, and the reference's
@@ -119,9 +122,6 @@ def test_kv_write_past_the_pool_is_an_error_and_writes_nothing():
     with pytest.raises(IndexError, match="past the KV pool"):
         cpu.write_kv_cache(k, v, pool, torch.tensor([5, 64]))
     assert not pool.any()
-    assert get_attention_backend("reference", torch.device("cpu")).paged_attention is ref.paged_attention
-    with pytest.raises(ValueError, match="attention_backend='cpu'"):
-        get_attention_backend("cpu", torch.device("meta"))
 
 
 def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch):
