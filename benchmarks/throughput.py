@@ -83,6 +83,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """The first two prompts reversed: their lengths, none of their blocks (the first ones differ)."""
+    return [p[::-1] for p in prompts[:2]]
+
+
 def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool = False,
                      gguf_linears: bool = True, async_scheduling: bool = True) -> dict:
     from pagedserve import LLM, SamplingParams
@@ -92,7 +97,9 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               cuda_graphs=cuda_graphs, gguf_linears=gguf_linears, async_scheduling=async_scheduling)
     load = time.perf_counter() - t0
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    # Warm up on prompts of the same lengths that share no block with the timed ones: the timed prompts
+    # themselves would sit in the prefix cache, and their prefill would be skipped.
+    llm.generate(warmup_prompts(prompts), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
               for n in outputs]
     sync(args.device)
