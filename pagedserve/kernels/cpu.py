@@ -124,4 +124,4 @@ def _supports(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: in
 
 
 def _f32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors)

@@ -61,6 +61,11 @@ int quant_linear_supported(void) { return 1; }
 
 static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* The cache lines of the (panel, K block) PREFETCH_BLOCKS after the one at p, of `bytes` bytes each. */
+static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + c, _MM_HINT_T0);
+}
+
 /* out[0:n][0:16] = x[0:n, :] @ wt (K x 16). One function per row count so the accumulators are named
  * variables the compiler keeps in registers (an indexed array of them gets spilled every iteration). */
 #define ACC_INIT(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();
@@ -129,8 +134,7 @@ static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
         const __m128i low4 = _mm_set1_epi8(0x0F); \
         ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
-            for (int64_t c = 0; c < bytes; c += 64) \
-                _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + c, _MM_HINT_T0); \
+            prefetch_ahead(p, bytes); \
             const __m256 d0 = half8(p), d1 = half8(p + 16); \
             if (qtype == Q8_0) { \
                 const uint8_t *q = p + 2 * NR; \
@@ -184,8 +188,7 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
         const __m128i low4 = _mm_set1_epi8(0x0F); \
         ROWS_##n(WIDE_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
-            for (int64_t c = 0; c < bytes; c += 64) \
-                _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + c, _MM_HINT_T0); \
+            prefetch_ahead(p, bytes); \
             const __m512 d = half16(p); \
             if (qtype == Q8_0) { \
                 const uint8_t *q = p + 2 * NR; \
