@@ -2,12 +2,14 @@
 
 - decode attention, 16 sequences: the native kernel reading the paged pool in place vs the torch reference
   (gather each row's K/V through the block table, then one masked SDPA);
+- prefill attention, one 1,024-token prompt: the native kernel, every token a decode row of its own, vs the
+  reference's causal SDPA;
 - one decode step's linear layers (30 layers: qkv, o, gate_up, down; then the LM head) at 16 rows, each
   layer with weights of its own (so they stream from memory as in a model): F.linear on the plain fp32
   weight, weights packed into oneDNN's layout, and the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
   (the embedded GGUF's types).
 
-  .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400]
+  .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400] [--prefill 1024]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--context", type=int, default=400)
+    p.add_argument("--prefill", type=int, default=1024, help="prompt length of the prefill attention (0: none)")
     p.add_argument("--repeat", type=int, default=30)
     args = p.parse_args()
 
@@ -68,6 +71,20 @@ def main() -> None:
                                                                       max_query_len=1))]:
         ms = median_ms(fn, args.repeat)
         print(f"  {name:28s} {ms:7.3f} ms  ({kv_bytes / ms / 1e6:5.1f} GB/s of K/V)")
+
+    if args.prefill:
+        n = args.prefill
+        prompt_table = torch.randperm(pool_blocks, generator=gen)[:-(-n // bs)][None]  # [1, blocks]
+        prompt_q = torch.randn(n, hq, d, generator=gen)  # [P, Hq, D]
+        prompt_cu, prompt_lens = torch.tensor([0, n]), torch.tensor([n])
+        print(f"\nprefill attention, one prompt of {n} tokens (per layer):")
+        flops = 4 * hq * d * n * (n + 1) / 2  # q.k and p.v over each token's causal context
+        for name, fn in [("reference (causal SDPA)", lambda: reference.paged_attention(
+                              prompt_q, kv, prompt_cu, prompt_lens, prompt_table, d ** -0.5)),
+                         ("native, in place", lambda: cpu.paged_attention(
+                              prompt_q, kv, prompt_cu, prompt_lens, prompt_table, d ** -0.5))]:
+            ms = median_ms(fn, max(3, args.repeat // 10))
+            print(f"  {name:28s} {ms:7.3f} ms  ({flops / ms / 1e6:5.1f} GFLOP/s)")
 
     print(f"\nlinear layers of one decode step, {r} rows ({layers} layers + LM head):")
     shapes = [(hidden, hq * d + 2 * hkv * d), (hq * d, hidden), (hidden, 2 * inter), (inter, hidden)] * layers

@@ -1,4 +1,4 @@
-"""The CPU backend's native decode kernel against the plain-torch reference, on pools poisoned with NaN
+"""The CPU backend's native attention kernel against the plain-torch reference, on pools poisoned with NaN
 outside each row's blocks and past each row's length (a read there shows up as NaN)."""
 
 from __future__ import annotations
@@ -80,6 +80,37 @@ def test_a_row_gets_the_same_bits_in_any_batch(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("row", [(40, 40), (700, 1100), (30, 530)], ids=["fresh", "long-chunk", "across-a-slice"])
+def test_a_prefill_token_gets_the_bits_of_a_decode_row(row, threads):
+    """Each new token of a prefill (or a chunk of one) gets the bits a decode row whose context ends at it
+    gets, and so do the same tokens cut into other chunks: a sequence's K/V and outputs do not depend on how
+    its tokens were scheduled (in one prefill, in chunks, recomputed after a preemption)."""
+    num_q, ctx_len = row
+    query, _, kv, cu, ctx, tables = make_batch([row], 9, 3, 64, 16, torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill = cpu.paged_attention(query, kv, cu, ctx, tables, 0.125)
+        start = ctx_len - num_q
+        for i in range(num_q):
+            decode = cpu.paged_attention(query[i:i + 1], kv, torch.tensor([0, 1]), torch.tensor([start + i + 1]),
+                                         tables, 0.125, max_query_len=1)
+            assert torch.equal(decode, prefill[i:i + 1]), i
+        cut = num_q // 3  # the same tokens as two chunks, in one batch of two rows
+        chunks = cpu.paged_attention(query, kv, torch.tensor([0, cut, num_q]), torch.tensor([start + cut, ctx_len]),
+                                     tables.expand(2, -1), 0.125)
+        assert torch.equal(chunks, prefill)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_more_new_tokens_than_context_is_an_error():
+    query, kv, _, _, _, tables = make_batch([(4, 20)], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="more new tokens"):
+        cpu.paged_attention(query, kv, torch.tensor([0, 4]), torch.tensor([3]), tables, 0.125)
+
+
 def test_rows_without_new_tokens_and_a_single_decode_row():
     check([(0, 17), (1, 33), (5, 40)], 8, 2, 64, 16, torch.float32)
 
@@ -128,7 +159,7 @@ def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch):
     from pagedserve.kernels import native
 
     monkeypatch.setenv("CC", "no-such-compiler")
-    native.paged_decode_library.cache_clear()
+    native.paged_attention_library.cache_clear()
     try:
         assert not cpu.available()
         assert get_attention_backend("auto", torch.device("cpu")).paged_attention is ref.paged_attention
@@ -136,5 +167,5 @@ def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch):
             get_attention_backend("cpu", torch.device("cpu"))
     finally:
         monkeypatch.undo()
-        native.paged_decode_library.cache_clear()
+        native.paged_attention_library.cache_clear()
     assert cpu.available()

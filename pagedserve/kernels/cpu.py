@@ -1,8 +1,9 @@
-"""The CPU attention backend: decode rows read the paged pool in place through a native kernel
-(csrc/paged_decode.c); rows with several new tokens (prefill, chunked prefill) go through the
-reference's per-row SDPA, whose K/V gather is small beside its O(new tokens x context) compute.
-In fp32, the K/V write and the rotary embedding are one native call each (csrc/layer_ops.c);
-other dtypes, or where no C compiler builds them, run the reference's torch ops.
+"""The CPU attention backend: every query token reads the paged pool in place through a native kernel
+(csrc/paged_attention.c), a prefill token exactly as a decode row whose context ends there. So a sequence's
+outputs do not depend on how its tokens were scheduled: alone or batched, prefilled in one chunk or many,
+recomputed after a preemption, read from the prefix cache. In fp32, the K/V write and the rotary embedding
+are one native call each (csrc/layer_ops.c); other dtypes, or where no C compiler builds them, run the
+reference's torch ops.
 
 Same contract as kernels/reference.py, which stays the oracle it is tested against.
 """
@@ -16,8 +17,7 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.backend import check_rotation
-from pagedserve.kernels.native import layer_ops_library, paged_decode_library
-from pagedserve.kernels.reference import attend_rows
+from pagedserve.kernels.native import layer_ops_library, paged_attention_library
 
 __all__ = ["available", "paged_attention", "rotate_qk", "write_kv_cache"]
 
@@ -26,7 +26,7 @@ _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def available() -> bool:
     """Whether the native kernel could be built on this machine."""
-    return paged_decode_library() is not None
+    return paged_attention_library() is not None
 
 
 def paged_attention(
@@ -41,49 +41,34 @@ def paged_attention(
     max_context_len: int | None = None,
 ) -> torch.Tensor:
     """See reference.paged_attention. Returns [T, Hq, D] in query's dtype."""
-    lib = paged_decode_library()
+    lib = paged_attention_library()
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if (lib is None or kv_cache.dtype not in _KV_DTYPES or kv_cache.device.type != "cpu"
             or not _supports(num_q_heads, num_kv_heads, head_dim, block_size)):
         return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
-    cu_seqlens_q = cu_seqlens_q.to(torch.int64).contiguous()  # the kernel reads int64
-    other_rows: list[int] = []
-    if max_query_len == 1:  # every row decodes: the kernel takes them all, in order (no list of rows)
-        decode_rows, num_decode = None, context_lens.shape[0]
-    else:
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [R]
-        is_decode = q_lens == 1
-        decode_rows = is_decode.nonzero().flatten()  # [Rd]
-        num_decode = len(decode_rows)
-        other_rows = (~is_decode).nonzero().flatten().tolist()
-
     fp32 = query.dtype == torch.float32
     q32 = query.contiguous() if fp32 else query.float().contiguous()  # [T, Hq, D]
     out32 = torch.empty_like(q32)
-    if num_decode:
-        context_lens = context_lens.to(torch.int64).contiguous()
-        block_tables = block_tables.to(torch.int64).contiguous()
-        kv_cache = kv_cache.contiguous()
-        status = lib.paged_decode_attention(
-            q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(),
-            None if decode_rows is None else decode_rows.data_ptr(), num_decode, cu_seqlens_q.data_ptr(),
-            context_lens.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), num_q_heads, num_kv_heads, head_dim, block_size,
-            kv_cache.shape[1], ctypes.c_float(scale), torch.get_num_threads())
-        if status == -2:
-            raise ValueError("block_tables name a block outside the KV pool "
-                             f"(num_blocks={kv_cache.shape[1]})")
-        if status == -3:
-            raise MemoryError("paged_decode_attention: no memory for its slices' partial sums")
-        if status != 0:
-            raise RuntimeError(f"paged_decode_attention failed with status {status}")
-    out = out32 if fp32 else out32.to(query.dtype)
-    if other_rows:
-        attend_rows(query, kv_cache, cu_seqlens_q.tolist(), context_lens.tolist(), block_tables, scale, other_rows,
-                    out)
-    return out
+    cu_seqlens_q = cu_seqlens_q.to(torch.int64).contiguous()  # the kernel reads int64
+    context_lens = context_lens.to(torch.int64).contiguous()
+    block_tables = block_tables.to(torch.int64).contiguous()
+    kv_cache = kv_cache.contiguous()
+    status = lib.paged_attention(
+        q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(), context_lens.shape[0],
+        cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        num_q_heads, num_kv_heads, head_dim, block_size, kv_cache.shape[1], ctypes.c_float(scale),
+        torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"block_tables name a block outside the KV pool (num_blocks={kv_cache.shape[1]})")
+    if status == -3:
+        raise MemoryError("paged_attention: no memory for its slices' partial sums")
+    if status == -4:
+        raise ValueError("context_lens: a row has more new tokens (cu_seqlens_q) than context")
+    if status != 0:
+        raise RuntimeError(f"paged_attention failed with status {status}")
+    return out32 if fp32 else out32.to(query.dtype)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -119,8 +104,8 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 @functools.cache
 def _supports(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the native decode kernel takes this shape (asked once per shape, not once per layer and step)."""
-    return bool(paged_decode_library().paged_decode_supports(num_q_heads, num_kv_heads, head_dim, block_size))
+    """Whether the native attention kernel takes this shape (asked once per shape, not once per layer and step)."""
+    return bool(paged_attention_library().paged_attention_supports(num_q_heads, num_kv_heads, head_dim, block_size))
 
 
 def _f32(*tensors: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ CSRC = Path(__file__).with_name("csrc")
 # torch's threads.
 _COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # The attention kernel: -ffast-math lets its reductions and expf vectorize.
-PAGED_DECODE_FLAGS = [*_COMMON_FLAGS, "-ffast-math"]
+PAGED_ATTENTION_FLAGS = [*_COMMON_FLAGS, "-ffast-math"]
 # The linear kernel must round its dequantization exactly as the fp32 weights were rounded: no fast-math,
 # no contraction of d * q + m into one fused multiply-add.
 QUANT_LINEAR_FLAGS = [*_COMMON_FLAGS, "-ffp-contract=off"]
@@ -43,16 +43,16 @@ def compiler() -> str:
 
 
 @functools.cache
-def paged_decode_library() -> ctypes.CDLL | None:
+def paged_attention_library() -> ctypes.CDLL | None:
     """The built attention kernel, or None (logged) where it cannot be built here."""
-    lib = _library("paged_decode.c", PAGED_DECODE_FLAGS, "the CPU attention uses the slower torch reference")
+    lib = _library("paged_attention.c", PAGED_ATTENTION_FLAGS, "the CPU attention uses the slower torch reference")
     if lib is None:
         return None
-    lib.paged_decode_supports.argtypes = [_i64, _i64, _i64, _i64]
-    lib.paged_decode_supports.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = [_ptr, _ptr, ctypes.c_int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
-                                           _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
-    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_attention_supports.argtypes = [_i64, _i64, _i64, _i64]
+    lib.paged_attention_supports.restype = ctypes.c_int
+    lib.paged_attention.argtypes = [_ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
+                                    _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
+    lib.paged_attention.restype = ctypes.c_int
     return lib
 
 

@@ -1,9 +1,14 @@
-/* Paged decode attention on the CPU: rows with one new query token attend to their whole context,
- * read in place through the block table (no gather into a contiguous copy).
+/* Paged attention on the CPU: every query token of every row attends to its context (the row's cached tokens
+ * and its new ones up to itself), read in place through the block table (no gather into a contiguous copy).
  *
- * A work item is a row (or a row's single KV head when rows are few); each K/V vector is read once and
- * serves every query head of its GQA group. Online softmax block by block; math in fp32 whatever the
- * pool's dtype. The next block's K/V lines are prefetched while the current one is computed: blocks sit
+ * A prefill token is computed exactly as a decode row whose context ends at that token: the same code, the
+ * same slices, the same merge. So a token's output does not depend on how it was scheduled (alone, in a
+ * batch, in a prefill chunk of any size, recomputed after a preemption): a sequence gets the same bits
+ * whatever else shares its steps.
+ *
+ * A work item is a query token (or a token's single KV head when tokens are few); each K/V vector is read
+ * once and serves every query head of its GQA group. Online softmax block by block; math in fp32 whatever
+ * the pool's dtype. The next block's K/V lines are prefetched while the current one is computed: blocks sit
  * anywhere in the pool, so the hardware prefetcher cannot guess them.
  *
  * SIMD through GCC/Clang vector extensions (any target: -march=native picks the width's instructions).
@@ -140,7 +145,7 @@ static inline void accumulate_tokens(float *acc, const float *p, const float *v,
 }
 
 /* 1 when the kernel's fixed per-thread scratch holds this shape. */
-int paged_decode_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+int paged_attention_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
     const int64_t group = num_q_heads / num_kv_heads;
     return num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim % LANES == 0 && group <= MAX_GROUP
         && group * head_dim <= MAX_GROUP_DIM && group * block_size <= MAX_GROUP_DIM
@@ -155,7 +160,7 @@ __attribute__((noinline)) static int attend_range(const float *q_in, const void 
                         int64_t token_stride, int64_t v_offset, int64_t num_blocks, float scale, float *acc, float *m,
                         float *l) {
     const int64_t hgd = heads * group * D;
-    /* Sized by the shapes (bounded by paged_decode_supports): small stacks suffice. */
+    /* Sized by the shapes (bounded by paged_attention_supports): small stacks suffice. */
     float q[hgd], scores[group * B];
     float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
     for (int64_t i = 0; i < hgd; i++) q[i] = q_in[i] * scale;
@@ -232,17 +237,17 @@ __attribute__((noinline)) static void merge_slices(const float *parts, int64_t c
     }
 }
 
-/* Returns 0; -1 for a shape paged_decode_supports refuses; -2 when a block table names a block
- * outside the pool (nothing outside the pool is read; the output is then not valid); -3 when out of memory. */
-int paged_decode_attention(
+/* Returns 0; -1 for a shape paged_attention_supports refuses; -2 when a block table names a block
+ * outside the pool (nothing outside the pool is read; the output is then not valid); -3 when out of memory;
+ * -4 when a row has more new tokens than context. */
+int paged_attention(
     const float *query,          /* [T, Hq, D] fp32, contiguous */
     const void *kv,              /* [2, N, B, Hkv, D] one layer's pool, contiguous, of kv_dtype */
     int kv_dtype,
-    float *out,                  /* [T, Hq, D] fp32: only the decode rows' tokens are written */
-    const int64_t *rows,         /* [num_rows]: the batch rows to compute (each has one query token); NULL: 0 .. */
-    int64_t num_rows,
-    const int64_t *cu_seqlens_q, /* [R + 1]: row r's query token is cu_seqlens_q[r] */
-    const int64_t *context_lens, /* [R] */
+    float *out,                  /* [T, Hq, D] fp32 */
+    int64_t num_rows,            /* R */
+    const int64_t *cu_seqlens_q, /* [R + 1]: row r's new tokens are cu_seqlens_q[r] .. cu_seqlens_q[r + 1] - 1 */
+    const int64_t *context_lens, /* [R]: cached tokens + new tokens */
     const int64_t *block_tables, /* [R, table_stride] */
     int64_t table_stride,
     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
@@ -250,58 +255,70 @@ int paged_decode_attention(
     int num_threads)              /* torch.get_num_threads(): the kernel follows torch's setting */
 {
     const int64_t group = num_q_heads / num_kv_heads, D = head_dim, B = block_size, Hkv = num_kv_heads;
-    if (!paged_decode_supports(num_q_heads, num_kv_heads, head_dim, block_size)) return -1;
+    if (!paged_attention_supports(num_q_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t token_stride = Hkv * D;                 /* elements between tokens of one block */
     const int64_t v_offset = num_blocks * B * token_stride; /* V follows K */
     const int64_t elem_size = kv_dtype == KV_F32 ? 4 : 2;
     const int64_t slice = (SLICE_TOKENS + B - 1) / B * B;
-    /* A work item is a row's KV heads `heads` at a time: all of them when there are rows enough to keep the
-     * threads busy, so that each block's K and V are read as two contiguous runs; one when there are few
-     * rows. With fewer such units than twice the threads (one or two sequences decoding), each slice of a
-     * unit is an item of its own, merged after the loop: otherwise 3 KV heads on 2 threads leave one thread
-     * idle a third of the time, and one head on many threads all but one. Else a unit's slices run one after
-     * another in its item. The same slices and the same merge either way. */
-    const int64_t heads = num_rows >= 2 * num_threads && num_q_heads * D <= MAX_GROUP_DIM ? Hkv : 1;
-    const int64_t chunks = Hkv / heads, hg = heads * group, hgd = hg * D, stride = hgd + 2 * hg;
-    const int64_t units = num_rows * chunks;
-    int64_t max_slices = 1;
-    for (int64_t i = 0; i < num_rows; i++) {
-        const int64_t n = num_slices(context_lens[rows ? rows[i] : i], slice);
-        max_slices = n > max_slices ? n : max_slices;
+    const int64_t num_tokens = cu_seqlens_q[num_rows] - cu_seqlens_q[0];
+    /* Each query token's row and context: token i of a row with n new tokens sees its first ctx - n + i + 1. */
+    int64_t *token_row = malloc(sizeof(int64_t) * (size_t)(2 * (num_tokens > 0 ? num_tokens : 1)));
+    if (!token_row) return -3;
+    int64_t *token_ctx = token_row + num_tokens, max_slices = 1;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const int64_t first = cu_seqlens_q[r], n = cu_seqlens_q[r + 1] - first;
+        if (n > context_lens[r]) { free(token_row); return -4; }
+        for (int64_t i = 0; i < n; i++) {
+            token_row[first - cu_seqlens_q[0] + i] = r;
+            token_ctx[first - cu_seqlens_q[0] + i] = context_lens[r] - n + i + 1;
+        }
+        const int64_t most = num_slices(context_lens[r], slice);
+        max_slices = n && most > max_slices ? most : max_slices;
     }
+    /* A work item is a token's KV heads `heads` at a time: all of them when there are tokens enough to keep
+     * the threads busy, so that each block's K and V are read as two contiguous runs; one when there are few.
+     * With fewer such units than twice the threads (one or two sequences decoding), each slice of a unit is
+     * an item of its own, merged after the loop: otherwise 3 KV heads on 2 threads leave one thread idle a
+     * third of the time, and one head on many threads all but one. Else a unit's slices run one after another
+     * in its item. The same slices and the same merge either way. */
+    const int64_t heads = num_tokens >= 2 * num_threads && num_q_heads * D <= MAX_GROUP_DIM ? Hkv : 1;
+    const int64_t chunks = Hkv / heads, hg = heads * group, hgd = hg * D, stride = hgd + 2 * hg;
+    const int64_t units = num_tokens * chunks;
     const int spread = units < 2 * num_threads;
     const int64_t items = spread ? units * max_slices : units;
     /* Spread: every item's partial sums; else each thread's own, for one unit's slices at a time. */
     const int64_t part_count = spread ? items : num_threads * max_slices;
-    float *parts = malloc(sizeof(float) * (size_t)(part_count * stride));
-    if (!parts) return -3;
+    float *parts = malloc(sizeof(float) * (size_t)((part_count > 0 ? part_count : 1) * stride));
+    if (!parts) { free(token_row); return -3; }
     int bad_block = 0;
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         const int64_t unit = spread ? item / max_slices : item;
-        const int64_t r = rows ? rows[unit / chunks] : unit / chunks, h0 = (unit % chunks) * heads;
-        const int64_t ctx = context_lens[r], n = num_slices(ctx, slice);
+        const int64_t token = unit / chunks, h0 = (unit % chunks) * heads;
+        const int64_t r = token_row[token], ctx = token_ctx[token], n = num_slices(ctx, slice);
         const int64_t first = spread ? item % max_slices : 0, last = spread ? first + 1 : n;
-        if (first >= n) continue;  /* a slice past this row's end */
+        if (first >= n) continue;  /* a slice past this token's context */
         float *own = spread ? parts + item * stride : parts + (int64_t)omp_get_thread_num() * max_slices * stride;
+        const int64_t at = ((cu_seqlens_q[0] + token) * num_q_heads + h0 * group) * D;
         for (int64_t sp = first; sp < last; sp++) {
             const int64_t t0 = sp * slice, t1 = t0 + slice < ctx ? t0 + slice : ctx;
             float *part = spread ? own : own + sp * stride;
-            if (attend_range(query + (cu_seqlens_q[r] * num_q_heads + h0 * group) * D, kv, kv_dtype, elem_size,
-                             block_tables + r * table_stride, t0, t1, h0, heads, group, D, B, token_stride,
-                             v_offset, num_blocks, scale, part, part + hgd, part + hgd + hg)) {
+            if (attend_range(query + at, kv, kv_dtype, elem_size, block_tables + r * table_stride, t0, t1, h0,
+                             heads, group, D, B, token_stride, v_offset, num_blocks, scale, part, part + hgd,
+                             part + hgd + hg)) {
                 #pragma omp atomic write
                 bad_block = 1;
             }
         }
-        if (!spread) merge_slices(own, n, stride, hg, D, out + (cu_seqlens_q[r] * num_q_heads + h0 * group) * D);
+        if (!spread) merge_slices(own, n, stride, hg, D, out + at);
     }
     for (int64_t unit = 0; spread && unit < units; unit++) {
-        const int64_t r = rows ? rows[unit / chunks] : unit / chunks, h0 = (unit % chunks) * heads;
-        merge_slices(parts + unit * max_slices * stride, num_slices(context_lens[r], slice), stride, hg, D,
-                     out + (cu_seqlens_q[r] * num_q_heads + h0 * group) * D);
+        const int64_t token = unit / chunks, h0 = (unit % chunks) * heads;
+        merge_slices(parts + unit * max_slices * stride, num_slices(token_ctx[token], slice), stride, hg, D,
+                     out + ((cu_seqlens_q[0] + token) * num_q_heads + h0 * group) * D);
     }
     free(parts);
+    free(token_row);
     return bad_block ? -2 : 0;
 }
