@@ -6,8 +6,9 @@
  * batch, in a prefill chunk of any size, recomputed after a preemption): a sequence gets the same bits
  * whatever else shares its steps.
  *
- * A work item is a query token (or a token's single KV head when tokens are few); each K/V vector is read
- * once and serves every query head of its GQA group. Online softmax block by block; math in fp32 whatever
+ * A work item is a tile of up to 16 consecutive new tokens of one row (a decode row is a tile of one), or a
+ * tile's single KV head when tiles are few. Each block's K and V are read once for the tile's tokens and
+ * every query head of their GQA group, and each token goes through them as it would alone. Online softmax block by block; math in fp32 whatever
  * the pool's dtype. The next block's K/V lines are prefetched while the current one is computed: blocks sit
  * anywhere in the pool, so the hardware prefetcher cannot guess them.
  *
@@ -30,6 +31,9 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 #define MAX_GROUP_DIM 8192
 #define MAX_GROUP 256
 #define MAX_BLOCK_DIM 16384 /* block_size x head_dim: one block of converted (bf16/fp16) K or V */
+/* A tile's scaled queries: tokens x the query heads of a work item (at least one token). */
+#define MAX_TILE_DIM 16384
+#define TILE_TOKENS 16
 
 #define LANES 8
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
@@ -152,54 +156,73 @@ int paged_attention_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t 
         && block_size * head_dim <= MAX_BLOCK_DIM;
 }
 
-/* Attention of one row's query token over its tokens [t0, t1) (t0 a multiple of B), KV heads h0 .. h0 + heads - 1:
- * the unnormalised sum acc, running maximum m and sum l per query head (query head h0 * group + j at j).
- * Returns 0, or -2 when the block table names a block outside the pool (then stops). */
-__attribute__((noinline)) static int attend_range(const float *q_in, const void *kv, int kv_dtype, int64_t elem_size, const int64_t *table,
-                        int64_t t0, int64_t t1, int64_t h0, int64_t heads, int64_t group, int64_t D, int64_t B,
-                        int64_t token_stride, int64_t v_offset, int64_t num_blocks, float scale, float *acc, float *m,
-                        float *l) {
-    const int64_t hgd = heads * group * D;
-    /* Sized by the shapes (bounded by paged_attention_supports): small stacks suffice. */
-    float q[hgd], scores[group * B];
-    float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
-    for (int64_t i = 0; i < hgd; i++) q[i] = q_in[i] * scale;
-    memset(acc, 0, sizeof(float) * hgd);
-    for (int64_t j = 0; j < heads * group; j++) { m[j] = -FLT_MAX; l[j] = 0.0f; }
+/* One block's n tokens (K and V `kstride`/`vstride` floats apart) for one query token's `group` heads of one KV
+ * head: their scores, the online-softmax update of acc [group, D], m and l [group], and the p.v sum. Every
+ * token of every row goes through this one compiled copy, whatever tile it is computed in: its bits follow
+ * from its own query and context alone. */
+__attribute__((noinline)) static void attend_block(const float *q, const float *k, int64_t kstride, const float *v,
+                                                   int64_t vstride, int64_t n, int64_t group, int64_t D, int64_t B,
+                                                   float *scores, float *acc, float *m, float *l) {
+    for (int64_t j = 0; j < group; j++) dot_tokens(q + j * D, k, kstride, n, D, scores + j * B);
+    for (int64_t j = 0; j < group; j++) {
+        float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
+        const float new_max = block_max > m[j] ? block_max : m[j];
+        const float correction = expf(m[j] - new_max);
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - new_max); sum += s[t]; }
+        l[j] = l[j] * correction + sum;
+        m[j] = new_max;
+        float *a = acc + j * D;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) a[d] *= correction;
+    }
+    for (int64_t j = 0; j < group; j++) accumulate_tokens(acc + j * D, scores + j * B, v, vstride, n, D);
+}
 
-    for (int64_t start = t0; start < t1; start += B) {
-        const int64_t blk = table[start / B], n = t1 - start < B ? t1 - start : B;
+/* Attention of `count` consecutive query tokens of one row (token i: query q_in + i * q_stride, context
+ * ctx0 + i) over their tokens from t0 (a multiple of B) to t1, or to their own context's end where it comes
+ * first; KV heads h0 .. h0 + heads - 1. Each block's K and V are read once for all the tokens. Token i's
+ * unnormalised sum acc, running maximum m and sum l per query head (query head h0 * group + j at j) go to
+ * parts + i * stride. Returns 0, or -2 when the block table names a block outside the pool (then stops). */
+static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int64_t ctx0, const void *kv,
+                        int kv_dtype, int64_t elem_size, const int64_t *table, int64_t t0, int64_t t1, int64_t h0,
+                        int64_t heads, int64_t group, int64_t D, int64_t B, int64_t token_stride, int64_t v_offset,
+                        int64_t num_blocks, float scale, float *parts, int64_t stride) {
+    const int64_t hg = heads * group, hgd = hg * D;
+    const int64_t end = ctx0 + count - 1 < t1 ? ctx0 + count - 1 : t1;  /* the last token's */
+    /* Sized by the shapes (bounded by paged_attention_supports and the tile): small stacks suffice. */
+    float q[count * hgd], scores[group * B];
+    float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
+    for (int64_t i = 0; i < count; i++) {
+        for (int64_t x = 0; x < hgd; x++) q[i * hgd + x] = q_in[i * q_stride + x] * scale;
+        float *part = parts + i * stride;
+        memset(part, 0, sizeof(float) * hgd);
+        for (int64_t j = 0; j < hg; j++) { part[hgd + j] = -FLT_MAX; part[hgd + hg + j] = 0.0f; }
+    }
+    for (int64_t start = t0; start < end; start += B) {
+        const int64_t blk = table[start / B], n = end - start < B ? end - start : B;
         if (blk < 0 || blk >= num_blocks) return -2;
-        if (start + B < t1) {
+        if (start + B < end) {
             const int64_t next = table[start / B + 1];
             if (next >= 0 && next < num_blocks) {
-                const int64_t nn = t1 - start - B < B ? t1 - start - B : B, at = next * B * token_stride + h0 * D;
+                const int64_t nn = end - start - B < B ? end - start - B : B, at = next * B * token_stride + h0 * D;
                 prefetch_tokens(kv, elem_size, at, token_stride, nn, heads * D);
                 prefetch_tokens(kv, elem_size, v_offset + at, token_stride, nn, heads * D);
             }
         }
-        for (int64_t i = 0; i < heads; i++) {
-            const int64_t base = blk * B * token_stride + (h0 + i) * D;
-            float *qi = q + i * group * D, *acc_i = acc + i * group * D, *m_i = m + i * group, *l_i = l + i * group;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = blk * B * token_stride + (h0 + h) * D;
             int64_t kstride, vstride;
             const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n, D, k_scratch, &kstride);
-            for (int64_t j = 0; j < group; j++) dot_tokens(qi + j * D, k, kstride, n, D, scores + j * B);
-            for (int64_t j = 0; j < group; j++) {
-                float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
-                for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
-                const float new_max = block_max > m_i[j] ? block_max : m_i[j];
-                const float correction = expf(m_i[j] - new_max);
-                #pragma omp simd reduction(+:sum)
-                for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - new_max); sum += s[t]; }
-                l_i[j] = l_i[j] * correction + sum;
-                m_i[j] = new_max;
-                float *a = acc_i + j * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] *= correction;
-            }
             const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n, D, v_scratch, &vstride);
-            for (int64_t j = 0; j < group; j++)
-                accumulate_tokens(acc_i + j * D, scores + j * B, v, vstride, n, D);
+            for (int64_t i = 0; i < count; i++) {
+                const int64_t own_end = ctx0 + i < t1 ? ctx0 + i : t1, own = own_end - start < n ? own_end - start : n;
+                if (own <= 0) continue;  /* this block lies past token i's context */
+                float *part = parts + i * stride;
+                attend_block(q + i * hgd + h * group * D, k, kstride, v, vstride, own, group, D, B, scores,
+                             part + h * group * D, part + hgd + h * group, part + hgd + hg + h * group);
+            }
         }
     }
     return 0;
@@ -260,65 +283,78 @@ int paged_attention(
     const int64_t v_offset = num_blocks * B * token_stride; /* V follows K */
     const int64_t elem_size = kv_dtype == KV_F32 ? 4 : 2;
     const int64_t slice = (SLICE_TOKENS + B - 1) / B * B;
-    const int64_t num_tokens = cu_seqlens_q[num_rows] - cu_seqlens_q[0];
-    /* Each query token's row and context: token i of a row with n new tokens sees its first ctx - n + i + 1. */
-    int64_t *token_row = malloc(sizeof(int64_t) * (size_t)(2 * (num_tokens > 0 ? num_tokens : 1)));
-    if (!token_row) return -3;
-    int64_t *token_ctx = token_row + num_tokens, max_slices = 1;
+    /* A tile: up to `tile` consecutive new tokens of one row, which read each block of their context once. */
+    const int64_t fit = MAX_TILE_DIM / (num_q_heads * D);
+    const int64_t tile = fit > TILE_TOKENS ? TILE_TOKENS : fit < 1 ? 1 : fit;
+    int64_t num_tiles = 0, max_slices = 1;
     for (int64_t r = 0; r < num_rows; r++) {
-        const int64_t first = cu_seqlens_q[r], n = cu_seqlens_q[r + 1] - first;
-        if (n > context_lens[r]) { free(token_row); return -4; }
-        for (int64_t i = 0; i < n; i++) {
-            token_row[first - cu_seqlens_q[0] + i] = r;
-            token_ctx[first - cu_seqlens_q[0] + i] = context_lens[r] - n + i + 1;
-        }
+        const int64_t n = cu_seqlens_q[r + 1] - cu_seqlens_q[r];
+        if (n > context_lens[r]) return -4;
+        num_tiles += (n + tile - 1) / tile;
         const int64_t most = num_slices(context_lens[r], slice);
         max_slices = n && most > max_slices ? most : max_slices;
     }
-    /* A work item is a token's KV heads `heads` at a time: all of them when there are tokens enough to keep
-     * the threads busy, so that each block's K and V are read as two contiguous runs; one when there are few.
+    /* Each tile's row, first token and token count. */
+    int64_t *tile_row = malloc(sizeof(int64_t) * (size_t)(3 * (num_tiles > 0 ? num_tiles : 1)));
+    if (!tile_row) return -3;
+    int64_t *tile_first = tile_row + num_tiles, *tile_count = tile_first + num_tiles;
+    for (int64_t r = 0, t = 0; r < num_rows; r++)
+        for (int64_t first = cu_seqlens_q[r]; first < cu_seqlens_q[r + 1]; first += tile, t++) {
+            tile_row[t] = r;
+            tile_first[t] = first;
+            tile_count[t] = cu_seqlens_q[r + 1] - first < tile ? cu_seqlens_q[r + 1] - first : tile;
+        }
+    /* A work item is a tile's KV heads `heads` at a time: all of them when there are tiles enough to keep the
+     * threads busy, so that each block's K and V are read as two contiguous runs; one when there are few.
      * With fewer such units than twice the threads (one or two sequences decoding), each slice of a unit is
      * an item of its own, merged after the loop: otherwise 3 KV heads on 2 threads leave one thread idle a
      * third of the time, and one head on many threads all but one. Else a unit's slices run one after another
      * in its item. The same slices and the same merge either way. */
-    const int64_t heads = num_tokens >= 2 * num_threads && num_q_heads * D <= MAX_GROUP_DIM ? Hkv : 1;
+    const int64_t heads = num_tiles >= 2 * num_threads && tile * num_q_heads * D <= MAX_TILE_DIM ? Hkv : 1;
     const int64_t chunks = Hkv / heads, hg = heads * group, hgd = hg * D, stride = hgd + 2 * hg;
-    const int64_t units = num_tokens * chunks;
+    const int64_t units = num_tiles * chunks, tile_parts = tile * max_slices * stride;
     const int spread = units < 2 * num_threads;
     const int64_t items = spread ? units * max_slices : units;
-    /* Spread: every item's partial sums; else each thread's own, for one unit's slices at a time. */
-    const int64_t part_count = spread ? items : num_threads * max_slices;
-    float *parts = malloc(sizeof(float) * (size_t)((part_count > 0 ? part_count : 1) * stride));
-    if (!parts) { free(token_row); return -3; }
+    /* Each unit's partial sums (spread), else each thread's own for one unit at a time: per token of the tile,
+     * per slice. */
+    float *parts = malloc(sizeof(float) * (size_t)((spread ? units : num_threads) * tile_parts));
+    if (!parts) { free(tile_row); return -3; }
     int bad_block = 0;
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t unit = spread ? item / max_slices : item;
-        const int64_t token = unit / chunks, h0 = (unit % chunks) * heads;
-        const int64_t r = token_row[token], ctx = token_ctx[token], n = num_slices(ctx, slice);
+        const int64_t unit = spread ? item / max_slices : item, t = unit / chunks, h0 = (unit % chunks) * heads;
+        const int64_t r = tile_row[t], count = tile_count[t], first_token = tile_first[t];
+        const int64_t q_len = cu_seqlens_q[r + 1] - cu_seqlens_q[r];
+        const int64_t ctx0 = context_lens[r] - q_len + (first_token - cu_seqlens_q[r]) + 1;  /* first token's */
+        const int64_t n = num_slices(ctx0 + count - 1, slice);
         const int64_t first = spread ? item % max_slices : 0, last = spread ? first + 1 : n;
-        if (first >= n) continue;  /* a slice past this token's context */
-        float *own = spread ? parts + item * stride : parts + (int64_t)omp_get_thread_num() * max_slices * stride;
-        const int64_t at = ((cu_seqlens_q[0] + token) * num_q_heads + h0 * group) * D;
+        if (first >= n) continue;  /* a slice past every token's context */
+        float *own = parts + (spread ? unit : (int64_t)omp_get_thread_num()) * tile_parts;
+        const int64_t at = (first_token * num_q_heads + h0 * group) * D;
         for (int64_t sp = first; sp < last; sp++) {
-            const int64_t t0 = sp * slice, t1 = t0 + slice < ctx ? t0 + slice : ctx;
-            float *part = spread ? own : own + sp * stride;
-            if (attend_range(query + at, kv, kv_dtype, elem_size, block_tables + r * table_stride, t0, t1, h0,
-                             heads, group, D, B, token_stride, v_offset, num_blocks, scale, part, part + hgd,
-                             part + hgd + hg)) {
+            /* Slice sp of token i at own + (sp * tile + i) * stride: a token's slices `tile` strides apart. */
+            if (attend_range(query + at, num_q_heads * D, count, ctx0, kv, kv_dtype, elem_size,
+                             block_tables + r * table_stride, sp * slice, (sp + 1) * slice, h0, heads, group, D, B,
+                             token_stride, v_offset, num_blocks, scale, own + sp * tile * stride, stride)) {
                 #pragma omp atomic write
                 bad_block = 1;
             }
         }
-        if (!spread) merge_slices(own, n, stride, hg, D, out + at);
+        if (!spread)
+            for (int64_t i = 0; i < count; i++)
+                merge_slices(own + i * stride, num_slices(ctx0 + i, slice), tile * stride, hg, D,
+                             out + at + i * num_q_heads * D);
     }
     for (int64_t unit = 0; spread && unit < units; unit++) {
-        const int64_t token = unit / chunks, h0 = (unit % chunks) * heads;
-        merge_slices(parts + unit * max_slices * stride, num_slices(token_ctx[token], slice), stride, hg, D,
-                     out + ((cu_seqlens_q[0] + token) * num_q_heads + h0 * group) * D);
+        const int64_t t = unit / chunks, h0 = (unit % chunks) * heads, r = tile_row[t];
+        const int64_t q_len = cu_seqlens_q[r + 1] - cu_seqlens_q[r];
+        const int64_t ctx0 = context_lens[r] - q_len + (tile_first[t] - cu_seqlens_q[r]) + 1;
+        for (int64_t i = 0; i < tile_count[t]; i++)
+            merge_slices(parts + unit * tile_parts + i * stride, num_slices(ctx0 + i, slice), tile * stride, hg, D,
+                         out + ((tile_first[t] + i) * num_q_heads + h0 * group) * D);
     }
     free(parts);
-    free(token_row);
+    free(tile_row);
     return bad_block ? -2 : 0;
 }
