@@ -8,9 +8,10 @@
  *
  * A work item is a tile of up to 16 consecutive new tokens of one row (a decode row is a tile of one), or a
  * tile's single KV head when tiles are few. Each block's K and V are read once for the tile's tokens and
- * every query head of their GQA group, and each token goes through them as it would alone. Online softmax block by block; math in fp32 whatever
- * the pool's dtype. The next block's K/V lines are prefetched while the current one is computed: blocks sit
- * anywhere in the pool, so the hardware prefetcher cannot guess them.
+ * every query head of their GQA group, and each token goes through them as it would alone. Online softmax
+ * block by block; math in fp32 whatever the pool's dtype. The next block's K/V lines are prefetched while
+ * the current one is computed: blocks sit anywhere in the pool, so the hardware prefetcher cannot guess
+ * them.
  *
  * SIMD through GCC/Clang vector extensions (any target: -march=native picks the width's instructions).
  * q.k for eight tokens at a time keeps eight independent FMA chains in flight; the p.v sum keeps a 64-wide
