@@ -88,7 +88,7 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
         for m in (1, 3, 4, 5, 17, 60):  # dequantizing rows alone, then with register tiles after them
             x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
             y = torch.empty(m, 40)
-            code = quant_linear._KERNEL_TYPE[qtype]
+            code = quant_linear.KERNEL_TYPE[qtype]
             assert avx2.quant_linear(x.data_ptr(), m, 128, 128, layer.panels.data_ptr(), code, 40, None, y.data_ptr(),
                                      40, 2) == 0
             assert torch.equal(layer.product(x), y), (qtype, m)

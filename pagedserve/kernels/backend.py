@@ -43,6 +43,11 @@ class RMSNormRows(Protocol):
         `residual` [T, H] is given, which then holds that sum (in place)."""
 
 
+class SiluMul(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for x [T, 2 * I] = [gate | up] (contiguous in I): [T, I]."""
+
+
 class RotateQK(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place, as reference.rotate_qk."""
@@ -67,6 +72,7 @@ class AttentionBackend:
     paged_attention: PagedAttention
     rms_norm: RMSNormRows | None = None  # None: the reference's torch ops
     rotate_qk: RotateQK | None = None
+    silu_mul: SiluMul | None = None
 
 
 @dataclass
@@ -100,7 +106,8 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device}")
         if not cpu.available():
             raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel (set CC)")
-        return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention, rotate_qk=cpu.rotate_qk)
+        return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention, cpu.rms_norm, cpu.rotate_qk,
+                                cpu.silu_mul)
     if name == "reference":
         from pagedserve.kernels import reference
 

@@ -19,7 +19,7 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.backend import check_rotation
 from pagedserve.kernels.native import layer_ops_library, paged_attention_library
 
-__all__ = ["available", "paged_attention", "rotate_qk", "write_kv_cache"]
+__all__ = ["available", "paged_attention", "rms_norm", "rotate_qk", "silu_mul", "write_kv_cache"]
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -86,6 +86,39 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                               slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2], num_slots)
     if status:
         raise IndexError(f"slot_mapping names a slot past the KV pool's {num_slots}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """See backend.RMSNormRows. In fp32 one native call, whose mean of squares is summed in an order of its own
+    (the same for every row): the last bits differ from torch's, not from one row or batch to another."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],) or (residual is not None and residual.shape != x.shape):
+        got = None if residual is None else tuple(residual.shape)
+        raise ValueError(f"rms_norm needs x [T, H], weight [H] and residual [T, H]: got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}, residual {got}")
+    lib = layer_ops_library()
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if (lib is None or not _f32(*tensors) or x.stride(1) != 1 or not weight.is_contiguous()
+            or (residual is not None and residual.stride(1) != 1)):
+        return reference.rms_norm(x, weight, eps, residual)
+    out = torch.empty(x.shape)  # [T, H]
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                     0 if residual is None else residual.stride(0), weight.data_ptr(), ctypes.c_float(eps),
+                     out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """See backend.SiluMul. In fp32 one native call, whose exp is its own (within 2e-7 of torch's)."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_mul needs x [T, 2 * I] (gate, then up): got {tuple(x.shape)}")
+    lib = layer_ops_library()
+    if lib is None or not _f32(x) or x.stride(1) != 1:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n)  # [T, I]
+    lib.silu_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), n, x.shape[0], n, torch.get_num_threads())
+    return out
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -32,8 +32,11 @@ PAGED_ATTENTION_FLAGS = [*_COMMON_FLAGS, "-ffast-math"]
 # The linear kernel must round its dequantization exactly as the fp32 weights were rounded: no fast-math,
 # no contraction of d * q + m into one fused multiply-add.
 QUANT_LINEAR_FLAGS = [*_COMMON_FLAGS, "-ffp-contract=off"]
-# The layer's small ops round each product and sum as torch does: the same flags.
+# The layer's small ops round each product and sum as torch does (the norm in an order of its own): the same
+# flags.
 LAYER_OPS_FLAGS = QUANT_LINEAR_FLAGS
+# The decoder's driver only calls the other kernels (no arithmetic of its own): the same flags.
+DECODER_FLAGS = QUANT_LINEAR_FLAGS
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -76,14 +79,30 @@ def quant_linear_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def layer_ops_library() -> ctypes.CDLL | None:
-    """The built rotary embedding and K/V write, or None (logged) where they cannot be built here."""
-    lib = _library("layer_ops.c", LAYER_OPS_FLAGS, "the layers' rotations and K/V writes use torch ops")
+    """The built RMSNorm, rotary embedding, K/V write and SiLU gate, or None (logged) where they cannot be built
+    here."""
+    lib = _library("layer_ops.c", LAYER_OPS_FLAGS, "the layers' small ops use torch's")
     if lib is None:
         return None
+    lib.rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _i64, _i64, _i64, ctypes.c_int]
+    lib.rms_norm_f32.restype = None
+    lib.silu_mul_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
+    lib.silu_mul_f32.restype = None
     lib.rotate_qk_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
     lib.rotate_qk_f32.restype = None
     lib.write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
     lib.write_kv_f32.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def decoder_library() -> ctypes.CDLL | None:
+    """The built decoder driver (one call per step through the other kernels), or None (logged)."""
+    lib = _library("decoder.c", DECODER_FLAGS, "the CPU decoder runs layer by layer in Python")
+    if lib is None:
+        return None
+    lib.decoder_forward.argtypes = [_ptr, _ptr, _ptr, _ptr]
+    lib.decoder_forward.restype = ctypes.c_int
     return lib
 
 

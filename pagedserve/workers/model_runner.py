@@ -12,6 +12,7 @@ from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.native_forward import native_forward
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
 from pagedserve.workers.tensors import host_tensor, on_device, on_device_packed
 
@@ -58,6 +59,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.last_tokens: torch.Tensor | None = None  # [D] the last step's draws, for the next one's deferred inputs
         self.block_tables = BlockTables(self.device)
+        self.native_forward = native_forward(model, kv_pool, backend)  # None: the modules run the layers
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -81,6 +83,8 @@ class ModelRunner:
         ctx = inputs.ctx
         if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
+        elif self.native_forward is not None:
+            hidden = self.native_forward(inputs.input_ids, inputs.positions, ctx)  # [T, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_pool, ctx)  # [T, H]
         prompt_scores = self._score_prompts(hidden, batch)

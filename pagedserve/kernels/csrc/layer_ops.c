@@ -1,14 +1,47 @@
-/* A decoder layer's small fp32 operations on the CPU, one call each: the rotary embedding of q and k, and the
- * scatter of new K/V into the paged pool.
+/* A decoder layer's small fp32 operations on the CPU, one call each: the RMSNorm (with the residual add before
+ * it), the rotary embedding of q and k, the scatter of new K/V into the paged pool, and the MLP's SiLU gate.
  *
- * In eager torch the rotation is ten small ops and the write five; at a decode step of a few sequences their
- * dispatch, not their arithmetic, is the cost. Built without -ffast-math and with -ffp-contract=off: every
- * product and sum is rounded as torch's op for op rounds it, so both give torch's bits. (The RMSNorm stays
- * torch's: its mean of squares, summed in another order, changed last bits, and with them sampled tokens
- * at near-ties between runs that must agree.)
+ * In eager torch the norm is eight small ops, the rotation ten and the write five; at a decode step of a few
+ * sequences their dispatch, not their arithmetic, is the cost. Built without -ffast-math and with
+ * -ffp-contract=off: the rotation and the write round every product and sum as torch's ops do, so both give
+ * torch's bits. The norm's mean of squares and the gate's exp are computed in ways of their own, the same for
+ * every row and column on every build, so a row's bits do not depend on the other rows, as the attention
+ * and linear kernels' do not.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Eight lanes on any x86 build (AVX2 or AVX-512), so that the sum's order does not follow the vector width. */
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
+
+/* Each row r of x [rows, dim] (or of residual + x, which residual then holds, rounded as torch adds):
+ * out = weight * (r * (1 / sqrt(mean(r * r) + eps))), as transformers' LlamaRMSNorm in fp32. The squares are
+ * summed in 8 lanes (lane i: elements i, i + 8, ...), the lanes in order, then the tail. */
+void rms_norm_f32(const float *x, int64_t stride_x, float *residual, int64_t stride_r, const float *weight,
+                  float eps, float *out, int64_t stride_o, int64_t rows, int64_t dim, int num_threads) {
+    const int64_t body = dim / 8 * 8;
+    #pragma omp parallel for if (rows >= 64) num_threads(num_threads)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + t * stride_x;
+        float *r = residual ? residual + t * stride_r : (float *)xt, *o = out + t * stride_o;
+        if (residual) {
+            for (int64_t i = 0; i < dim; i++) r[i] += xt[i];
+        }
+        v8 lanes = {0};
+        for (int64_t i = 0; i < body; i += 8) {
+            v8 v;
+            memcpy(&v, r + i, sizeof v);
+            lanes += v * v;
+        }
+        float sum = 0.0f;
+        for (int i = 0; i < 8; i++) sum += lanes[i];
+        for (int64_t i = body; i < dim; i++) sum += r[i] * r[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (r[i] * inv);
+    }
+}
 
 /* x [rows, heads, dim] (strides in floats) rotated in place by cos/sin [rows, dim] (row strides):
  * x * cos + rotate_half(x) * sin, each product and the sum rounded, as transformers computes it. */
@@ -57,4 +90,67 @@ int write_kv_f32(const float *key, int64_t stride_kt, int64_t stride_kh, const f
         }
     }
     return 0;
+}
+
+/* Lane i: a[i] where mask[i] (all ones), else b[i]. */
+static inline v8 select8(v8i mask, v8 a, v8 b) {
+    v8i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    const v8i r = (ai & mask) | (bi & ~mask);
+    v8 out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* exp(x) for 8 lanes: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is exact), a degree-6
+ * Taylor polynomial of exp(r) (relative error under 2e-7), scaled by 2^n through the exponent bits. x is
+ * clamped to [-87, 88]: exp(-87) is still normal, exp(88) still finite. */
+static inline v8 exp8(v8 x) {
+    const v8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    const v8 hi = {88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f};
+    x = select8(x < lo, lo, x);
+    x = select8(x > hi, hi, x);
+    const v8 round = x * 1.44269504088896341f + 12582912.0f;  /* 1.5 * 2^23: the sum rounds to an integer */
+    const v8 n = round - 12582912.0f;
+    const v8 r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-6f;
+    v8 p = r * (1.0f / 720) + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* out [rows, n] = silu(gate) * up for x [rows, 2n] = [gate | up] (row strides in floats), silu(g) =
+ * g / (1 + exp(-g)): every element through the same 8-lane code (the last ones of a row padded), so a value's
+ * bits depend on it alone. */
+void silu_mul_f32(const float *x, int64_t stride_x, float *out, int64_t stride_o, int64_t rows, int64_t n,
+                  int num_threads) {
+    const int64_t body = n / 8 * 8;
+    #pragma omp parallel for if (rows >= 16) num_threads(num_threads)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = x + t * stride_x, *up = gate + n;
+        float *o = out + t * stride_o;
+        v8 g, u, y;
+        for (int64_t i = 0; i < body; i += 8) {
+            memcpy(&g, gate + i, sizeof g);
+            memcpy(&u, up + i, sizeof u);
+            y = g / (1.0f + exp8(-g)) * u;
+            memcpy(o + i, &y, sizeof y);
+        }
+        if (body < n) {
+            const size_t tail = (size_t)(n - body) * sizeof(float);
+            g = (v8){0};
+            u = (v8){0};
+            memcpy(&g, gate + body, tail);
+            memcpy(&u, up + body, tail);
+            y = g / (1.0f + exp8(-g)) * u;
+            memcpy(o + body, &y, tail);
+        }
+    }
 }

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.backend import AttentionContext, RMSNormRows
+from pagedserve.kernels.backend import AttentionContext, RMSNormRows, SiluMul
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
@@ -101,8 +101,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None) -> torch.Tensor:
+        """`silu_mul`: the backend's one-call gate, where the projection's output is rows it takes."""
+        gate_up = self.gate_up_proj(x)
+        if silu_mul is not None and gate_up.dim() == 2:
+            return row_parallel(self.down_proj, silu_mul(gate_up), self.tp)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return row_parallel(self.down_proj, F.silu(gate).mul_(up), self.tp)
 
 
@@ -143,7 +147,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_forward(x, residual, norm)
         h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, ctx), residual,
                                                                 norm)
-        return self.mlp(h), residual
+        return self.mlp(h, ctx.backend.silu_mul), residual
 
 
 class DecoderModel(nn.Module):

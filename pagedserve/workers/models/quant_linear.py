@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 QK = 32  # values per GGUF block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF's block sizes: the types the kernel reads
-_KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # quant_linear.c's enum
+KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # quant_linear.c's enum
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -85,7 +85,7 @@ class QuantLinear(nn.Module):
         y = torch.empty(m, self.out_features)  # [M, N]
         if m:
             status = self._kernel(x2.data_ptr(), m, self.in_features, x2.stride(0), self.panels.data_ptr(),
-                                  _KERNEL_TYPE[self.qtype], self.out_features,
+                                  KERNEL_TYPE[self.qtype], self.out_features,
                                   None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
                                   torch.get_num_threads())
             if status:

@@ -1,0 +1,123 @@
+/* A decoder's layers on the CPU in one call per step: the same kernel calls, in the same order and on the same
+ * values, as the model's modules make through the CPU backend (workers/models/llama.py), without the Python
+ * and torch dispatch between them, which at a decode step of a few sequences costs a third of the step.
+ *
+ * This file does no arithmetic of its own: every value is computed by the kernels it is handed (the GGUF-block
+ * linear layer, the RMSNorm, the rotary embedding, the K/V write, the paged attention, the SiLU gate), so the
+ * outputs are the modules' bits (tests/test_native_forward.py checks it). It covers what those kernels cover:
+ * Llama / Qwen2 layers (biases included) whose four projections are GGUF blocks, fp32, one rank; the modules
+ * run every other model.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*quant_linear_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int qtype,
+                               int64_t N, const float *bias, float *y, int64_t ldy, int num_threads);
+typedef int (*attention_fn)(const float *query, const void *kv, int kv_dtype, float *out, int64_t num_rows,
+                            const int64_t *cu_seqlens_q, const int64_t *context_lens, const int64_t *block_tables,
+                            int64_t table_stride, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t num_blocks, float scale, int num_threads);
+typedef void (*rms_norm_fn)(const float *x, int64_t stride_x, float *residual, int64_t stride_r,
+                            const float *weight, float eps, float *out, int64_t stride_o, int64_t rows, int64_t dim,
+                            int num_threads);
+typedef void (*rotate_fn)(float *q, int64_t stride_qt, int64_t stride_qh, int64_t q_heads, float *k,
+                          int64_t stride_kt, int64_t stride_kh, int64_t k_heads, const float *cos, int64_t stride_c,
+                          const float *sin, int64_t stride_s, int64_t rows, int64_t dim);
+typedef int (*write_kv_fn)(const float *key, int64_t stride_kt, int64_t stride_kh, const float *value,
+                           int64_t stride_vt, int64_t stride_vh, float *k_plane, float *v_plane,
+                           const int64_t *slot_mapping, int64_t rows, int64_t heads, int64_t dim, int64_t num_slots);
+typedef void (*silu_mul_fn)(const float *x, int64_t stride_x, float *out, int64_t stride_o, int64_t rows, int64_t n,
+                            int num_threads);
+
+typedef struct {
+    quant_linear_fn quant_linear;
+    attention_fn attention;
+    rms_norm_fn rms_norm;
+    rotate_fn rotate;
+    write_kv_fn write_kv;
+    silu_mul_fn silu_mul;
+} kernels_t;
+
+typedef struct {
+    const uint8_t *panels;  /* the repacked GGUF blocks (workers/models/quant_linear.py) */
+    const float *bias;      /* [n] or NULL */
+    int64_t qtype, n, k;
+} linear_t;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [hidden] */
+    linear_t qkv, o, gate_up, down;
+} layer_t;
+
+typedef struct {
+    int64_t num_layers, hidden, num_q_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *final_norm;  /* [hidden] */
+    const layer_t *layers;
+} model_t;
+
+typedef struct {
+    int64_t num_tokens, num_rows;
+    const int64_t *cu_seqlens_q, *context_lens, *block_tables, *slot_mapping;
+    int64_t table_stride;
+    const float *cos, *sin;  /* [T, 1, D] */
+    int64_t cos_stride, sin_stride;
+    float *kv;  /* [L, 2, N, B, Hkv, D] fp32 */
+    int64_t num_blocks, block_size;
+    int num_threads;
+} step_t;
+
+/* Scratch of the step's shapes, and `hidden` [T, H]: the embeddings in, the final norm's output out. */
+typedef struct {
+    float *hidden, *residual, *normed, *qkv, *query, *attn, *gate_up, *act;
+} buffers_t;
+
+/* Returns 0; else the failing kernel's status plus an offset naming it: 100 the linear layer, 200 the K/V
+ * write, 300 the attention. */
+int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, const buffers_t *b) {
+    const int64_t T = s->num_tokens, H = m->hidden, D = m->head_dim, Hq = m->num_q_heads, Hkv = m->num_kv_heads;
+    const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size, I = m->intermediate;
+    const int64_t plane = s->num_blocks * s->block_size * kv_size, num_slots = s->num_blocks * s->block_size;
+    const int threads = s->num_threads;
+    int status;
+    if (T == 0) return 0;
+    /* The first layer's residual stream is the embeddings; each later add is done by the norm after it. */
+    memcpy(b->residual, b->hidden, sizeof(float) * (size_t)(T * H));
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const layer_t *L = &m->layers[i];
+        float *k_plane = s->kv + i * 2 * plane, *v_plane = k_plane + plane;
+        if (i == 0) {
+            kern->rms_norm(b->hidden, H, NULL, 0, L->input_norm, m->eps, b->normed, H, T, H, threads);
+        } else {
+            kern->rms_norm(b->hidden, H, b->residual, H, L->input_norm, m->eps, b->normed, H, T, H, threads);
+        }
+        if ((status = kern->quant_linear(b->normed, T, H, H, L->qkv.panels, (int)L->qkv.qtype, qkv_size, L->qkv.bias,
+                                         b->qkv, qkv_size, threads)))
+            return 100 - status;
+        float *q = b->qkv, *k = b->qkv + q_size, *v = k + kv_size;
+        kern->rotate(q, qkv_size, D, Hq, k, qkv_size, D, Hkv, s->cos, s->cos_stride, s->sin, s->sin_stride, T, D);
+        if ((status = kern->write_kv(k, qkv_size, D, v, qkv_size, D, k_plane, v_plane, s->slot_mapping, T, Hkv, D,
+                                     num_slots)))
+            return 200 - status;
+        for (int64_t t = 0; t < T; t++) memcpy(b->query + t * q_size, q + t * qkv_size, sizeof(float) * (size_t)q_size);
+        if ((status = kern->attention(b->query, k_plane, 0, b->attn, s->num_rows, s->cu_seqlens_q, s->context_lens,
+                                      s->block_tables, s->table_stride, Hq, Hkv, D, s->block_size, s->num_blocks,
+                                      m->scale, threads)))
+            return 300 - status;
+        /* o_proj's output lands in `hidden` (free until the next layer's norm reads it). */
+        if ((status = kern->quant_linear(b->attn, T, q_size, q_size, L->o.panels, (int)L->o.qtype, H, L->o.bias,
+                                         b->hidden, H, threads)))
+            return 100 - status;
+        kern->rms_norm(b->hidden, H, b->residual, H, L->post_norm, m->eps, b->normed, H, T, H, threads);
+        if ((status = kern->quant_linear(b->normed, T, H, H, L->gate_up.panels, (int)L->gate_up.qtype, 2 * I,
+                                         L->gate_up.bias, b->gate_up, 2 * I, threads)))
+            return 100 - status;
+        kern->silu_mul(b->gate_up, 2 * I, b->act, I, T, I, threads);
+        if ((status = kern->quant_linear(b->act, T, I, I, L->down.panels, (int)L->down.qtype, H, L->down.bias,
+                                         b->hidden, H, threads)))
+            return 100 - status;
+    }
+    kern->rms_norm(b->hidden, H, b->residual, H, m->final_norm, m->eps, b->normed, H, T, H, threads);
+    memcpy(b->hidden, b->normed, sizeof(float) * (size_t)(T * H));
+    return 0;
+}

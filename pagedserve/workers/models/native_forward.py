@@ -1,0 +1,152 @@
+"""The decoder's layers in one native call per step on the CPU (kernels/csrc/decoder.c).
+
+At a decode step of a few sequences, the Python and torch dispatch between the CPU kernels (twelve calls a
+layer) costs about a third of the step. The driver makes the same kernel calls on the same values in C, so
+its outputs are the modules' bits. It takes the models those kernels cover: Llama / Qwen2 layers whose
+projections are all GGUF blocks (`QuantLinear`), fp32, one rank, on the `cpu` attention backend; the modules
+(`CausalLM.forward`) run every other model, and remain the definition of the forward pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from pagedserve.kernels import cpu
+from pagedserve.kernels.backend import AttentionBackend, AttentionContext
+from pagedserve.kernels.native import decoder_library, layer_ops_library, paged_attention_library, quant_linear_library
+from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.quant_linear import KERNEL_TYPE, QuantLinear
+
+log = logging.getLogger(__name__)
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("quant_linear", "attention", "rms_norm", "rotate", "write_kv", "silu_mul")]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("panels", _ptr), ("bias", _ptr), ("qtype", _i64), ("n", _i64), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_q_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("final_norm", _ptr),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _i64), ("num_rows", _i64), ("cu_seqlens_q", _ptr), ("context_lens", _ptr),
+                ("block_tables", _ptr), ("slot_mapping", _ptr), ("table_stride", _i64), ("cos", _ptr), ("sin", _ptr),
+                ("cos_stride", _i64), ("sin_stride", _i64), ("kv", _ptr), ("num_blocks", _i64), ("block_size", _i64),
+                ("num_threads", ctypes.c_int)]
+
+
+class _Buffers(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("hidden", "residual", "normed", "qkv", "query", "attn", "gate_up", "act")]
+
+
+def native_forward(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend) -> NativeForward | None:
+    """The driver for `model` over `kv_pool` [L, 2, N, B, Hkv, D], or None where it does not cover them (the
+    reason logged at debug level)."""
+    why = _uncovered(model, kv_pool, backend)
+    if why:
+        log.debug("the CPU decoder runs layer by layer in Python: %s", why)
+        return None
+    return NativeForward(model, kv_pool)
+
+
+def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend) -> str | None:
+    config, tp = model.config, model.tp
+    if backend.name != "cpu" or backend.rms_norm is not cpu.rms_norm or backend.silu_mul is not cpu.silu_mul:
+        return f"the {backend.name} attention backend"
+    if kv_pool.dtype != torch.float32 or not kv_pool.is_cpu or not kv_pool.is_contiguous():
+        return f"a {kv_pool.dtype} KV pool"
+    if tp.size != 1 or config.qk_norm:
+        return "tensor parallelism" if tp.size != 1 else "q/k norms"
+    if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):
+        return "a kernel that could not be built"
+    if not cpu._supports(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
+        return "an attention shape the kernel does not take"
+    for layer in model.model.layers:
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(isinstance(p, QuantLinear) for p in projections):
+            return "a projection without GGUF blocks"
+    norms = [model.model.norm.weight] + [w for layer in model.model.layers
+                                         for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        return "norm weights that are not contiguous fp32"
+    return None
+
+
+def _linear(p: QuantLinear) -> _Linear:
+    return _Linear(p.panels.data_ptr(), None if p.bias is None else p.bias.data_ptr(), KERNEL_TYPE[p.qtype],
+                   p.out_features, p.in_features)
+
+
+class NativeForward:
+    """`CausalLM.forward`'s hidden states [T, H] from one native call (see the module docstring)."""
+
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor) -> None:
+        config, tp = model.config, model.tp
+        self.model = model  # holds every tensor the structures point into
+        self.kv_pool = kv_pool
+        self.hidden_size = config.hidden_size
+        self.qkv_size = (tp.num_heads + 2 * tp.num_kv_heads) * config.head_dim
+        self.q_size = tp.num_heads * config.head_dim
+        self.intermediate = tp.intermediate_size
+        layers = model.model.layers
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
+                   _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)) for layer in layers])
+        self._model = _Model(len(layers), config.hidden_size, tp.num_heads, tp.num_kv_heads, config.head_dim,
+                             tp.intermediate_size, config.rms_norm_eps, config.head_dim ** -0.5,
+                             model.model.norm.weight.data_ptr(), self._layers)
+        # The same functions the backend's wrappers call, as pointers.
+        layer_ops = layer_ops_library()
+        self._kernels = _Kernels(*[ctypes.cast(fn, _ptr).value for fn in (
+            quant_linear_library().quant_linear, paged_attention_library().paged_attention, layer_ops.rms_norm_f32,
+            layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32)])
+        self._forward = decoder_library().decoder_forward
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, H], the KV pool written as the modules write it."""
+        rope = self.model.model.rope
+        hidden = self.model.model.embed_tokens(input_ids).contiguous()  # [T, H]; the final norm's output after
+        cos, sin = rope.cos_sin(positions, ctx.token_seq_lens, torch.float32)  # [T, 1, D] each
+        t = hidden.shape[0]
+        buffers = [torch.empty(t, n) for n in (self.hidden_size, self.hidden_size, self.qkv_size, self.q_size,
+                                               self.q_size, 2 * self.intermediate, self.intermediate)]
+        cu = ctx.cu_seqlens_q.to(torch.int64).contiguous()  # the kernels read int64
+        context_lens = ctx.context_lens.to(torch.int64).contiguous()
+        tables = ctx.block_tables.to(torch.int64).contiguous()
+        slots = ctx.slot_mapping.to(torch.int64).contiguous()
+        kv = self.kv_pool
+        step = _Step(t, context_lens.shape[0], cu.data_ptr(), context_lens.data_ptr(), tables.data_ptr(),
+                     slots.data_ptr(), tables.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), sin.stride(0),
+                     kv.data_ptr(), kv.shape[2], kv.shape[3], torch.get_num_threads())
+        status = self._forward(ctypes.byref(self._kernels), ctypes.byref(self._model), ctypes.byref(step),
+                               ctypes.byref(_Buffers(hidden.data_ptr(), *(b.data_ptr() for b in buffers))))
+        if status:
+            _raise(status, kv.shape[2], kv.shape[3])
+        return hidden
+
+
+def _raise(status: int, num_blocks: int, block_size: int) -> None:
+    kernel, code = divmod(status, 100)
+    if kernel == 2:
+        raise IndexError(f"slot_mapping names a slot past the KV pool's {num_blocks * block_size}")
+    if kernel == 3 and code == 2:
+        raise ValueError(f"block_tables name a block outside the KV pool (num_blocks={num_blocks})")
+    raise RuntimeError(f"decoder_forward: the {('linear', 'K/V write', 'attention')[kernel - 1]} kernel failed "
+                       f"with status {-code}")

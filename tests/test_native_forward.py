@@ -1,0 +1,122 @@
+"""The decoder's layers in one native call (kernels/csrc/decoder.c) against the modules they stand in for: the
+same hidden states and the same KV pool, bit for bit, step after step (prefill, chunked prefill after a
+cached prefix, decode), for Llama and Qwen2 (biases) layers on GGUF blocks of each type; and the engine's
+outputs with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels.backend import AttentionContext, get_attention_backend
+from pagedserve.workers import model_runner
+from pagedserve.workers.models import quant_linear
+from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.native_forward import NativeForward, native_forward
+from pagedserve.workers.models.quant_linear import QuantLinear
+
+from .test_async_scheduling import PROMPTS
+
+pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), torch.float32),
+                                reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
+
+BLOCK = 16
+CPU = get_attention_backend("cpu", torch.device("cpu"))
+
+
+def tiny_gguf_model(model_type: str) -> CausalLM:
+    """Two random layers whose projections are GGUF blocks of each kernel type."""
+    config = ModelConfig.from_dict(dict(model_type=model_type, vocab_size=300, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=512))
+    torch.manual_seed(0)
+    model = CausalLM(config, 512).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + torch.randn_like(p) / 8 if "norm" in name else torch.randn_like(p) / 4)
+    for layer in model.model.layers:
+        for owner, attr, qtype in [(layer.self_attn, "qkv_proj", "Q4_0"), (layer.self_attn, "o_proj", "Q4_1"),
+                                   (layer.mlp, "gate_up_proj", "Q8_0"), (layer.mlp, "down_proj", "Q4_1")]:
+            old = getattr(owner, attr)
+            rows = gguf_quantize(old.weight.detach().numpy(), GGMLQuantizationType[qtype])
+            setattr(owner, attr, QuantLinear(torch.from_numpy(rows), qtype, old.in_features, old.bias))
+    return model
+
+
+def steps(num_blocks: int):
+    """(input ids, positions, context) of three steps over two sequences with their blocks in scattered order:
+    both prefill (20 and 37 tokens); then one decodes while the other prefills 30 more after its cached 37;
+    then both decode."""
+    gen = torch.Generator().manual_seed(1)
+    tables = torch.randperm(num_blocks, generator=gen)[:12].view(2, 6)  # [R, blocks]
+    lens = [0, 0]
+    for new in ([20, 37], [1, 30], [1, 1]):
+        positions = torch.cat([torch.arange(lens[r], lens[r] + n) for r, n in enumerate(new)])  # [T]
+        rows = torch.cat([torch.full((n,), r) for r, n in enumerate(new)])
+        lens = [length + n for length, n in zip(lens, new, strict=True)]
+        ctx = AttentionContext(CPU, tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK,
+                               torch.tensor([0, new[0], sum(new)]), torch.tensor(lens), tables, max(new), max(lens))
+        yield torch.randint(0, 300, (sum(new),), generator=gen), positions, ctx
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_one_call_gives_the_modules_bits(model_type):
+    model = tiny_gguf_model(model_type)
+    assert model.config.qkv_bias == (model_type == "qwen2")
+    config = model.config
+    pools = [torch.zeros(config.num_layers, 2, 16, BLOCK, config.num_kv_heads, config.head_dim) for _ in range(2)]
+    native = native_forward(model, pools[1], CPU)
+    assert native is not None
+    with torch.inference_mode():
+        for input_ids, positions, ctx in steps(16):
+            want = model(input_ids, positions, pools[0], ctx)
+            got = native(input_ids, positions, ctx)
+            assert torch.equal(got, want)
+            assert torch.equal(pools[1], pools[0])
+
+
+def test_models_it_does_not_cover_run_through_the_modules():
+    model = tiny_gguf_model("llama")
+    pool = torch.zeros(2, 2, 16, BLOCK, 2, 16)
+    assert native_forward(model, pool, get_attention_backend("reference", torch.device("cpu"))) is None
+    assert native_forward(model, pool.to(torch.bfloat16), CPU) is None
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(96, 64)
+    assert native_forward(model, pool, CPU) is None
+
+
+def test_a_slot_or_block_outside_the_pool_is_an_error():
+    model = tiny_gguf_model("llama")
+    native = NativeForward(model, torch.zeros(2, 2, 16, BLOCK, 2, 16))
+    input_ids, positions, ctx = next(steps(16))
+    bad = AttentionContext(CPU, ctx.slot_mapping.clone(), ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
+                           ctx.max_query_len, ctx.max_context_len)
+    bad.slot_mapping[3] = 16 * BLOCK
+    with torch.inference_mode(), pytest.raises(IndexError, match="past the KV pool"):
+        native(input_ids, positions, bad)
+    bad = AttentionContext(CPU, ctx.slot_mapping, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables.clone(),
+                           ctx.max_query_len, ctx.max_context_len)
+    bad.block_tables[1, 0] = 99
+    with torch.inference_mode(), pytest.raises(ValueError, match="outside the KV pool"):
+        native(input_ids, positions, bad)
+
+
+def test_the_engine_gives_the_same_outputs_with_it_as_without(embedded_dir, monkeypatch):
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, logprobs=2, prompt_logprobs=1)
+              for i in range(len(PROMPTS))]
+
+    def outputs() -> list:
+        with LLM(str(embedded_dir), max_num_batched_tokens=64) as llm:
+            used = llm.engine.executor.worker.runner.native_forward is not None
+            return used, [(o.prompt_logprobs, [(c.token_ids, c.logprobs) for c in o.outputs])
+                          for o in llm.generate(PROMPTS, params)]
+
+    used, native = outputs()
+    assert used, "the embedded model's layers must run in the one native call"
+    monkeypatch.setattr(model_runner, "native_forward", lambda *args: None)
+    used, modules = outputs()
+    assert not used
+    assert native == modules
