@@ -126,7 +126,7 @@ def test_auto_backend_on_cpu_is_the_native_one():
     backend = get_attention_backend("auto", torch.device("cpu"))
     assert backend.paged_attention is cpu.paged_attention and backend.write_kv_cache is cpu.write_kv_cache
     assert backend.rms_norm is cpu.rms_norm and backend.rotate_qk is cpu.rotate_qk
-    assert backend.silu_mul is cpu.silu_mul
+    assert backend.silu_mul is cpu.silu_mul and backend.rms_norm_heads is cpu.rms_norm_heads
     assert get_attention_backend("reference", torch.device("cpu")).paged_attention is ref.paged_attention
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         get_attention_backend("cpu", torch.device("meta"))

@@ -1,5 +1,6 @@
-"""The CPU backend's native RMSNorm and SiLU gate (csrc/layer_ops.c) against transformers' formulas: within an
-ulp or two (their sum of squares and exp are their own), and the same bits for a row alone as in any batch."""
+"""The CPU backend's native RMSNorm (of rows, and of each head) and SiLU gate (csrc/layer_ops.c) against
+transformers' formulas: within an ulp or two (their sum of squares and exp are their own), and the same bits
+for a row alone as in any batch."""
 
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def test_rms_norm_matches_transformers_and_adds_the_residual_in_place(hidden):
     torch.testing.assert_close(out.double(), hf_rms_norm(total, weight, 1e-6), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-6).double(), hf_rms_norm(x, weight, 1e-6), atol=1e-6,
                                rtol=1e-6)
+
+
+def test_per_head_norm_of_a_strided_view():
+    """Qwen3's q/k norms: each head of q [T, heads, D], a view into the fused qkv projection's rows."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 4 * 64 + 2 * 2 * 64, generator=gen) * 2  # [T, (Hq + 2 Hkv) * D]
+    q = qkv[:, :256].view(6, 4, 64)  # [T, Hq, D], rows 384 apart
+    weight = 1 + torch.randn(64, generator=gen) / 4
+    out = cpu.rms_norm_heads(q, weight, 1e-6)
+    assert out.shape == (6, 4, 64) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), hf_rms_norm(q, weight, 1e-6), atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[:, 2], cpu.rms_norm(q[:, 2].contiguous(), weight, 1e-6)), "the same arithmetic per head"
 
 
 @pytest.mark.parametrize("width", [1536, 13])  # 13: a gate whose last lanes are padding
@@ -64,5 +77,7 @@ def test_bad_shapes_are_named():
         cpu.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
     with pytest.raises(ValueError, match="rms_norm needs x"):
         cpu.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5, torch.randn(3, 8))
+    with pytest.raises(ValueError, match="rms_norm_heads needs x"):
+        cpu.rms_norm_heads(torch.randn(2, 3, 8), torch.randn(4), 1e-5)
     with pytest.raises(ValueError, match="silu_mul needs x"):
         cpu.silu_mul(torch.randn(2, 7))

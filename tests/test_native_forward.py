@@ -1,7 +1,7 @@
 """The decoder's layers in one native call (kernels/csrc/decoder.c) against the modules they stand in for: the
 same hidden states and the same KV pool, bit for bit, step after step (prefill, chunked prefill after a
-cached prefix, decode), for Llama and Qwen2 (biases) layers on GGUF blocks of each type; and the engine's
-outputs with and without it."""
+cached prefix, decode), for Llama, Qwen2 (biases) and Qwen3 (q/k norms) layers on GGUF blocks of each type;
+and the engine's outputs with and without it."""
 
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def steps(num_blocks: int):
         yield torch.randint(0, 300, (sum(new),), generator=gen), positions, ctx
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_one_call_gives_the_modules_bits(model_type):
     model = tiny_gguf_model(model_type)
-    assert model.config.qkv_bias == (model_type == "qwen2")
+    assert model.config.qkv_bias == (model_type == "qwen2") and model.config.qk_norm == (model_type == "qwen3")
     config = model.config
     pools = [torch.zeros(config.num_layers, 2, 16, BLOCK, config.num_kv_heads, config.head_dim) for _ in range(2)]
     native = native_forward(model, pools[1], CPU)

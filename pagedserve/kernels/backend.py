@@ -43,6 +43,11 @@ class RMSNormRows(Protocol):
         `residual` [T, H] is given, which then holds that sum (in place)."""
 
 
+class RMSNormHeads(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each head of x [T, heads, D] (contiguous in D) by weight [D]: a new [T, heads, D]."""
+
+
 class SiluMul(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for x [T, 2 * I] = [gate | up] (contiguous in I): [T, I]."""
@@ -73,6 +78,7 @@ class AttentionBackend:
     rms_norm: RMSNormRows | None = None  # None: the reference's torch ops
     rotate_qk: RotateQK | None = None
     silu_mul: SiluMul | None = None
+    rms_norm_heads: RMSNormHeads | None = None  # the per-head q/k norms (Qwen3)
 
 
 @dataclass
@@ -107,7 +113,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         if not cpu.available():
             raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel (set CC)")
         return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention, cpu.rms_norm, cpu.rotate_qk,
-                                cpu.silu_mul)
+                                cpu.silu_mul, cpu.rms_norm_heads)
     if name == "reference":
         from pagedserve.kernels import reference
 

@@ -1,9 +1,9 @@
 """The CPU attention backend: every query token reads the paged pool in place through a native kernel
 (csrc/paged_attention.c), a prefill token exactly as a decode row whose context ends there. So a sequence's
 outputs do not depend on how its tokens were scheduled: alone or batched, prefilled in one chunk or many,
-recomputed after a preemption, read from the prefix cache. In fp32, the K/V write and the rotary embedding
-are one native call each (csrc/layer_ops.c); other dtypes, or where no C compiler builds them, run the
-reference's torch ops.
+recomputed after a preemption, read from the prefix cache. In fp32, the K/V write, the rotary embedding, the
+RMSNorm and the SiLU gate are one native call each (csrc/layer_ops.c); other dtypes, or where no C compiler
+builds them, run the reference's torch ops.
 
 Same contract as kernels/reference.py, which stays the oracle it is tested against.
 """
@@ -19,7 +19,7 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.backend import check_rotation
 from pagedserve.kernels.native import layer_ops_library, paged_attention_library
 
-__all__ = ["available", "paged_attention", "rms_norm", "rotate_qk", "silu_mul", "write_kv_cache"]
+__all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "write_kv_cache"]
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -104,6 +104,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     lib.rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                      0 if residual is None else residual.stride(0), weight.data_ptr(), ctypes.c_float(eps),
                      out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See backend.RMSNormHeads: `rms_norm`'s arithmetic on each head."""
+    if x.dim() != 3 or weight.shape != (x.shape[2],):
+        raise ValueError(f"rms_norm_heads needs x [T, heads, D] and weight [D]: got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    lib = layer_ops_library()
+    if lib is None or not _f32(x, weight) or x.stride(2) != 1 or not weight.is_contiguous():
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape)  # [T, heads, D]
+    lib.rms_norm_heads_f32(x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), ctypes.c_float(eps),
+                           out.data_ptr(), out.stride(0), out.stride(1), x.shape[0], x.shape[1], x.shape[2])
     return out
 
 

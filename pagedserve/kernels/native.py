@@ -86,6 +86,8 @@ def layer_ops_library() -> ctypes.CDLL | None:
         return None
     lib.rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _i64, _i64, _i64, ctypes.c_int]
     lib.rms_norm_f32.restype = None
+    lib.rms_norm_heads_f32.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64, _i64, _i64, _i64, _i64]
+    lib.rms_norm_heads_f32.restype = None
     lib.silu_mul_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
     lib.silu_mul_f32.restype = None
     lib.rotate_qk_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]

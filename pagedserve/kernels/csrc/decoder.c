@@ -5,8 +5,8 @@
  * This file does no arithmetic of its own: every value is computed by the kernels it is handed (the GGUF-block
  * linear layer, the RMSNorm, the rotary embedding, the K/V write, the paged attention, the SiLU gate), so the
  * outputs are the modules' bits (tests/test_native_forward.py checks it). It covers what those kernels cover:
- * Llama / Qwen2 layers (biases included) whose four projections are GGUF blocks, fp32, one rank; the modules
- * run every other model.
+ * Llama / Qwen2 / Qwen3 layers (biases, q/k norms) whose four projections are GGUF blocks, fp32, one rank; the
+ * modules run every other model.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,6 +26,9 @@ typedef void (*rotate_fn)(float *q, int64_t stride_qt, int64_t stride_qh, int64_
 typedef int (*write_kv_fn)(const float *key, int64_t stride_kt, int64_t stride_kh, const float *value,
                            int64_t stride_vt, int64_t stride_vh, float *k_plane, float *v_plane,
                            const int64_t *slot_mapping, int64_t rows, int64_t heads, int64_t dim, int64_t num_slots);
+typedef void (*rms_norm_heads_fn)(const float *x, int64_t stride_t, int64_t stride_h, const float *weight,
+                                  float eps, float *out, int64_t out_stride_t, int64_t out_stride_h, int64_t rows,
+                                  int64_t heads, int64_t dim);
 typedef void (*silu_mul_fn)(const float *x, int64_t stride_x, float *out, int64_t stride_o, int64_t rows, int64_t n,
                             int num_threads);
 
@@ -36,6 +39,7 @@ typedef struct {
     rotate_fn rotate;
     write_kv_fn write_kv;
     silu_mul_fn silu_mul;
+    rms_norm_heads_fn rms_norm_heads;
 } kernels_t;
 
 typedef struct {
@@ -46,6 +50,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
+    const float *q_norm, *k_norm;         /* [head_dim] each, or NULL */
     linear_t qkv, o, gate_up, down;
 } layer_t;
 
@@ -95,6 +100,10 @@ int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, co
                                          b->qkv, qkv_size, threads)))
             return 100 - status;
         float *q = b->qkv, *k = b->qkv + q_size, *v = k + kv_size;
+        if (L->q_norm) {  /* in place: the modules' new tensors hold the same values */
+            kern->rms_norm_heads(q, qkv_size, D, L->q_norm, m->eps, q, qkv_size, D, T, Hq, D);
+            kern->rms_norm_heads(k, qkv_size, D, L->k_norm, m->eps, k, qkv_size, D, T, Hkv, D);
+        }
         kern->rotate(q, qkv_size, D, Hq, k, qkv_size, D, Hkv, s->cos, s->cos_stride, s->sin, s->sin_stride, T, D);
         if ((status = kern->write_kv(k, qkv_size, D, v, qkv_size, D, k_plane, v_plane, s->slot_mapping, T, Hkv, D,
                                      num_slots)))

@@ -16,31 +16,46 @@
 typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
 
-/* Each row r of x [rows, dim] (or of residual + x, which residual then holds, rounded as torch adds):
- * out = weight * (r * (1 / sqrt(mean(r * r) + eps))), as transformers' LlamaRMSNorm in fp32. The squares are
- * summed in 8 lanes (lane i: elements i, i + 8, ...), the lanes in order, then the tail. */
+/* One vector r of dim values: o = weight * (r * (1 / sqrt(mean(r * r) + eps))), as transformers' LlamaRMSNorm
+ * in fp32. The squares are summed in 8 lanes (lane i: elements i, i + 8, ...), the lanes in order, then the
+ * tail. o may be r (each value is read before it is written). */
+static inline void norm_vector(const float *r, const float *weight, float eps, int64_t dim, float *o) {
+    const int64_t body = dim / 8 * 8;
+    v8 lanes = {0};
+    for (int64_t i = 0; i < body; i += 8) {
+        v8 v;
+        memcpy(&v, r + i, sizeof v);
+        lanes += v * v;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+    for (int64_t i = body; i < dim; i++) sum += r[i] * r[i];
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (r[i] * inv);
+}
+
+/* Each row of x [rows, dim], or of residual + x (which residual then holds, rounded as torch adds). */
 void rms_norm_f32(const float *x, int64_t stride_x, float *residual, int64_t stride_r, const float *weight,
                   float eps, float *out, int64_t stride_o, int64_t rows, int64_t dim, int num_threads) {
-    const int64_t body = dim / 8 * 8;
     #pragma omp parallel for if (rows >= 64) num_threads(num_threads)
     for (int64_t t = 0; t < rows; t++) {
         const float *xt = x + t * stride_x;
-        float *r = residual ? residual + t * stride_r : (float *)xt, *o = out + t * stride_o;
+        float *r = residual ? residual + t * stride_r : (float *)xt;
         if (residual) {
             for (int64_t i = 0; i < dim; i++) r[i] += xt[i];
         }
-        v8 lanes = {0};
-        for (int64_t i = 0; i < body; i += 8) {
-            v8 v;
-            memcpy(&v, r + i, sizeof v);
-            lanes += v * v;
-        }
-        float sum = 0.0f;
-        for (int i = 0; i < 8; i++) sum += lanes[i];
-        for (int64_t i = body; i < dim; i++) sum += r[i] * r[i];
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (r[i] * inv);
+        norm_vector(r, weight, eps, dim, out + t * stride_o);
     }
+}
+
+/* Each head of x [rows, heads, dim] into out [rows, heads, dim] (row and head strides in floats; out may be x):
+ * the per-head q/k norms of Qwen3's attention. */
+void rms_norm_heads_f32(const float *x, int64_t stride_t, int64_t stride_h, const float *weight, float eps,
+                        float *out, int64_t out_stride_t, int64_t out_stride_h, int64_t rows, int64_t heads,
+                        int64_t dim) {
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < heads; h++)
+            norm_vector(x + t * stride_t + h * stride_h, weight, eps, dim, out + t * out_stride_t + h * out_stride_h);
 }
 
 /* x [rows, heads, dim] (strides in floats) rotated in place by cos/sin [rows, dim] (row strides):

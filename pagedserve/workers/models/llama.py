@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.backend import AttentionContext, RMSNormRows, SiluMul
+from pagedserve.kernels.backend import AttentionContext, RMSNormHeads, RMSNormRows, SiluMul
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
@@ -29,6 +29,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, kernel: RMSNormRows | None = None) -> torch.Tensor:
         """`kernel`: the backend's one-call RMSNorm, where `x` is rows [T, H] it takes (else torch ops)."""
         if kernel is not None and _rows(x):
+            return kernel(x, self.weight, self.eps)
+        return reference.rms_norm(x, self.weight, self.eps)
+
+    def heads_forward(self, x: torch.Tensor, kernel: RMSNormHeads | None = None) -> torch.Tensor:
+        """RMSNorm of each head of `x` [T, heads, D] (the q/k norms); `kernel`: the backend's, in one call."""
+        if kernel is not None and x.dim() == 3 and x.stride(-1) == 1:
             return kernel(x, self.weight, self.eps)
         return reference.rms_norm(x, self.weight, self.eps)
 
@@ -79,8 +85,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            q = self.q_norm.heads_forward(q, ctx.backend.rms_norm_heads)
+            k = self.k_norm.heads_forward(k, ctx.backend.rms_norm_heads)
         rotate = ctx.backend.rotate_qk
         if rotate is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             rotate(q, k, cos, sin)  # in place

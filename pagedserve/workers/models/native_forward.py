@@ -2,7 +2,7 @@
 
 At a decode step of a few sequences, the Python and torch dispatch between the CPU kernels (twelve calls a
 layer) costs about a third of the step. The driver makes the same kernel calls on the same values in C, so
-its outputs are the modules' bits. It takes the models those kernels cover: Llama / Qwen2 layers whose
+its outputs are the modules' bits. It takes the models those kernels cover: Llama / Qwen2 / Qwen3 layers whose
 projections are all GGUF blocks (`QuantLinear`), fp32, one rank, on the `cpu` attention backend; the modules
 (`CausalLM.forward`) run every other model, and remain the definition of the forward pass.
 """
@@ -26,7 +26,8 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("quant_linear", "attention", "rms_norm", "rotate", "write_kv", "silu_mul")]
+    _fields_ = [(name, _ptr) for name in ("quant_linear", "attention", "rms_norm", "rotate", "write_kv", "silu_mul",
+                                          "rms_norm_heads")]
 
 
 class _Linear(ctypes.Structure):
@@ -34,8 +35,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear)]
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", _Linear),
+                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
 
 
 class _Model(ctypes.Structure):
@@ -67,12 +68,13 @@ def native_forward(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBac
 
 def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend) -> str | None:
     config, tp = model.config, model.tp
-    if backend.name != "cpu" or backend.rms_norm is not cpu.rms_norm or backend.silu_mul is not cpu.silu_mul:
+    if backend.name != "cpu" or (backend.rms_norm, backend.silu_mul, backend.rms_norm_heads) != (
+            cpu.rms_norm, cpu.silu_mul, cpu.rms_norm_heads):
         return f"the {backend.name} attention backend"
     if kv_pool.dtype != torch.float32 or not kv_pool.is_cpu or not kv_pool.is_contiguous():
         return f"a {kv_pool.dtype} KV pool"
-    if tp.size != 1 or config.qk_norm:
-        return "tensor parallelism" if tp.size != 1 else "q/k norms"
+    if tp.size != 1:
+        return "tensor parallelism"
     if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):
         return "a kernel that could not be built"
     if not cpu._supports(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
@@ -81,11 +83,19 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(isinstance(p, QuantLinear) for p in projections):
             return "a projection without GGUF blocks"
-    norms = [model.model.norm.weight] + [w for layer in model.model.layers
-                                         for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    norms = [model.model.norm.weight] + [norm.weight for layer in model.model.layers for norm in _norms(layer)]
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return "norm weights that are not contiguous fp32"
     return None
+
+
+def _norms(layer) -> list:
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    return norms if layer.self_attn.q_norm is None else [*norms, layer.self_attn.q_norm, layer.self_attn.k_norm]
+
+
+def _optional_ptr(norm) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
 
 
 def _linear(p: QuantLinear) -> _Linear:
@@ -107,6 +117,7 @@ class NativeForward:
         layers = model.model.layers
         self._layers = (_Layer * len(layers))(*[
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   _optional_ptr(layer.self_attn.q_norm), _optional_ptr(layer.self_attn.k_norm),
                    _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
                    _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)) for layer in layers])
         self._model = _Model(len(layers), config.hidden_size, tp.num_heads, tp.num_kv_heads, config.head_dim,
@@ -116,7 +127,7 @@ class NativeForward:
         layer_ops = layer_ops_library()
         self._kernels = _Kernels(*[ctypes.cast(fn, _ptr).value for fn in (
             quant_linear_library().quant_linear, paged_attention_library().paged_attention, layer_ops.rms_norm_f32,
-            layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32)])
+            layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32, layer_ops.rms_norm_heads_f32)])
         self._forward = decoder_library().decoder_forward
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
