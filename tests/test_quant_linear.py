@@ -1,5 +1,6 @@
-"""Linear layers on GGUF blocks: the kernel forms exactly the weights gguf's dequantize forms, multiplies
-like an fp32 GEMM, and a GGUF checkpoint's model computes the same tokens with them as with fp32 weights."""
+"""Linear layers on GGUF blocks: the kernel multiplies by exactly the weights gguf's dequantize forms (read back
+through an identity matrix), as closely as an fp32 GEMM, and a GGUF checkpoint's model computes the same
+tokens with them as with fp32 weights."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ CSRC = Path(__file__).with_name("csrc")
 _COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # The attention kernel: -ffast-math lets its reductions and expf vectorize.
 PAGED_ATTENTION_FLAGS = [*_COMMON_FLAGS, "-ffast-math"]
-# The linear kernel must round its dequantization exactly as the fp32 weights were rounded: no fast-math,
-# no contraction of d * q + m into one fused multiply-add.
+# The linear kernel rounds where it is written (the same order on every build and in every tile): no
+# fast-math, no contraction of a product and a sum into one fused multiply-add.
 QUANT_LINEAR_FLAGS = [*_COMMON_FLAGS, "-ffp-contract=off"]
 # The layer's small ops round each product and sum as torch does (the norm in an order of its own): the same
 # flags.

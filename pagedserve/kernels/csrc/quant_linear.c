@@ -1,26 +1,29 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0) and
  * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32.
  *
- * Exact against the fp32 weights the GGUF converter writes: each weight is formed as gguf's dequantize
- * forms it (d * q + m, rounded after the multiply and after the add), and the product accumulates in fp32
- * with fused multiply-adds along K, like any fp32 GEMM. This file is built without -ffast-math and with
- * -ffp-contract=off so that the compiler neither fuses the dequantization nor reorders it.
+ * The weights are the fp32 weights the GGUF converter writes (d * q + m per 32-value block), with each block's
+ * scale factored out of its sum: per row, column and block, s = sum of x[k] * q[k] over the block's 32 k
+ * (in k order, fused multiply-adds from zero), then acc = d * s + acc, and for Q4_1 acc = m * sum(x over the
+ * block) + acc, both fused. So the vector work per weight is a conversion and one multiply-add, not three
+ * operations more to form the weight first (a one-sequence decode step's linear layers took 1.3x as long).
+ * The result is the product with those weights, rounded in another order than a GEMM over them; read back
+ * through an identity matrix (workers/models/quant_linear.py, `dequantize`) it gives gguf's dequantized
+ * weights bit for bit. Built without -ffast-math and with -ffp-contract=off, so that the compiler keeps
+ * every rounding where it is written.
  *
  * Weights are repacked once at load time (workers/models/quant_linear.py) into panels of 16 output rows:
  * per panel and 32-wide K block, the 16 rows' fp16 scales (and mins), then for each of the 32 k the 16
  * rows' quants side by side (4-bit: byte j holds row j in its low nibble and row j + 8 in its high one).
- * The first rows of x (up to 4) run against a panel straight from its blocks, dequantizing each k's 16
- * weights in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run
- * against that scratch in tiles of 6 rows x 16 columns, 12 accumulators in registers (the classic AVX2
- * GEMM tile). So each weight is dequantized once per call, in the same pass that first uses it; with no
- * rows after the first ones (a decode step of up to 4 sequences) nothing is stored. Built for a CPU with
- * AVX-512, both tiles hold a panel's 16 columns in one register, the register tile 12 rows.
+ * The first rows of x (up to 4) run against a panel straight from its blocks, converting each k's 16 quants
+ * in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run against
+ * that scratch in tiles of 6 rows x 16 columns (the classic AVX2 GEMM tile). So each quant is converted once
+ * per call, in the same pass that first uses it; with no rows after the first ones (a decode step of up to 4
+ * sequences) nothing is stored. Built for a CPU with AVX-512, both tiles hold a panel's 16 columns in one
+ * register, the register tile 12 rows.
  *
- * Every row, in any tile and either build, sums the same products in the same order: a row's output does
+ * Every row, in any tile and either build, does the same operations in the same order: a row's output does
  * not depend on the other rows of the call nor on the CPU's vector width, so a sequence decodes to the same
- * bits whatever else shares its step (the seeded sampling and the tests rely on it). Factoring each
- * block's scale out of its sum would halve the vector work of a call of few rows, but only if every row
- * summed that way, prefill's tiles included.
+ * bits whatever else shares its step (the seeded sampling and the tests rely on it).
  *
  * The blocks are read with software prefetches PREFETCH_BLOCKS ahead: with few rows a block's arithmetic
  * is short, and the hardware prefetcher alone left the loop waiting on memory (one sequence's decode step
@@ -66,17 +69,18 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + c, _MM_HINT_T0);
 }
 
-/* out[0:n][0:16] = x[0:n, :] @ wt (K x 16). One function per row count so the accumulators are named
- * variables the compiler keeps in registers (an indexed array of them gets spilled every iteration). */
-#define ACC_INIT(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();
-#define ACC_STEP(i)                                                       \
-    {                                                                     \
-        const __m256 xb = _mm256_broadcast_ss(x + (i) * ldx + k);         \
-        a##i##0 = _mm256_fmadd_ps(xb, w0, a##i##0);                       \
-        a##i##1 = _mm256_fmadd_ps(xb, w1, a##i##1);                       \
-    }
-#define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
-/* ROWS_n(X): X(0) ... X(n - 1), so each tile below is written once for every row count. */
+/* The sum of 32 values (a block's x) in one fixed order, on every build: the same wherever a row is summed. */
+static inline float block_sum(const float *x) {
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+/* ROWS_n(X): X(0) ... X(n - 1), so each tile below is written once for every row count. One function per row
+ * count keeps the sums in named variables the compiler holds in registers (an indexed array of them gets
+ * spilled every iteration). */
 #define ROWS_1(X) X(0)
 #define ROWS_2(X) ROWS_1(X) X(1)
 #define ROWS_3(X) ROWS_2(X) X(2)
@@ -89,141 +93,140 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
 #define ROWS_10(X) ROWS_9(X) X(9)
 #define ROWS_11(X) ROWS_10(X) X(10)
 #define ROWS_12(X) ROWS_11(X) X(11)
-#define TILE(n)                                                                                          \
-    static void tile_##n(const float *x, int64_t ldx, const float *wt, int64_t K, float *out) {          \
-        ROWS_##n(ACC_INIT)                                                                               \
-        for (int64_t k = 0; k < K; k++) {                                                                \
-            const __m256 w0 = _mm256_loadu_ps(wt + k * NR), w1 = _mm256_loadu_ps(wt + k * NR + 8);      \
-            ROWS_##n(ACC_STEP)                                                                           \
-        }                                                                                                \
-        ROWS_##n(ACC_STORE)                                                                              \
-    }
 
-/* The first rows of x against a panel still in its blocks: each k's 16 weights are dequantized in registers,
- * used at once, and stored to wt for the rows that follow (one pass over the weights instead of two). */
-#define DEQ_Q8(k) \
+/* Every tile, for each row and each of its 16 columns: per K block, s = sum of x[k] * q[k] over the block's 32 k
+ * in order from zero (q the quant as a float; Q4_0: q - 8), then acc = fma(d, s, acc), and for Q4_1
+ * acc = fma(m, sum(x over the block), acc) (`block_sum`, done once per row and block: `sx`). */
+#if defined(__AVX512F__)
+/* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
+ * 12 rows' sums and accumulators. Each column's arithmetic is the 8-wide build's, so are its bits. */
+#define MR_TILE 12
+typedef __m512 vrow;  /* a row's 16 columns */
+static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#define ACC_INIT(i) __m512 a##i = _mm512_setzero_ps();
+#define SUM_INIT(i) __m512 s##i = _mm512_setzero_ps();
+#define SUM_STEP(i) s##i = _mm512_fmadd_ps(_mm512_set1_ps(x[(i) * ldx + k]), q0, s##i);
+#define BLOCK_END(i)                                                                   \
+    a##i = _mm512_fmadd_ps(d0, s##i, a##i);                                            \
+    if (sx) a##i = _mm512_fmadd_ps(m0, _mm512_set1_ps(sx[(i) * nb + b]), a##i);
+#define ACC_STORE(i) _mm512_storeu_ps(out + (i) * NR, a##i);
+#define SCALES                                                                         \
+    const __m512 d0 = half16(p), m0 = qtype == Q4_1 ? half16(p + 2 * NR) : _mm512_setzero_ps();
+/* A k's 16 quants as floats (rows 0-15 in order: Q8_0's bytes; Q4's low nibbles, rows 0-7, then high). */
+#define NIBBLES(k) \
+    const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
+    const __m128i n_ = _mm_unpacklo_epi64(_mm_and_si128(v_, low4), _mm_and_si128(_mm_srli_epi16(v_, 4), low4));
+#define QUANTS_Q8(k) \
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
+#define QUANTS_Q40(k) NIBBLES(k) \
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
+#define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
+#define STORE_QUANTS(k) _mm512_storeu_ps(wt + (k) * NR, q0);
+#define LOAD_QUANTS(k) const __m512 q0 = _mm512_loadu_ps(wt + (k) * NR);
+#else
+/* With AVX2: a row's 16 columns are two registers (columns 0-7 and 8-15), 6 rows' sums in 12 of the 16. */
+#define MR_TILE MR
+#define ACC_INIT(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();
+#define SUM_INIT(i) __m256 s##i##0 = _mm256_setzero_ps(), s##i##1 = _mm256_setzero_ps();
+#define SUM_STEP(i)                                                                    \
+    {                                                                                  \
+        const __m256 xb = _mm256_broadcast_ss(x + (i) * ldx + k);                      \
+        s##i##0 = _mm256_fmadd_ps(xb, q0, s##i##0);                                    \
+        s##i##1 = _mm256_fmadd_ps(xb, q1, s##i##1);                                    \
+    }
+#define BLOCK_END(i)                                                                   \
+    a##i##0 = _mm256_fmadd_ps(d0, s##i##0, a##i##0);                                   \
+    a##i##1 = _mm256_fmadd_ps(d1, s##i##1, a##i##1);                                   \
+    if (sx) {                                                                          \
+        const __m256 xs = _mm256_broadcast_ss(sx + (i) * nb + b);                      \
+        a##i##0 = _mm256_fmadd_ps(m0, xs, a##i##0);                                    \
+        a##i##1 = _mm256_fmadd_ps(m1, xs, a##i##1);                                    \
+    }
+#define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
+#define SCALES                                                                         \
+    const __m256 d0 = half8(p), d1 = half8(p + 16);                                    \
+    const __m256 m0 = qtype == Q4_1 ? half8(p + 2 * NR) : _mm256_setzero_ps();         \
+    const __m256 m1 = qtype == Q4_1 ? half8(p + 2 * NR + 16) : _mm256_setzero_ps();
+/* A k's 16 quants as floats: q0 rows 0-7, q1 rows 8-15 (Q4: byte j holds row j low, row j + 8 high). */
+#define QUANTS_Q8(k) \
     const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (k))); \
-    const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_)), d0); \
-    const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v_, 8))), d1);
-#define DEQ_Q40(k) \
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_)); \
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v_, 8)));
+#define QUANTS_Q40(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
-    const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32( \
-        _mm256_cvtepu8_epi32(_mm_and_si128(v_, low4)), eight))); \
-    const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32( \
-        _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)), eight)));
-#define DEQ_Q41(k) \
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4)), \
+                                                          _mm256_set1_epi32(8))); \
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_sub_epi32( \
+        _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)), _mm256_set1_epi32(8)));
+#define QUANTS_Q41(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
-    const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps( \
-        _mm256_cvtepu8_epi32(_mm_and_si128(v_, low4)))), m0); \
-    const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps( \
-        _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)))), m1);
-#define FUSED_LOOP(DEQ, STEP) \
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4))); \
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)));
+#define STORE_QUANTS(k) _mm256_storeu_ps(wt + (k) * NR, q0); _mm256_storeu_ps(wt + (k) * NR + 8, q1);
+#define LOAD_QUANTS(k) const __m256 q0 = _mm256_loadu_ps(wt + (k) * NR), q1 = _mm256_loadu_ps(wt + (k) * NR + 8);
+#endif
+
+/* out[0:n][0:16] = x[0:n, :] @ W^T for the first rows of x against a panel still in its blocks (at p): each k's
+ * 16 quants are converted in registers, used at once, and stored to wt (K x 16 floats) for the rows that
+ * follow, when there are any (one pass over the blocks instead of two). sx: the rows' block sums (Q4_1). */
+#define BLOCK_LOOP(QUANTS, STEP) \
     for (int kk = 0; kk < QK; kk++) { \
         const int64_t k = b * QK + kk; \
-        DEQ(kk) \
-        if (wt) { \
-            _mm256_storeu_ps(wt + k * NR, w0); \
-            _mm256_storeu_ps(wt + k * NR + 8, w1); \
-        } \
+        QUANTS(kk) \
+        if (wt) { STORE_QUANTS(k) } \
         STEP \
     }
 #define TILE_FUSED(n) \
-    static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, float *wt, \
-                               float *out) { \
+    static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, \
+                               const float *sx, float *wt, float *out) { \
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
         const __m128i low4 = _mm_set1_epi8(0x0F); \
         ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
             prefetch_ahead(p, bytes); \
-            const __m256 d0 = half8(p), d1 = half8(p + 16); \
+            SCALES \
+            ROWS_##n(SUM_INIT) \
             if (qtype == Q8_0) { \
                 const uint8_t *q = p + 2 * NR; \
-                FUSED_LOOP(DEQ_Q8, ROWS_##n(ACC_STEP)) \
+                BLOCK_LOOP(QUANTS_Q8, ROWS_##n(SUM_STEP)) \
             } else if (qtype == Q4_1) { \
-                const __m256 m0 = half8(p + 32), m1 = half8(p + 48); \
                 const uint8_t *q = p + 4 * NR; \
-                FUSED_LOOP(DEQ_Q41, ROWS_##n(ACC_STEP)) \
+                BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP)) \
             } else { \
-                const __m256i eight = _mm256_set1_epi32(8); \
                 const uint8_t *q = p + 2 * NR; \
-                FUSED_LOOP(DEQ_Q40, ROWS_##n(ACC_STEP)) \
+                BLOCK_LOOP(QUANTS_Q40, ROWS_##n(SUM_STEP)) \
             } \
+            ROWS_##n(BLOCK_END) \
         } \
         ROWS_##n(ACC_STORE) \
     }
-typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, float *, float *);
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *);
-#if defined(__AVX512F__)
-/* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
- * 12 rows' accumulators. Each weight is formed by the same two roundings and each column still sums its
- * products in k order from zero, as in the 8-wide tiles, so the bits are the AVX2 build's, and a row's bits
- * do not depend on which tile ran it. */
-#define MR_TILE 12
-#define WIDE_INIT(i) __m512 c##i = _mm512_setzero_ps();
-#define WIDE_STEP(i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(x[(i) * ldx + k]), w, c##i);
-#define WIDE_STORE(i) _mm512_storeu_ps(out + (i) * NR, c##i);
-static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-/* A k's 16 quants, rows 0-15 in order: Q8_0's bytes; Q4's low nibbles (rows 0-7) then high (rows 8-15). */
-#define WIDE_NIBBLES(k) \
-    const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
-    const __m128i n_ = _mm_unpacklo_epi64(_mm_and_si128(v_, low4), _mm_and_si128(_mm_srli_epi16(v_, 4), low4));
-#define WIDE_Q8(k) \
-    const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps( \
-        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k))))), d);
-#define WIDE_Q40(k) WIDE_NIBBLES(k) \
-    const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), eight)));
-#define WIDE_Q41(k) WIDE_NIBBLES(k) \
-    const __m512 w = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_))), m);
-#define WIDE_FUSED_LOOP(DEQ, STEP) \
-    for (int kk = 0; kk < QK; kk++) { \
-        const int64_t k = b * QK + kk; \
-        DEQ(kk) \
-        if (wt) _mm512_storeu_ps(wt + k * NR, w); \
-        STEP \
-    }
-#define TILE_FUSED_WIDE(n) \
-    static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, float *wt, \
-                               float *out) { \
+/* The same for rows after those, against the quants the first rows stored to wt (the scales from the blocks). */
+#define TILE(n) \
+    static void tile_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, const float *sx, \
+                         const float *wt, float *out) { \
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
-        const __m128i low4 = _mm_set1_epi8(0x0F); \
-        ROWS_##n(WIDE_INIT) \
+        ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
-            prefetch_ahead(p, bytes); \
-            const __m512 d = half16(p); \
-            if (qtype == Q8_0) { \
-                const uint8_t *q = p + 2 * NR; \
-                WIDE_FUSED_LOOP(WIDE_Q8, ROWS_##n(WIDE_STEP)) \
-            } else if (qtype == Q4_1) { \
-                const __m512 m = half16(p + 32); \
-                const uint8_t *q = p + 4 * NR; \
-                WIDE_FUSED_LOOP(WIDE_Q41, ROWS_##n(WIDE_STEP)) \
-            } else { \
-                const __m512i eight = _mm512_set1_epi32(8); \
-                const uint8_t *q = p + 2 * NR; \
-                WIDE_FUSED_LOOP(WIDE_Q40, ROWS_##n(WIDE_STEP)) \
+            SCALES \
+            ROWS_##n(SUM_INIT) \
+            for (int kk = 0; kk < QK; kk++) { \
+                const int64_t k = b * QK + kk; \
+                LOAD_QUANTS(k) \
+                ROWS_##n(SUM_STEP) \
             } \
+            ROWS_##n(BLOCK_END) \
         } \
-        ROWS_##n(WIDE_STORE) \
+        ROWS_##n(ACC_STORE) \
     }
-TILE_FUSED_WIDE(1) TILE_FUSED_WIDE(2) TILE_FUSED_WIDE(3) TILE_FUSED_WIDE(4)
-#define TILE_WIDE(n)                                                                                     \
-    static void tile_wide_##n(const float *x, int64_t ldx, const float *wt, int64_t K, float *out) {     \
-        ROWS_##n(WIDE_INIT)                                                                              \
-        for (int64_t k = 0; k < K; k++) {                                                                \
-            const __m512 w = _mm512_loadu_ps(wt + k * NR);                                               \
-            ROWS_##n(WIDE_STEP)                                                                          \
-        }                                                                                                \
-        ROWS_##n(WIDE_STORE)                                                                             \
-    }
-TILE_WIDE(1) TILE_WIDE(2) TILE_WIDE(3) TILE_WIDE(4) TILE_WIDE(5) TILE_WIDE(6)
-TILE_WIDE(7) TILE_WIDE(8) TILE_WIDE(9) TILE_WIDE(10) TILE_WIDE(11) TILE_WIDE(12)
-static const tile_fn TILES[MR_TILE + 1] = {0, tile_wide_1, tile_wide_2, tile_wide_3, tile_wide_4, tile_wide_5,
-                                           tile_wide_6, tile_wide_7, tile_wide_8, tile_wide_9, tile_wide_10,
-                                           tile_wide_11, tile_wide_12};
-#else
-#define MR_TILE MR
+typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, const float *, float *, float *);
+typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int, int64_t, const float *, const float *, float *);
 TILE_FUSED(1) TILE_FUSED(2) TILE_FUSED(3) TILE_FUSED(4)
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+#if defined(__AVX512F__)
+TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+static const tile_fn TILES[MR_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8, tile_9,
+                                           tile_10, tile_11, tile_12};
+#else
 static const tile_fn TILES[MR_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 #endif
 static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
@@ -248,10 +251,18 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         int64_t per_thread = (n_panels + num_threads - 1) / num_threads;  /* keep every thread busy */
         if (group > per_thread) group = per_thread;
     }
-    const int64_t n_groups = (n_panels + group - 1) / group;
+    const int64_t n_groups = (n_panels + group - 1) / group, nb = K / QK;
+    /* Q4_1's m term: each row's block sums, once per call. */
+    float *sx = qtype == Q4_1 ? malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1)) : NULL;
+    if (qtype == Q4_1 && !sx) return -3;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
+        if (sx) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t b = 0; b < nb; b++) sx[r * nb + b] = block_sum(x + r * ldx + b * QK);
+        }
         /* The dequantized panels' scratch: calls of up to MR_FUSED rows read the blocks alone. */
         const int scratch = M > MR_FUSED;
         float *wt = scratch ? aligned_alloc(64, (size_t)(group * K * NR * sizeof(float))) : NULL;  /* K: 32k */
@@ -275,10 +286,11 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                         if (i == 0) {  /* the panel's first rows dequantize it as they go */
                             mr = (int)(iend < MR_FUSED ? iend : MR_FUSED);
                             /* panel NULL: no rows come after these, nothing is stored */
-                            FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, panel, out);
+                            FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, sx, panel, out);
                         } else {
                             mr = (int)(iend - i < MR_TILE ? iend - i : MR_TILE);
-                            TILES[mr](x + i * ldx, ldx, panel, K, out);
+                            TILES[mr](x + i * ldx, ldx, w + p * panel_bytes, qtype, K, sx ? sx + i * nb : NULL, panel,
+                                      out);
                         }
                         for (int r = 0; r < mr; r++) {
                             float *dst = y + (i + r) * ldy + n0;
@@ -295,6 +307,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         }
         free(wt);
     }
+    free(sx);
     return failed ? -3 : 0;
 }
 

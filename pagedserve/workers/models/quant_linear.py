@@ -1,9 +1,9 @@
 """Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q8_0).
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
-blocks 4.5 to 8.5. The kernel (kernels/csrc/quant_linear.c) forms each weight exactly as the GGUF
-converter formed the fp32 weights, so it computes the same model; the fp32 copy stays for the embedding
-lookup and is what the kernel is tested against.
+blocks 4.5 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
+wrote as fp32 (each block's scale factored out of its sum), so it computes the same model; the fp32 copy
+stays for the embedding lookup and is what the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class QuantLinear(nn.Module):
 
 def dequantize(linear: QuantLinear) -> torch.Tensor:
     """The fp32 weights [out_features, in_features] the kernel computes with, read back through the kernel
-    itself: row i of `I @ W.T` is column i of W, exactly (every other term adds a zero)."""
+    itself: row i of `I @ W.T` is column i of W, exactly (every other block adds a zero)."""
     return linear.product(torch.eye(linear.in_features)).T.contiguous()
 
 
