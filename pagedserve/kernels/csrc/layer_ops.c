@@ -14,7 +14,6 @@
 
 /* Eight lanes on any x86 build (AVX2 or AVX-512), so that the sum's order does not follow the vector width. */
 typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
 
 /* One vector r of dim values: o = weight * (r * (1 / sqrt(mean(r * r) + eps))), as transformers' LlamaRMSNorm
  * in fp32. The squares are summed in 8 lanes (lane i: elements i, i + 8, ...), the lanes in order, then the
@@ -107,64 +106,68 @@ int write_kv_f32(const float *key, int64_t stride_kt, int64_t stride_kh, const f
     return 0;
 }
 
+/* The gate's lanes: 16 (two registers on an AVX2 build). Its arithmetic is lane by lane, so the width does not
+ * change a value's bits. */
+typedef float v16 __attribute__((vector_size(16 * sizeof(float))));
+typedef int32_t v16i __attribute__((vector_size(16 * sizeof(int32_t))));
+
 /* Lane i: a[i] where mask[i] (all ones), else b[i]. */
-static inline v8 select8(v8i mask, v8 a, v8 b) {
-    v8i ai, bi;
+static inline v16 select16(v16i mask, v16 a, v16 b) {
+    v16i ai, bi;
     memcpy(&ai, &a, sizeof ai);
     memcpy(&bi, &b, sizeof bi);
-    const v8i r = (ai & mask) | (bi & ~mask);
-    v8 out;
+    const v16i r = (ai & mask) | (bi & ~mask);
+    v16 out;
     memcpy(&out, &r, sizeof out);
     return out;
 }
 
-/* exp(x) for 8 lanes: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is exact), a degree-6
+/* exp(x) lane by lane: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is exact), a degree-6
  * Taylor polynomial of exp(r) (relative error under 2e-7), scaled by 2^n through the exponent bits. x is
  * clamped to [-87, 88]: exp(-87) is still normal, exp(88) still finite. */
-static inline v8 exp8(v8 x) {
-    const v8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    const v8 hi = {88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f};
-    x = select8(x < lo, lo, x);
-    x = select8(x > hi, hi, x);
-    const v8 round = x * 1.44269504088896341f + 12582912.0f;  /* 1.5 * 2^23: the sum rounds to an integer */
-    const v8 n = round - 12582912.0f;
-    const v8 r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-6f;
-    v8 p = r * (1.0f / 720) + (1.0f / 120);
+static inline v16 exp16(v16 x) {
+    const v16 lo = (v16){0} - 87.0f, hi = (v16){0} + 88.0f;
+    x = select16(x < lo, lo, x);
+    x = select16(x > hi, hi, x);
+    const v16 round = x * 1.44269504088896341f + 12582912.0f;  /* 1.5 * 2^23: the sum rounds to an integer */
+    const v16 n = round - 12582912.0f;
+    const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-6f;
+    v16 p = r * (1.0f / 720) + (1.0f / 120);
     p = p * r + (1.0f / 24);
     p = p * r + (1.0f / 6);
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    v8 scale;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16 scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
 
 /* out [rows, n] = silu(gate) * up for x [rows, 2n] = [gate | up] (row strides in floats), silu(g) =
- * g / (1 + exp(-g)): every element through the same 8-lane code (the last ones of a row padded), so a value's
- * bits depend on it alone. */
+ * g / (1 + exp(-g)): every element through the same lane-wise code (the last ones of a row padded), so a
+ * value's bits depend on it alone. */
 void silu_mul_f32(const float *x, int64_t stride_x, float *out, int64_t stride_o, int64_t rows, int64_t n,
                   int num_threads) {
-    const int64_t body = n / 8 * 8;
+    const int64_t body = n / 16 * 16;
     #pragma omp parallel for if (rows >= 16) num_threads(num_threads)
     for (int64_t t = 0; t < rows; t++) {
         const float *gate = x + t * stride_x, *up = gate + n;
         float *o = out + t * stride_o;
-        v8 g, u, y;
-        for (int64_t i = 0; i < body; i += 8) {
+        v16 g, u, y;
+        for (int64_t i = 0; i < body; i += 16) {
             memcpy(&g, gate + i, sizeof g);
             memcpy(&u, up + i, sizeof u);
-            y = g / (1.0f + exp8(-g)) * u;
+            y = g / (1.0f + exp16(-g)) * u;
             memcpy(o + i, &y, sizeof y);
         }
         if (body < n) {
             const size_t tail = (size_t)(n - body) * sizeof(float);
-            g = (v8){0};
-            u = (v8){0};
+            g = (v16){0};
+            u = (v16){0};
             memcpy(&g, gate + body, tail);
             memcpy(&u, up + body, tail);
-            y = g / (1.0f + exp8(-g)) * u;
+            y = g / (1.0f + exp16(-g)) * u;
             memcpy(o + body, &y, tail);
         }
     }

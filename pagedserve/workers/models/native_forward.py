@@ -136,6 +136,8 @@ class NativeForward:
         hidden = self.model.model.embed_tokens(input_ids).contiguous()  # [T, H]; the final norm's output after
         cos, sin = rope.cos_sin(positions, ctx.token_seq_lens, torch.float32)  # [T, 1, D] each
         t = hidden.shape[0]
+        # residual and normed [T, H], qkv [T, (Hq + 2 Hkv) D], query and attention out [T, Hq D], gate_up [T, 2 I],
+        # act [T, I]: buffers_t's order
         buffers = [torch.empty(t, n) for n in (self.hidden_size, self.hidden_size, self.qkv_size, self.q_size,
                                                self.q_size, 2 * self.intermediate, self.intermediate)]
         cu = ctx.cu_seqlens_q.to(torch.int64).contiguous()  # the kernels read int64
