@@ -1,10 +1,13 @@
-"""On the CPU backend a request's outputs do not depend on how it was scheduled: alone or among others,
-prefilled in one chunk or many, from the prefix cache, recomputed after a preemption, stepped one at a time
-or scheduled ahead. Its tokens, logprobs and prompt logprobs are the same bits every time, so a seeded
-request gives the same text whatever the load on the server.
+"""On the CPU backend, with a GGUF checkpoint's linear layers (the embedded model's), a request's outputs do
+not depend on how it was scheduled: alone or among others, prefilled in one chunk or many, from the prefix
+cache, recomputed after a preemption, stepped one at a time or scheduled ahead. Its tokens, logprobs and
+prompt logprobs are the same bits every time, so a seeded request gives the same text whatever the load on
+the server.
 
 Every kernel on that path computes a row the same way whatever else is in the step (tested kernel by kernel
-in test_quant_linear.py and test_cpu_attention.py); this checks the whole model on the embedded SmolLM2."""
+in test_quant_linear.py, test_cpu_attention.py and test_cpu_layer_ops.py); this checks the whole model on the
+embedded SmolLM2. (oneDNN's fp32 GEMM, which other checkpoints' linear layers use, blocks by the batch's rows:
+there a row's last bits depend on the batch.)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The CPU attention backend: every query token reads the paged pool in place through a native kernel
-(csrc/paged_attention.c), a prefill token exactly as a decode row whose context ends there. So a sequence's
-outputs do not depend on how its tokens were scheduled: alone or batched, prefilled in one chunk or many,
-recomputed after a preemption, read from the prefix cache. In fp32, the K/V write, the rotary embedding, the
-RMSNorm and the SiLU gate are one native call each (csrc/layer_ops.c); other dtypes, or where no C compiler
-builds them, run the reference's torch ops.
+(csrc/paged_attention.c), a prefill token exactly as a decode row whose context ends there. So a token's
+attention does not depend on how the sequence's tokens were scheduled: alone or batched, prefilled in one
+chunk or many, recomputed after a preemption, read from the prefix cache. In fp32, the K/V write, the rotary
+embedding, the RMSNorm and the SiLU gate are one native call each (csrc/layer_ops.c); other dtypes, or where
+no C compiler builds them, run the reference's torch ops.
 
 Same contract as kernels/reference.py, which stays the oracle it is tested against.
 """
