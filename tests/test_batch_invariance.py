@@ -1,15 +1,18 @@
-"""On the CPU backend, with a GGUF checkpoint's linear layers (the embedded model's), a request's outputs do
-not depend on how it was scheduled: alone or among others, prefilled in one chunk or many, from the prefix
-cache, recomputed after a preemption, stepped one at a time or scheduled ahead. Its tokens, logprobs and
-prompt logprobs are the same bits every time, so a seeded request gives the same text whatever the load on
-the server.
+"""On the CPU backend in fp32, a request's outputs do not depend on how it was scheduled: alone or among
+others, prefilled in one chunk or many, from the prefix cache, recomputed after a preemption, stepped one at a
+time or scheduled ahead. Its tokens, logprobs and prompt logprobs are the same bits every time, so a seeded
+request gives the same text whatever the load on the server.
 
 Every kernel on that path computes a row the same way whatever else is in the step (tested kernel by kernel
 in test_quant_linear.py, test_cpu_attention.py and test_cpu_layer_ops.py); this checks the whole model on the
-embedded SmolLM2. (oneDNN's fp32 GEMM, which other checkpoints' linear layers use, blocks by the batch's rows:
-there a row's last bits depend on the batch.)"""
+embedded SmolLM2, on its GGUF blocks and on its fp32 weights. (oneDNN's GEMM, which bf16 layers use, blocks
+by the batch's rows: there a row's last bits depend on the batch.)"""
 
 from __future__ import annotations
+
+import functools
+
+import pytest
 
 from pagedserve import LLM, SamplingParams
 
@@ -43,23 +46,25 @@ def preempted_mid_decode(llm) -> list[list[int]]:
     return seen
 
 
-def test_a_seeded_request_gets_the_same_bits_however_it_is_scheduled(embedded_dir):
+@pytest.mark.parametrize("gguf_linears", [True, False], ids=["gguf-blocks", "fp32-weights"])
+def test_a_seeded_request_gets_the_same_bits_however_it_is_scheduled(embedded_dir, gguf_linears):
     target = PROMPTS[-1]  # the last to come: the first to be preempted
-    with LLM(str(embedded_dir)) as llm:
+    engine = functools.partial(LLM, gguf_linears=gguf_linears)
+    with engine(str(embedded_dir)) as llm:
         alone = exact(llm.generate([target], [TARGET])[0])
         prompt_ids = llm.tokenizer.encode(target)
     got = {}
-    with LLM(str(embedded_dir)) as llm:
+    with engine(str(embedded_dir)) as llm:
         got["among others"] = exact(llm.generate(PROMPTS, [*OTHERS, TARGET])[-1])
         first = exact(llm.generate([target], [CACHED])[0])
         hits = llm.stats()["prefix_cache_hits"]
         again = exact(llm.generate([target], [CACHED])[0])
         assert llm.stats()["prefix_cache_hits"] > hits
         assert first[:3] == again[:3] == alone[:3], "from the prefix cache"
-    with LLM(str(embedded_dir), max_num_batched_tokens=7) as llm:
+    with engine(str(embedded_dir), max_num_batched_tokens=7) as llm:
         got["in chunks of 7 tokens"] = exact(llm.generate([target], [TARGET])[0])
     for async_scheduling in (False, True):
-        with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL) as llm:
+        with engine(str(embedded_dir), async_scheduling=async_scheduling, **SMALL) as llm:
             seen = preempted_mid_decode(llm)
             outputs = llm.generate(PROMPTS, [*OTHERS, TARGET])
             got[f"preempted (async_scheduling={async_scheduling})"] = exact(outputs[-1])

@@ -19,19 +19,22 @@ from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.loader import build_model, resolve_model
 from pagedserve.workers.models import quant_linear
 from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout
-from pagedserve.workers.models.quant_linear import QuantLinear, dequantize, load_gguf_linears
+from pagedserve.workers.models.quant_linear import QuantLinear, dequantize, load_fp32_linears, load_gguf_linears
 
 pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), torch.float32),
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32"]  # F32: any fp32 checkpoint's weights, through the same kernel
 
 
 def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    if qtype == "F32":
+        return torch.from_numpy(w.view(np.uint8)), torch.from_numpy(w)
     rows = gguf_quantize(w, GGMLQuantizationType[qtype])
     return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[qtype]))
 
@@ -131,9 +134,26 @@ def test_engine_tokens_match_fp32_weights(embedded_dir):
     for gguf_linears in (True, False):
         with LLM(str(embedded_dir), gguf_linears=gguf_linears) as llm:
             model = llm.engine.executor.worker.model
-            assert any(isinstance(m, QuantLinear) for m in model.modules()) == gguf_linears
+            types = {m.qtype for m in model.modules() if isinstance(m, QuantLinear)}
+            assert types == ({"Q4_1", "Q8_0"} if gguf_linears else {"F32"}), types  # fp32: the kernel unquantized
             answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert answers[0] == answers[1]
+
+
+def test_fp32_layers_take_the_weights_as_they_are():
+    w, bias = torch.randn(24, 64), torch.randn(24)
+    layer = QuantLinear.from_fp32(w, bias)
+    assert layer.qtype == "F32" and torch.equal(dequantize(layer), w)
+    config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64, tie_word_embeddings=True))
+    model = CausalLM(config, 64)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_()
+    down = model.model.layers[1].mlp.down_proj.weight.detach().clone()
+    assert load_fp32_linears(model) == 4 * 2 + 1  # the four projections of both layers, and the tied head
+    assert torch.equal(dequantize(model.model.layers[1].mlp.down_proj), down)
+    assert torch.equal(dequantize(model.lm_head), model.model.embed_tokens.weight)
 
 
 def test_gguf_linears_setting_must_be_a_bool():

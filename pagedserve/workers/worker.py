@@ -55,7 +55,12 @@ class Worker:
                 self.device, self.dtype):
             swapped = quant_linear.load_gguf_linears(self.model, blocks)
             log.info("rank %d: %d linear layers compute from the checkpoint's GGUF blocks", rank, swapped)
-        if can_pack(self.device, self.dtype):
+        if quant_linear.available(self.device, self.dtype):
+            # The other fp32 layers through the same kernel, unquantized: every row computed the same way in any
+            # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step.
+            swapped = quant_linear.load_fp32_linears(self.model)
+            log.info("rank %d: %d linear layers compute from fp32 panels", rank, swapped)
+        if can_pack(self.device, self.dtype):  # what is left: bf16, or a CPU without AVX2
             pack_linears(self.model, PACK_BATCH_HINT)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)

@@ -5,8 +5,8 @@
  * This file does no arithmetic of its own: every value is computed by the kernels it is handed (the GGUF-block
  * linear layer, the RMSNorm, the rotary embedding, the K/V write, the paged attention, the SiLU gate), so the
  * outputs are the modules' bits (tests/test_native_forward.py checks it). It covers what those kernels cover:
- * Llama / Qwen2 / Qwen3 layers (biases, q/k norms) whose four projections are GGUF blocks, fp32, one rank; the
- * modules run every other model.
+ * Llama / Qwen2 / Qwen3 layers (biases, q/k norms) whose four projections run on the GGUF-block kernel (GGUF
+ * blocks or fp32 panels), fp32, one rank; the modules run every other model.
  */
 #include <stdint.h>
 #include <string.h>
@@ -43,7 +43,7 @@ typedef struct {
 } kernels_t;
 
 typedef struct {
-    const uint8_t *panels;  /* the repacked GGUF blocks (workers/models/quant_linear.py) */
+    const uint8_t *panels;  /* the repacked blocks (workers/models/quant_linear.py) */
     const float *bias;      /* [n] or NULL */
     int64_t qtype, n, k;
 } linear_t;

@@ -1,5 +1,7 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0) and
- * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32.
+ * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32. Plain fp32
+ * weights (F32: any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32
+ * layer on the CPU computes a row the same way in any batch, which oneDNN's GEMM does not.
  *
  * The weights are the fp32 weights the GGUF converter writes (d * q + m per 32-value block), with each block's
  * scale factored out of its sum: per row, column and block, s = sum of x[k] * q[k] over the block's 32 k
@@ -34,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3 };  /* F32: plain fp32 weights in the same panels */
 
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
@@ -53,6 +55,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q4_0: return 2 * NR + QK * NR / 2;
     case Q4_1: return 4 * NR + QK * NR / 2;
     case Q8_0: return 2 * NR + QK * NR;
+    case F32: return QK * NR * (int64_t)sizeof(float);
     default: return 0;
     }
 }
@@ -111,7 +114,8 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     if (sx) a##i = _mm512_fmadd_ps(m0, _mm512_set1_ps(sx[(i) * nb + b]), a##i);
 #define ACC_STORE(i) _mm512_storeu_ps(out + (i) * NR, a##i);
 #define SCALES                                                                         \
-    const __m512 d0 = half16(p), m0 = qtype == Q4_1 ? half16(p + 2 * NR) : _mm512_setzero_ps();
+    const __m512 d0 = qtype == F32 ? _mm512_set1_ps(1.0f) : half16(p);                 \
+    const __m512 m0 = qtype == Q4_1 ? half16(p + 2 * NR) : _mm512_setzero_ps();
 /* A k's 16 quants as floats (rows 0-15 in order: Q8_0's bytes; Q4's low nibbles, rows 0-7, then high). */
 #define NIBBLES(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
@@ -121,6 +125,7 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
 #define QUANTS_Q40(k) NIBBLES(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
 #define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
+#define QUANTS_F32(k) const __m512 q0 = _mm512_loadu_ps((const float *)q + NR * (k));
 #define STORE_QUANTS(k) _mm512_storeu_ps(wt + (k) * NR, q0);
 #define LOAD_QUANTS(k) const __m512 q0 = _mm512_loadu_ps(wt + (k) * NR);
 #else
@@ -144,7 +149,8 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     }
 #define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
 #define SCALES                                                                         \
-    const __m256 d0 = half8(p), d1 = half8(p + 16);                                    \
+    const __m256 d0 = qtype == F32 ? _mm256_set1_ps(1.0f) : half8(p);                  \
+    const __m256 d1 = qtype == F32 ? _mm256_set1_ps(1.0f) : half8(p + 16);             \
     const __m256 m0 = qtype == Q4_1 ? half8(p + 2 * NR) : _mm256_setzero_ps();         \
     const __m256 m1 = qtype == Q4_1 ? half8(p + 2 * NR + 16) : _mm256_setzero_ps();
 /* A k's 16 quants as floats: q0 rows 0-7, q1 rows 8-15 (Q4: byte j holds row j low, row j + 8 high). */
@@ -162,6 +168,8 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4))); \
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)));
+#define QUANTS_F32(k) \
+    const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)), q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
 #define STORE_QUANTS(k) _mm256_storeu_ps(wt + (k) * NR, q0); _mm256_storeu_ps(wt + (k) * NR + 8, q1);
 #define LOAD_QUANTS(k) const __m256 q0 = _mm256_loadu_ps(wt + (k) * NR), q1 = _mm256_loadu_ps(wt + (k) * NR + 8);
 #endif
@@ -192,6 +200,9 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
             } else if (qtype == Q4_1) { \
                 const uint8_t *q = p + 4 * NR; \
                 BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP)) \
+            } else if (qtype == F32) { \
+                const uint8_t *q = p; \
+                BLOCK_LOOP(QUANTS_F32, ROWS_##n(SUM_STEP)) \
             } else { \
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q40, ROWS_##n(SUM_STEP)) \
@@ -263,8 +274,9 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
             for (int64_t r = 0; r < M; r++)
                 for (int64_t b = 0; b < nb; b++) sx[r * nb + b] = block_sum(x + r * ldx + b * QK);
         }
-        /* The dequantized panels' scratch: calls of up to MR_FUSED rows read the blocks alone. */
-        const int scratch = M > MR_FUSED;
+        /* The converted quants' scratch: calls of up to MR_FUSED rows read the blocks alone, and F32 panels
+         * are laid out as the scratch is (K x 16 floats), so the later rows read them in place. */
+        const int scratch = M > MR_FUSED && qtype != F32;
         float *wt = scratch ? aligned_alloc(64, (size_t)(group * K * NR * sizeof(float))) : NULL;  /* K: 32k */
         float out[MR_TILE * NR];
         if (scratch && !wt) {
@@ -281,6 +293,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                     const int64_t n0 = p * NR;
                     const int nr = (int)(N - n0 < NR ? N - n0 : NR);
                     float *panel = scratch ? wt + (p - p0) * K * NR : NULL;
+                    const float *later = qtype == F32 ? (const float *)(w + p * panel_bytes) : panel;
                     for (int64_t i = i0; i < iend;) {
                         int mr;
                         if (i == 0) {  /* the panel's first rows dequantize it as they go */
@@ -289,7 +302,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                             FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, sx, panel, out);
                         } else {
                             mr = (int)(iend - i < MR_TILE ? iend - i : MR_TILE);
-                            TILES[mr](x + i * ldx, ldx, w + p * panel_bytes, qtype, K, sx ? sx + i * nb : NULL, panel,
+                            TILES[mr](x + i * ldx, ldx, w + p * panel_bytes, qtype, K, sx ? sx + i * nb : NULL, later,
                                       out);
                         }
                         for (int r = 0; r < mr; r++) {

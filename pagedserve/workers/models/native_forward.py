@@ -3,7 +3,8 @@
 At a decode step of a few sequences, the Python and torch dispatch between the CPU kernels (twelve calls a
 layer) costs about a third of the step. The driver makes the same kernel calls on the same values in C, so
 its outputs are the modules' bits. It takes the models those kernels cover: Llama / Qwen2 / Qwen3 layers whose
-projections are all GGUF blocks (`QuantLinear`), fp32, one rank, on the `cpu` attention backend; the modules
+projections all run on the GGUF-block kernel (`QuantLinear`: GGUF blocks or fp32 panels), fp32, one rank, on
+the `cpu` attention backend; the modules
 (`CausalLM.forward`) run every other model, and remain the definition of the forward pass.
 """
 
@@ -82,7 +83,7 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
     for layer in model.model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(isinstance(p, QuantLinear) for p in projections):
-            return "a projection without GGUF blocks"
+            return "a projection the GGUF-block kernel does not run"
     norms = [model.model.norm.weight] + [norm.weight for layer in model.model.layers for norm in _norms(layer)]
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return "norm weights that are not contiguous fp32"

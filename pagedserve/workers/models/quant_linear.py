@@ -1,4 +1,6 @@
-"""Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q8_0).
+"""Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q8_0), and the
+fp32 layers of any other checkpoint through the same kernel (F32 panels: every row computed the same way in any
+batch, which oneDNN's GEMM does not; and the model's layers in one native call, models/native_forward.py).
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
 blocks 4.5 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
@@ -22,8 +24,10 @@ if TYPE_CHECKING:
 
 
 QK = 32  # values per GGUF block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF's block sizes: the types the kernel reads
-KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # quant_linear.c's enum
+# The bytes of 32 values: GGUF's block sizes, and plain fp32 ("F32": weights of any checkpoint, read by the
+# same kernel so that every fp32 CPU model computes a row the same way in any batch).
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F32": 128}
+KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3}  # quant_linear.c's enum
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,6 +44,9 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
     blocks[:n] = rows.reshape(n, nb, bb)
     blocks = blocks.view(panels, nr, nb, bb).transpose(1, 2)  # [P, nb, 16 rows, bb]
+    if qtype == "F32":  # [P, nb, 32 k x 16 rows] floats, as bytes
+        values = blocks.contiguous().view(torch.float32)  # [P, nb, 16 rows, 32 k]
+        return values.transpose(2, 3).contiguous().view(torch.uint8).reshape(panels, nb, bb * nr)
     scales = [blocks[..., 0:2].reshape(panels, nb, 2 * nr)]  # the 16 rows' fp16 d
     if qtype == "Q8_0":
         quants = blocks[..., 2:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
@@ -65,6 +72,12 @@ class QuantLinear(nn.Module):
         self.panels = repack(rows, qtype)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._kernel = quant_linear_library().quant_linear  # a decode step makes a hundred calls: looked up once
+
+    @classmethod
+    def from_fp32(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
+        """The layer of fp32 `weight` [out_features, in_features] (in_features a multiple of 32), unquantized."""
+        rows = weight.detach().float().contiguous().view(torch.uint8)  # [N, K * 4]
+        return cls(rows, "F32", weight.shape[1], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -147,6 +160,24 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
                 raise ValueError(f"{blocks_path}: {', '.join(parts)} hold {rows.shape[0]} rows for this rank, "
                                  f"the model expects {out_features}")
             setattr(owner, attr, QuantLinear(rows, qtype, in_features, None if old is None else old.bias))
+            swapped += 1
+    return swapped
+
+
+def load_fp32_linears(model: CausalLM) -> int:
+    """Swap each nn.Linear whose in_features is a multiple of 32 for a QuantLinear on its fp32 weights, and give
+    a tied LM head without a module of its own one on the embedding (the lookup keeps the plain weights);
+    returns how many were swapped."""
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % QK == 0:
+                setattr(module, name, QuantLinear.from_fp32(child.weight, child.bias))
+                swapped += 1
+    if model.config.tie_word_embeddings and getattr(model, "lm_head", None) is None:
+        weight = model.model.embed_tokens.weight
+        if weight.shape[1] % QK == 0:
+            model.lm_head = QuantLinear.from_fp32(weight, None)
             swapped += 1
     return swapped
 
