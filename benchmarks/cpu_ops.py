@@ -6,8 +6,9 @@
   reference's causal SDPA;
 - one decode step's linear layers (30 layers: qkv, o, gate_up, down; then the LM head) at 16 rows, each
   layer with weights of its own (so they stream from memory as in a model): F.linear on the plain fp32
-  weight, weights packed into oneDNN's layout, and the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
-  (the embedded GGUF's types).
+  weight, weights packed into oneDNN's layout, the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
+  (the embedded GGUF's types), and the same kernel on the fp32 weights (what a checkpoint without GGUF
+  blocks runs).
 
   .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400] [--prefill 1024]
 """
@@ -107,6 +108,8 @@ def main() -> None:
         blocks = [quant_linear.QuantLinear(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[t])), t,
                                            w.shape[1], None) for w, t in zip(weights, qtypes, strict=True)]
         runs.append(("GGUF blocks (Q4_1, Q8_0 head)", step(blocks)))
+        runs.append(("fp32 panels (the same kernel)", step([quant_linear.QuantLinear.from_fp32(w, None)
+                                                            for w in weights])))
     if can_pack(torch.device("cpu"), torch.float32):
         runs.insert(1, ("oneDNN packed fp32", step([PackedLinear(w, None, r) for w in weights])))
     for name, fn in runs:
