@@ -101,13 +101,12 @@ static inline float block_sum(const float *x) {
 #define ROWS_12(X) ROWS_11(X) X(11)
 
 /* Every tile, for each row and each of its 16 columns: per K block, s = sum of x[k] * q[k] over the block's 32 k
- * in order from zero (q the quant as a float; Q4_0: q - 8), then acc = fma(d, s, acc), and for Q4_1
- * acc = fma(m, sum(x over the block), acc) (`block_sum`, done once per row and block: `sx`). */
+ * in order from zero (q the quant as a float; Q4_0: q - 8; F32: the weight, d = 1), then acc = fma(d, s, acc),
+ * and for Q4_1 acc = fma(m, sum(x over the block), acc) (`block_sum`, done once per row and block: `sx`). */
 #if defined(__AVX512F__)
 /* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
  * 12 rows' sums and accumulators. Each column's arithmetic is the 8-wide build's, so are its bits. */
 #define MR_TILE 12
-typedef __m512 vrow;  /* a row's 16 columns */
 static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #define ACC_INIT(i) __m512 a##i = _mm512_setzero_ps();
 #define SUM_INIT(i) __m512 s##i = _mm512_setzero_ps();
@@ -214,7 +213,8 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
         } \
         ROWS_##n(ACC_STORE) \
     }
-/* The same for rows after those, against the quants the first rows stored to wt (the scales from the blocks). */
+/* The same for rows after those, against the quants the first rows stored to wt (the scales from the blocks), or
+ * for F32 against the panel itself (wt = its blocks). */
 #define TILE(n) \
     static void tile_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, const float *sx, \
                          const float *wt, float *out) { \
