@@ -19,7 +19,8 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.backend import check_rotation
 from pagedserve.kernels.native import layer_ops_library, paged_attention_library
 
-__all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "write_kv_cache"]
+__all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "supports_shape",
+           "write_kv_cache"]
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -45,7 +46,7 @@ def paged_attention(
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if (lib is None or kv_cache.dtype not in _KV_DTYPES or kv_cache.device.type != "cpu"
-            or not _supports(num_q_heads, num_kv_heads, head_dim, block_size)):
+            or not supports_shape(num_q_heads, num_kv_heads, head_dim, block_size)):
         return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
     fp32 = query.dtype == torch.float32
@@ -150,7 +151,7 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 @functools.cache
-def _supports(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+def supports_shape(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether the native attention kernel takes this shape (asked once per shape, not once per layer and step)."""
     return bool(paged_attention_library().paged_attention_supports(num_q_heads, num_kv_heads, head_dim, block_size))
 

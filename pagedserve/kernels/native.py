@@ -48,32 +48,24 @@ def compiler() -> str:
 @functools.cache
 def paged_attention_library() -> ctypes.CDLL | None:
     """The built attention kernel, or None (logged) where it cannot be built here."""
-    lib = _library("paged_attention.c", PAGED_ATTENTION_FLAGS, "the CPU attention uses the slower torch reference")
-    if lib is None:
-        return None
-    lib.paged_attention_supports.argtypes = [_i64, _i64, _i64, _i64]
-    lib.paged_attention_supports.restype = ctypes.c_int
-    lib.paged_attention.argtypes = [_ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
-                                    _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
-    lib.paged_attention.restype = ctypes.c_int
-    return lib
+    return _library("paged_attention.c", PAGED_ATTENTION_FLAGS, "the CPU attention uses the slower torch reference", {
+        "paged_attention_supports": ([_i64, _i64, _i64, _i64], ctypes.c_int),
+        "paged_attention": ([_ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                             _i64, ctypes.c_float, ctypes.c_int], ctypes.c_int)})
 
 
 @functools.cache
 def quant_linear_library() -> ctypes.CDLL | None:
     """The built linear kernel on GGUF blocks, or None (logged) where it cannot be built or run here."""
-    lib = _library("quant_linear.c", QUANT_LINEAR_FLAGS, "linear layers use fp32 weights")
-    if lib is None:
-        return None
-    lib.quant_linear_supported.restype = ctypes.c_int
-    if not lib.quant_linear_supported():
+    lib = _library("quant_linear.c", QUANT_LINEAR_FLAGS, "linear layers use fp32 weights", {
+        "quant_linear_supported": ([], ctypes.c_int),
+        "quant_linear_panel_rows": ([], ctypes.c_int),
+        "quant_linear_panel_block_bytes": ([ctypes.c_int], _i64),
+        "quant_linear": ([_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, _i64, ctypes.c_int],
+                         ctypes.c_int)})
+    if lib is not None and not lib.quant_linear_supported():
         log.info("this CPU lacks AVX2/FMA/F16C: linear layers use fp32 weights")
         return None
-    lib.quant_linear_panel_rows.restype = ctypes.c_int
-    lib.quant_linear_panel_block_bytes.argtypes = [ctypes.c_int]
-    lib.quant_linear_panel_block_bytes.restype = _i64
-    lib.quant_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, _i64, ctypes.c_int]
-    lib.quant_linear.restype = ctypes.c_int
     return lib
 
 
@@ -81,44 +73,40 @@ def quant_linear_library() -> ctypes.CDLL | None:
 def layer_ops_library() -> ctypes.CDLL | None:
     """The built RMSNorm, rotary embedding, K/V write and SiLU gate, or None (logged) where they cannot be built
     here."""
-    lib = _library("layer_ops.c", LAYER_OPS_FLAGS, "the layers' small ops use torch's")
-    if lib is None:
-        return None
-    lib.rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _i64, _i64, _i64, ctypes.c_int]
-    lib.rms_norm_f32.restype = None
-    lib.rms_norm_heads_f32.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64, _i64, _i64, _i64, _i64]
-    lib.rms_norm_heads_f32.restype = None
-    lib.silu_mul_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
-    lib.silu_mul_f32.restype = None
-    lib.rotate_qk_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
-    lib.rotate_qk_f32.restype = None
-    lib.write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
-    lib.write_kv_f32.restype = ctypes.c_int
-    return lib
+    return _library("layer_ops.c", LAYER_OPS_FLAGS, "the layers' small ops use torch's", {
+        "rms_norm_f32": ([_ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _i64, _i64, _i64, ctypes.c_int], None),
+        "rms_norm_heads_f32": ([_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64, _i64, _i64, _i64, _i64], None),
+        "silu_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int], None),
+        "rotate_qk_f32": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64], None),
+        "write_kv_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+                         ctypes.c_int)})
 
 
 @functools.cache
 def decoder_library() -> ctypes.CDLL | None:
     """The built decoder driver (one call per step through the other kernels), or None (logged)."""
-    lib = _library("decoder.c", DECODER_FLAGS, "the CPU decoder runs layer by layer in Python")
-    if lib is None:
-        return None
-    lib.decoder_forward.argtypes = [_ptr, _ptr, _ptr, _ptr]
-    lib.decoder_forward.restype = ctypes.c_int
-    return lib
+    return _library("decoder.c", DECODER_FLAGS, "the CPU decoder runs layer by layer in Python",
+                    {"decoder_forward": ([_ptr, _ptr, _ptr, _ptr], ctypes.c_int)})
 
 
-def _library(source: str, flags: list[str], fallback: str) -> ctypes.CDLL | None:
+def _library(source: str, flags: list[str], fallback: str,
+             signatures: dict[str, tuple[list, type | None]]) -> ctypes.CDLL | None:
+    """`source` built and loaded, each function of `signatures` given its (argument types, result type); None
+    (logged, with what `fallback` runs instead) where it cannot be built."""
     cc = shutil.which(compiler())
     if cc is None:
         log.warning("no C compiler (%s) on PATH: %s", compiler(), fallback)
         return None
     try:
-        return ctypes.CDLL(str(_build(cc, CSRC / source, flags)))
+        lib = ctypes.CDLL(str(_build(cc, CSRC / source, flags)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
         log.warning("building %s failed, %s: %s", source, fallback, detail)
         return None
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib
 
 
 def _build(cc: str, source: Path, flags: list[str]) -> Path:

@@ -91,11 +91,7 @@ int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, co
     for (int64_t i = 0; i < m->num_layers; i++) {
         const layer_t *L = &m->layers[i];
         float *k_plane = s->kv + i * 2 * plane, *v_plane = k_plane + plane;
-        if (i == 0) {
-            kern->rms_norm(b->hidden, H, NULL, 0, L->input_norm, m->eps, b->normed, H, T, H, threads);
-        } else {
-            kern->rms_norm(b->hidden, H, b->residual, H, L->input_norm, m->eps, b->normed, H, T, H, threads);
-        }
+        kern->rms_norm(b->hidden, H, i ? b->residual : NULL, H, L->input_norm, m->eps, b->normed, H, T, H, threads);
         if ((status = kern->quant_linear(b->normed, T, H, H, L->qkv.panels, (int)L->qkv.qtype, qkv_size, L->qkv.bias,
                                          b->qkv, qkv_size, threads)))
             return 100 - status;

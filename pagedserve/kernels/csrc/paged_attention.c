@@ -295,15 +295,18 @@ int paged_attention(
         const int64_t most = num_slices(context_lens[r], slice);
         max_slices = n && most > max_slices ? most : max_slices;
     }
-    /* Each tile's row, first token and token count. */
-    int64_t *tile_row = malloc(sizeof(int64_t) * (size_t)(3 * (num_tiles > 0 ? num_tiles : 1)));
+    /* Each tile's row, first token, token count, and its first token's context: token i of a row with n new
+     * tokens sees its first ctx - n + i + 1. */
+    int64_t *tile_row = malloc(sizeof(int64_t) * (size_t)(4 * (num_tiles > 0 ? num_tiles : 1)));
     if (!tile_row) return -3;
     int64_t *tile_first = tile_row + num_tiles, *tile_count = tile_first + num_tiles;
+    int64_t *tile_ctx = tile_count + num_tiles;
     for (int64_t r = 0, t = 0; r < num_rows; r++)
         for (int64_t first = cu_seqlens_q[r]; first < cu_seqlens_q[r + 1]; first += tile, t++) {
             tile_row[t] = r;
             tile_first[t] = first;
             tile_count[t] = cu_seqlens_q[r + 1] - first < tile ? cu_seqlens_q[r + 1] - first : tile;
+            tile_ctx[t] = context_lens[r] - cu_seqlens_q[r + 1] + first + 1;
         }
     /* A work item is a tile's KV heads `heads` at a time: all of them when there are tiles enough to keep the
      * threads busy, so that each block's K and V are read as two contiguous runs; one when there are few.
@@ -325,9 +328,7 @@ int paged_attention(
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         const int64_t unit = spread ? item / max_slices : item, t = unit / chunks, h0 = (unit % chunks) * heads;
-        const int64_t r = tile_row[t], count = tile_count[t], first_token = tile_first[t];
-        const int64_t q_len = cu_seqlens_q[r + 1] - cu_seqlens_q[r];
-        const int64_t ctx0 = context_lens[r] - q_len + (first_token - cu_seqlens_q[r]) + 1;  /* first token's */
+        const int64_t r = tile_row[t], count = tile_count[t], first_token = tile_first[t], ctx0 = tile_ctx[t];
         const int64_t n = num_slices(ctx0 + count - 1, slice);
         const int64_t first = spread ? item % max_slices : 0, last = spread ? first + 1 : n;
         if (first >= n) continue;  /* a slice past every token's context */
@@ -348,12 +349,10 @@ int paged_attention(
                              out + at + i * num_q_heads * D);
     }
     for (int64_t unit = 0; spread && unit < units; unit++) {
-        const int64_t t = unit / chunks, h0 = (unit % chunks) * heads, r = tile_row[t];
-        const int64_t q_len = cu_seqlens_q[r + 1] - cu_seqlens_q[r];
-        const int64_t ctx0 = context_lens[r] - q_len + (tile_first[t] - cu_seqlens_q[r]) + 1;
+        const int64_t t = unit / chunks, h0 = (unit % chunks) * heads;
         for (int64_t i = 0; i < tile_count[t]; i++)
-            merge_slices(parts + unit * tile_parts + i * stride, num_slices(ctx0 + i, slice), tile * stride, hg, D,
-                         out + ((tile_first[t] + i) * num_q_heads + h0 * group) * D);
+            merge_slices(parts + unit * tile_parts + i * stride, num_slices(tile_ctx[t] + i, slice),
+                         tile * stride, hg, D, out + ((tile_first[t] + i) * num_q_heads + h0 * group) * D);
     }
     free(parts);
     free(tile_row);

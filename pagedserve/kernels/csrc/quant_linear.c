@@ -171,7 +171,8 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4))); \
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)));
 #define QUANTS_F32(k) \
-    const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)), q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
+    const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)); \
+    const __m256 q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
 #define STORE_QUANTS(k) _mm256_storeu_ps(wt + (k) * NR, q0); _mm256_storeu_ps(wt + (k) * NR + 8, q1);
 #define LOAD_QUANTS(k) const __m256 q0 = _mm256_loadu_ps(wt + (k) * NR), q1 = _mm256_loadu_ps(wt + (k) * NR + 8);
 #endif

@@ -78,7 +78,7 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return "tensor parallelism"
     if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):
         return "a kernel that could not be built"
-    if not cpu._supports(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
+    if not cpu.supports_shape(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
         return "an attention shape the kernel does not take"
     for layer in model.model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

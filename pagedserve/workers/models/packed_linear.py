@@ -8,6 +8,7 @@ without a compile at start-up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,12 +53,25 @@ class PackedLinear(nn.Module):
 def pack_linears(model: CausalLM, batch_hint: int) -> None:
     """Swap every nn.Linear of a loaded model for a PackedLinear, and give a tied LM head without a module
     of its own a packed copy of the embedding (the embedding lookup keeps the plain one)."""
+    replace_linears(model, lambda weight, bias: PackedLinear(weight, bias, batch_hint))
+
+
+def replace_linears(model: CausalLM,
+                    make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module | None]) -> int:
+    """Swap each nn.Linear of a loaded model for `make(weight, bias)`, and give a tied LM head without a module
+    of its own `make(embedding weight, None)` (the lookup keeps the plain weights); where `make` returns None
+    the layer stays as it is. Returns how many were swapped."""
+    swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child.weight, child.bias, batch_hint))
+            if isinstance(child, nn.Linear) and (layer := make(child.weight, child.bias)) is not None:
+                setattr(module, name, layer)
+                swapped += 1
     if model.config.tie_word_embeddings and getattr(model, "lm_head", None) is None:
-        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None, batch_hint)
+        if (head := make(model.model.embed_tokens.weight, None)) is not None:
+            model.lm_head = head
+            swapped += 1
+    return swapped
 
 
 def linear_product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.native import quant_linear_library
+from pagedserve.workers.models.packed_linear import replace_linears
 from pagedserve.workers.models.parallel import shard_range
 
 if TYPE_CHECKING:
@@ -168,18 +169,8 @@ def load_fp32_linears(model: CausalLM) -> int:
     """Swap each nn.Linear whose in_features is a multiple of 32 for a QuantLinear on its fp32 weights, and give
     a tied LM head without a module of its own one on the embedding (the lookup keeps the plain weights);
     returns how many were swapped."""
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.in_features % QK == 0:
-                setattr(module, name, QuantLinear.from_fp32(child.weight, child.bias))
-                swapped += 1
-    if model.config.tie_word_embeddings and getattr(model, "lm_head", None) is None:
-        weight = model.model.embed_tokens.weight
-        if weight.shape[1] % QK == 0:
-            model.lm_head = QuantLinear.from_fp32(weight, None)
-            swapped += 1
-    return swapped
+    return replace_linears(model, lambda weight, bias: QuantLinear.from_fp32(weight, bias)
+                           if weight.shape[1] % QK == 0 else None)
 
 
 def _linear_sources(model: CausalLM):
