@@ -8,7 +8,7 @@
   layer with weights of its own (so they stream from memory as in a model): F.linear on the plain fp32
   weight, weights packed into oneDNN's layout, the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
   (the embedded GGUF's types), and the same kernel on the fp32 weights (what a checkpoint without GGUF
-  blocks runs).
+  blocks runs) and on them rounded to bf16 (what a bf16 checkpoint runs: its weights kept 16-bit).
 
   .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400] [--prefill 1024]
 """
@@ -110,6 +110,9 @@ def main() -> None:
         runs.append(("GGUF blocks (Q4_1, Q8_0 head)", step(blocks)))
         runs.append(("fp32 panels (the same kernel)", step([quant_linear.QuantLinear.from_fp32(w, None)
                                                             for w in weights])))
+        # The weights rounded to bf16 (a bf16 checkpoint's), held as they are: the same kernel, half the bytes
+        runs.append(("bf16 panels (the same kernel)", step([quant_linear.QuantLinear.from_fp32(
+            w.bfloat16().float(), None) for w in weights])))
     if can_pack(torch.device("cpu"), torch.float32):
         runs.insert(1, ("oneDNN packed fp32", step([PackedLinear(w, None, r) for w in weights])))
     for name, fn in runs:

@@ -400,3 +400,39 @@ def test_second_start_uses_cache(
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == mtimes
     # Nothing but the entry itself in the cache folder: no stray temporary directories.
     assert [p.name for p in (cache_root / "gguf").iterdir()] == [converted.name]
+
+
+def test_unquantized_linears_keep_their_bytes(tmp_path: Path) -> None:
+    """A GGUF's F32, F16 and BF16 linear weights (the reader gives the first two as their values, not their
+    bytes) become rows the CPU kernel computes with exactly the converted fp32 weights."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    import torch
+
+    from pagedserve.workers.models import quant_linear
+
+    if not quant_linear.available(torch.device("cpu"), torch.float32):
+        pytest.skip("the linear kernel needs a C compiler and AVX2/FMA/F16C")
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    values = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    q_values = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)  # Q/K rows get permuted
+    writer.add_tensor("blk.0.attn_output.weight", values[:, :64])
+    writer.add_tensor("blk.0.ffn_down.weight", values.astype(np.float16))
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
+                      raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.add_tensor("blk.0.attn_q.weight", q_values.astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    state, blocks, types = gguf_mod._dequantized_state_dict(path)
+    assert set(blocks) == set(state)
+    assert types == {"model.layers.0.self_attn.o_proj.weight": "F32", "model.layers.0.mlp.down_proj.weight": "F16",
+                     "model.layers.0.mlp.up_proj.weight": "BF16", "model.layers.0.self_attn.q_proj.weight": "F16"}
+    for name, rows in blocks.items():
+        layer = quant_linear.QuantLinear(rows, types[name], state[name].shape[1], None)
+        assert torch.equal(quant_linear.dequantize(layer), state[name]), name

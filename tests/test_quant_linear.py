@@ -27,14 +27,17 @@ from pagedserve.workers.models.quant_linear import QuantLinear, dequantize, load
 pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), torch.float32),
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32"]  # F32: any fp32 checkpoint's weights, through the same kernel
+# F32: any fp32 checkpoint's weights, through the same kernel; BF16, F16: a 16-bit checkpoint's
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "BF16", "F16"]
 
 
 def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them."""
+    """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them (plain
+    types: the matrix rounded to the type, and its values widened to fp32)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    if qtype == "F32":
-        return torch.from_numpy(w.view(np.uint8)), torch.from_numpy(w)
+    if qtype in quant_linear.PLAIN_TYPES:
+        narrow = torch.from_numpy(w).to(quant_linear.PLAIN_TYPES[qtype])
+        return narrow.view(torch.uint8), narrow.float()
     rows = gguf_quantize(w, GGMLQuantizationType[qtype])
     return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[qtype]))
 
@@ -140,10 +143,35 @@ def test_engine_tokens_match_fp32_weights(embedded_dir):
     assert answers[0] == answers[1]
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F16"])
+def test_16_bit_panels_give_the_fp32_panels_bits_from_half_the_bytes(qtype):
+    """A 16-bit checkpoint's weights, held as they are, compute what the same values held as fp32 compute, bit
+    for bit, in every tile: keeping them narrow changes nothing but the bytes read."""
+    rows, w = _quantized(40, 128, qtype, seed=4)
+    narrow = QuantLinear(rows, qtype, 128, torch.randn(40))
+    wide = QuantLinear(w.view(torch.uint8), "F32", 128, narrow.bias)
+    assert narrow.panels.numel() * 2 == wide.panels.numel()
+    for m in (1, 3, 4, 5, 13, 60, 130):  # the first rows alone, with register tiles after them, past 48 rows
+        x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(narrow(x), wide(x)), m
+
+
 def test_fp32_layers_take_the_weights_as_they_are():
     w, bias = torch.randn(24, 64), torch.randn(24)
     layer = QuantLinear.from_fp32(w, bias)
     assert layer.qtype == "F32" and torch.equal(dequantize(layer), w)
+    # Held narrow only where every value is exactly a 16-bit one: bf16 first, then fp16 (its finer mantissa
+    # holds values bf16 does not); a value that is neither, or a NaN, keeps the layer fp32.
+    as_bf16, as_f16 = w.bfloat16().float(), (w / 8).half().float()
+    assert QuantLinear.from_fp32(as_bf16, bias).qtype == "BF16"
+    assert QuantLinear.from_fp32(as_f16, bias).qtype == "F16"
+    assert QuantLinear.from_fp32(torch.cat([as_bf16[:1], w[1:2], as_bf16[2:]]), bias).qtype == "F32"
+    assert QuantLinear.from_fp32(torch.cat([as_f16[:1] * 2**20, as_f16[1:]]), bias).qtype == "F32"  # fp16's range
+    with_nan = as_bf16.clone()
+    with_nan[3, 5] = float("nan")
+    assert QuantLinear.from_fp32(with_nan, bias).qtype == "F32"
+    for weights in (as_bf16, as_f16):
+        assert torch.equal(dequantize(QuantLinear.from_fp32(weights, bias)), weights)
     config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         max_position_embeddings=64, tie_word_embeddings=True))
@@ -161,3 +189,30 @@ def test_gguf_linears_setting_must_be_a_bool():
 
     with pytest.raises(ValueError, match="gguf_linears='no' must be true or false"):
         EngineConfig(gguf_linears="no")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_checkpoint_keeps_its_weights_16_bit_and_matches_transformers(dtype, tmp_path):
+    """A checkpoint saved in bf16 or fp16 (most published ones are bf16) runs on fp32 activations, as transformers
+    runs it loaded in fp32, with its linear layers held in the checkpoint's own type: the same greedy tokens
+    as transformers', from half the bytes of weights."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(5)
+    transformers.AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
+                    .tolist() for p in prompts]
+    with LLM(str(tmp_path)) as llm:
+        model = llm.engine.executor.worker.model
+        assert {m.qtype for m in model.modules() if isinstance(m, QuantLinear)} == {
+            "BF16" if dtype == torch.bfloat16 else "F16"}
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected

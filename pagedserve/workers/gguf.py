@@ -31,7 +31,7 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump whenever the produced directory changes meaning (names, dtype, files), so that caches written by an
 # older converter are not silently reused.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 # Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
 MANIFEST_NAME = "pagedserve_gguf.json"
@@ -167,8 +167,8 @@ def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, 
                 weights, raw = _reverse_qk_permute(weights, n_kv_head), _reverse_qk_permute(raw, n_kv_head)
         # Copy out of the file's memmap: the reader's views are read-only and must not outlive it.
         state[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
-        if keep_blocks:
-            blocks[hf_name] = torch.from_numpy(np.array(raw, dtype=np.uint8, order="C", copy=True))
+        if keep_blocks:  # the reader gives F32 and F16 tensors as their values: their bytes, as they are
+            blocks[hf_name] = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).copy())
             block_types[hf_name] = tensor.tensor_type.name
     return state, blocks, block_types
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 
@@ -57,9 +58,12 @@ class Worker:
             log.info("rank %d: %d linear layers compute from the checkpoint's GGUF blocks", rank, swapped)
         if quant_linear.available(self.device, self.dtype):
             # The other fp32 layers through the same kernel, unquantized: every row computed the same way in any
-            # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step.
+            # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step. A 16-bit
+            # checkpoint's weights stay 16-bit there, exactly: half the bytes a decode step streams.
             swapped = quant_linear.load_fp32_linears(self.model)
-            log.info("rank %d: %d linear layers compute from fp32 panels", rank, swapped)
+            types = Counter(m.qtype for m in self.model.modules() if isinstance(m, quant_linear.QuantLinear))
+            log.info("rank %d: %d linear layers compute from unquantized panels (by type: %s)", rank, swapped,
+                     ", ".join(f"{t} {n}" for t, n in sorted(types.items()) if t in quant_linear.PLAIN_TYPES))
         if can_pack(self.device, self.dtype):  # what is left: bf16, or a CPU without AVX2
             pack_linears(self.model, PACK_BATCH_HINT)
         self.backend = get_attention_backend(config.attention_backend, self.device)

@@ -1,7 +1,9 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0) and
- * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32. Plain fp32
- * weights (F32: any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32
- * layer on the CPU computes a row the same way in any batch, which oneDNN's GEMM does not.
+ * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32. Plain
+ * weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
+ * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
+ * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
+ * widened on load). A 16-bit panel widens to the same floats, so it gives F32's bits from half the bytes.
  *
  * The weights are the fp32 weights the GGUF converter writes (d * q + m per 32-value block), with each block's
  * scale factored out of its sum: per row, column and block, s = sum of x[k] * q[k] over the block's 32 k
@@ -36,7 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3 };  /* F32: plain fp32 weights in the same panels */
+/* F32, BF16, F16: plain weights in the same panels (d = 1), as fp32 or as 16-bit values each exactly is */
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5 };
 
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
@@ -44,8 +47,8 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3 };  /* F32: plain fp32 weights in t
 #define MR_FUSED 4  /* rows of the tile that dequantizes as it goes (4 x 2 accumulators + the scales) */
 #define MB 48  /* rows of x per block */
 #define MAX_GROUP 8
-#define PREFETCH_BLOCKS 32  /* 10-17 KiB ahead; past a panel's end it reads the next one's */
-#define PREFETCH_BLOCKS_F32 8  /* F32's 2 KiB blocks: 16 KiB ahead (at 64 KiB they streamed ~20% slower) */
+#define PREFETCH_BLOCKS 32  /* quantized blocks: 10-17 KiB ahead; past a panel's end it reads the next one's */
+#define PREFETCH_PLAIN_BYTES 16384  /* F32's 2 KiB blocks, BF16's and F16's 1 KiB (64 KiB streamed ~20% slower) */
 #define L2_FLOATS (96 * 1024)  /* 384 KiB of fp32 */
 
 int quant_linear_panel_rows(void) { return NR; }
@@ -57,6 +60,8 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q4_1: return 4 * NR + QK * NR / 2;
     case Q8_0: return 2 * NR + QK * NR;
     case F32: return QK * NR * (int64_t)sizeof(float);
+    case BF16:
+    case F16: return QK * NR * 2;
     default: return 0;
     }
 }
@@ -68,10 +73,10 @@ int quant_linear_supported(void) { return 1; }
 
 static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* The cache lines of the (panel, K block) PREFETCH_BLOCKS (F32: PREFETCH_BLOCKS_F32) after the one at p, of
- * `bytes` bytes each. */
+/* The cache lines of the (panel, K block) PREFETCH_BLOCKS after the one at p, of `bytes` bytes each, or of the
+ * one PREFETCH_PLAIN_BYTES ahead for plain weights (their blocks are the largest). */
 static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
-    const int64_t ahead = (bytes >= QK * NR * (int64_t)sizeof(float) ? PREFETCH_BLOCKS_F32 : PREFETCH_BLOCKS) * bytes;
+    const int64_t ahead = bytes >= QK * NR * 2 ? PREFETCH_PLAIN_BYTES : PREFETCH_BLOCKS * bytes;
     for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + ahead + c, _MM_HINT_T0);
 }
 
@@ -101,7 +106,7 @@ static inline float block_sum(const float *x) {
 #define ROWS_12(X) ROWS_11(X) X(11)
 
 /* Every tile, for each row and each of its 16 columns: per K block, s = sum of x[k] * q[k] over the block's 32 k
- * in order from zero (q the quant as a float; Q4_0: q - 8; F32: the weight, d = 1), then acc = fma(d, s, acc),
+ * in order from zero (q the quant as a float; Q4_0: q - 8; plain types: the weight, d = 1), then acc = fma(d, s, acc),
  * and for Q4_1 acc = fma(m, sum(x over the block), acc) (`block_sum`, done once per row and block: `sx`). */
 #if defined(__AVX512F__)
 /* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
@@ -116,7 +121,7 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     if (sx) a##i = _mm512_fmadd_ps(m0, _mm512_set1_ps(sx[(i) * nb + b]), a##i);
 #define ACC_STORE(i) _mm512_storeu_ps(out + (i) * NR, a##i);
 #define SCALES                                                                         \
-    const __m512 d0 = qtype == F32 ? _mm512_set1_ps(1.0f) : half16(p);                 \
+    const __m512 d0 = qtype >= F32 ? _mm512_set1_ps(1.0f) : half16(p);                 \
     const __m512 m0 = qtype == Q4_1 ? half16(p + 2 * NR) : _mm512_setzero_ps();
 /* A k's 16 quants as floats (rows 0-15 in order: Q8_0's bytes; Q4's low nibbles, rows 0-7, then high). */
 #define NIBBLES(k) \
@@ -128,6 +133,10 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
 #define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
 #define QUANTS_F32(k) const __m512 q0 = _mm512_loadu_ps((const float *)q + NR * (k));
+/* bf16 is the top half of an fp32: widened by a shift, exactly */
+#define QUANTS_BF16(k) const __m512 q0 = _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(q + 2 * NR * (k)))), 16));
+#define QUANTS_F16(k) const __m512 q0 = half16(q + 2 * NR * (k));
 #define STORE_QUANTS(k) _mm512_storeu_ps(wt + (k) * NR, q0);
 #define LOAD_QUANTS(k) const __m512 q0 = _mm512_loadu_ps(wt + (k) * NR);
 #else
@@ -151,8 +160,8 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     }
 #define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
 #define SCALES                                                                         \
-    const __m256 d0 = qtype == F32 ? _mm256_set1_ps(1.0f) : half8(p);                  \
-    const __m256 d1 = qtype == F32 ? _mm256_set1_ps(1.0f) : half8(p + 16);             \
+    const __m256 d0 = qtype >= F32 ? _mm256_set1_ps(1.0f) : half8(p);                  \
+    const __m256 d1 = qtype >= F32 ? _mm256_set1_ps(1.0f) : half8(p + 16);             \
     const __m256 m0 = qtype == Q4_1 ? half8(p + 2 * NR) : _mm256_setzero_ps();         \
     const __m256 m1 = qtype == Q4_1 ? half8(p + 2 * NR + 16) : _mm256_setzero_ps();
 /* A k's 16 quants as floats: q0 rows 0-7, q1 rows 8-15 (Q4: byte j holds row j low, row j + 8 high). */
@@ -173,6 +182,11 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
 #define QUANTS_F32(k) \
     const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)); \
     const __m256 q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
+#define QUANTS_BF16(k) \
+    const __m256i v_ = _mm256_loadu_si256((const __m256i *)(q + 2 * NR * (k))); \
+    const __m256 q0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v_)), 16)); \
+    const __m256 q1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v_, 1)), 16));
+#define QUANTS_F16(k) const __m256 q0 = half8(q + 2 * NR * (k)), q1 = half8(q + 2 * NR * (k) + 16);
 #define STORE_QUANTS(k) _mm256_storeu_ps(wt + (k) * NR, q0); _mm256_storeu_ps(wt + (k) * NR + 8, q1);
 #define LOAD_QUANTS(k) const __m256 q0 = _mm256_loadu_ps(wt + (k) * NR), q1 = _mm256_loadu_ps(wt + (k) * NR + 8);
 #endif
@@ -206,6 +220,12 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
             } else if (qtype == F32) { \
                 const uint8_t *q = p; \
                 BLOCK_LOOP(QUANTS_F32, ROWS_##n(SUM_STEP)) \
+            } else if (qtype == BF16) { \
+                const uint8_t *q = p; \
+                BLOCK_LOOP(QUANTS_BF16, ROWS_##n(SUM_STEP)) \
+            } else if (qtype == F16) { \
+                const uint8_t *q = p; \
+                BLOCK_LOOP(QUANTS_F16, ROWS_##n(SUM_STEP)) \
             } else { \
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q40, ROWS_##n(SUM_STEP)) \

@@ -1,6 +1,8 @@
 """Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q8_0), and the
-fp32 layers of any other checkpoint through the same kernel (F32 panels: every row computed the same way in any
-batch, which oneDNN's GEMM does not; and the model's layers in one native call, models/native_forward.py).
+fp32 layers of any other checkpoint through the same kernel (plain panels: every row computed the same way in any
+batch, which oneDNN's GEMM does not; and the model's layers in one native call, models/native_forward.py). A
+bf16 or fp16 checkpoint's weights, widened to fp32 on load, are held as the 16-bit values they are (BF16, F16
+panels): the kernel widens them back to the same floats, so the model computes the same bits from half the bytes.
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
 blocks 4.5 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
@@ -25,10 +27,11 @@ if TYPE_CHECKING:
 
 
 QK = 32  # values per GGUF block
-# The bytes of 32 values: GGUF's block sizes, and plain fp32 ("F32": weights of any checkpoint, read by the
-# same kernel so that every fp32 CPU model computes a row the same way in any batch).
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F32": 128}
-KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3}  # quant_linear.c's enum
+# The bytes of 32 values: GGUF's block sizes, and plain weights of any checkpoint (read by the same kernel so that
+# every fp32 CPU model computes a row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F32": 128, "BF16": 64, "F16": 64}
+KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5}  # quant_linear.c's enum
+PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -45,8 +48,8 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
     blocks[:n] = rows.reshape(n, nb, bb)
     blocks = blocks.view(panels, nr, nb, bb).transpose(1, 2)  # [P, nb, 16 rows, bb]
-    if qtype == "F32":  # [P, nb, 32 k x 16 rows] floats, as bytes
-        values = blocks.contiguous().view(torch.float32)  # [P, nb, 16 rows, 32 k]
+    if qtype in PLAIN_TYPES:  # [P, nb, 32 k x 16 rows] values, as bytes
+        values = blocks.contiguous().view(PLAIN_TYPES[qtype])  # [P, nb, 16 rows, 32 k]
         return values.transpose(2, 3).contiguous().view(torch.uint8).reshape(panels, nb, bb * nr)
     scales = [blocks[..., 0:2].reshape(panels, nb, 2 * nr)]  # the 16 rows' fp16 d
     if qtype == "Q8_0":
@@ -76,9 +79,12 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_fp32(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
-        """The layer of fp32 `weight` [out_features, in_features] (in_features a multiple of 32), unquantized."""
-        rows = weight.detach().float().contiguous().view(torch.uint8)  # [N, K * 4]
-        return cls(rows, "F32", weight.shape[1], bias)
+        """The layer of fp32 `weight` [out_features, in_features] (in_features a multiple of 32), unquantized:
+        held as bf16 or fp16 when every weight is exactly one (a 16-bit checkpoint's), else as fp32."""
+        weight = weight.detach().float().contiguous()
+        qtype = plain_type(weight)
+        rows = weight.to(PLAIN_TYPES[qtype]).view(torch.uint8)  # [N, K * bytes per value]
+        return cls(rows, qtype, weight.shape[1], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -109,6 +115,14 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
                 f"bias={self.bias is not None}")
+
+
+def plain_type(weight: torch.Tensor) -> str:
+    """The narrowest plain type that holds every value of fp32 `weight` exactly: "BF16", "F16" or "F32"."""
+    for qtype in ("BF16", "F16"):
+        if torch.equal(weight.to(PLAIN_TYPES[qtype]).float(), weight):  # a NaN is never equal: fp32 keeps it
+            return qtype
+    return "F32"
 
 
 def dequantize(linear: QuantLinear) -> torch.Tensor:
