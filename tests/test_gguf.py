@@ -128,14 +128,33 @@ def test_cache_hit_miss_and_invalidation(fake_gguf: Path, fake_convert: list[Pat
     assert len(fake_convert) == 2
     assert (first / "model.safetensors").read_text() == "model.safetensors from call 2"
 
-    # A modified GGUF (new mtime) gets its own entry.
+    # A modified GGUF (new mtime) gets its own entry, and the old one, which no start can hit again, is removed.
     st = fake_gguf.stat()
     os.utime(fake_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     changed = cached_gguf_dir(fake_gguf, cache_root=root)
     assert changed != first and changed.parent == first.parent
     assert len(fake_convert) == 3
     # No temporary or moved-aside directories are left behind.
-    assert _siblings(first) == sorted([first.name, changed.name])
+    assert _siblings(first) == [changed.name]
+
+
+def test_a_conversion_removes_the_entries_of_files_gone(fake_gguf: Path, fake_convert: list[Path],
+                                                         tmp_path: Path) -> None:
+    """A reinstall puts the packaged GGUF at a new path: the entry of the old path, whose file is gone, is removed
+    when the new one is converted; entries of files still there, and what the converter did not write, stay."""
+    root = tmp_path / "cache"
+    kept_file = fake_gguf.with_name("other.Q8_0.gguf")
+    kept_file.write_bytes(b"GGUF another")
+    kept = cached_gguf_dir(kept_file, cache_root=root)
+    reinstalled = fake_gguf.parent / "new-venv" / fake_gguf.name
+    reinstalled.parent.mkdir()
+    old = cached_gguf_dir(fake_gguf, cache_root=root)
+    fake_gguf.rename(reinstalled)
+    foreign = root / "gguf" / "not-an-entry"
+    foreign.mkdir()
+    new = cached_gguf_dir(reinstalled, cache_root=root)
+    assert new != old
+    assert _siblings(new) == sorted([kept.name, new.name, foreign.name])
 
 
 def test_convert_is_atomic_on_failure(

@@ -272,7 +272,8 @@ def cached_gguf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
     """Return the converted Hugging Face-layout directory for `gguf_path`, converting only on a cache miss.
 
     The entry is `<cache_root>/gguf/<stem>-<hash>`, the hash covering the file's absolute path, size and
-    mtime (and the converter version), so an edited or replaced file gets a fresh entry.
+    mtime (and the converter version), so an edited or replaced file gets a fresh entry; a conversion then
+    removes the entries whose file is gone or has changed.
     `cache_root` defaults to `$PAGEDSERVE_CACHE_DIR`, else `~/.cache/pagedserve`.
     """
     gguf_path = _check_gguf_file(gguf_path)
@@ -282,4 +283,22 @@ def cached_gguf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
     out_dir = root.absolute() / "gguf" / f"{gguf_path.stem}-{digest}"
     if _is_complete(out_dir):
         return out_dir
-    return convert_gguf(gguf_path, out_dir)
+    convert_gguf(gguf_path, out_dir)
+    _remove_stale_entries(out_dir.parent)
+    return out_dir
+
+
+def _remove_stale_entries(entries: Path) -> None:
+    """Remove the cache entries no start can hit again: their GGUF file is gone, or has changed since (or an older
+    converter wrote them). Each holds the model's weights in fp32; without this a reinstall (the packaged file
+    at a new path), an edited file or a new converter would leave one more behind every time."""
+    for entry in entries.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir():  # a conversion under way, or not an entry
+            continue
+        try:
+            source = json.loads((entry / MANIFEST_NAME).read_text())["source"]
+            path = Path(source["path"])
+        except (OSError, ValueError, KeyError, TypeError):  # not an entry this converter wrote: leave it
+            continue
+        if not path.is_file() or _source_identity(path) != source:
+            shutil.rmtree(entry, ignore_errors=True)
