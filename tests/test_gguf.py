@@ -138,10 +138,10 @@ def test_cache_hit_miss_and_invalidation(fake_gguf: Path, fake_convert: list[Pat
     assert _siblings(first) == [changed.name]
 
 
-def test_a_conversion_removes_the_entries_of_files_gone(fake_gguf: Path, fake_convert: list[Path],
-                                                         tmp_path: Path) -> None:
+def test_a_conversion_removes_the_entries_of_files_gone(fake_gguf: Path, fake_convert: list[Path], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A reinstall puts the packaged GGUF at a new path: the entry of the old path, whose file is gone, is removed
-    when the new one is converted; entries of files still there, and what the converter did not write, stay."""
+    when the new one is converted; entries of files still there, and what no converter wrote, stay."""
     root = tmp_path / "cache"
     kept_file = fake_gguf.with_name("other.Q8_0.gguf")
     kept_file.write_bytes(b"GGUF another")
@@ -155,6 +155,14 @@ def test_a_conversion_removes_the_entries_of_files_gone(fake_gguf: Path, fake_co
     new = cached_gguf_dir(reinstalled, cache_root=root)
     assert new != old
     assert _siblings(new) == sorted([kept.name, new.name, foreign.name])
+
+    # Upgraded, the next conversion removes what the older converter wrote, not what a newer one did.
+    monkeypatch.setattr(gguf_mod, "CONVERTER_VERSION", gguf_mod.CONVERTER_VERSION + 1)
+    upgraded = cached_gguf_dir(reinstalled, cache_root=root)
+    assert _siblings(new) == sorted([upgraded.name, foreign.name])
+    monkeypatch.setattr(gguf_mod, "CONVERTER_VERSION", gguf_mod.CONVERTER_VERSION - 2)
+    older = cached_gguf_dir(kept_file, cache_root=root)
+    assert _siblings(new) == sorted([upgraded.name, older.name, foreign.name])
 
 
 def test_convert_is_atomic_on_failure(

@@ -289,16 +289,18 @@ def cached_gguf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
 
 
 def _remove_stale_entries(entries: Path) -> None:
-    """Remove the cache entries no start can hit again: their GGUF file is gone, or has changed since (or an older
-    converter wrote them). Each holds the model's weights in fp32; without this a reinstall (the packaged file
-    at a new path), an edited file or a new converter would leave one more behind every time."""
+    """Remove the cache entries no start can hit again: their GGUF file is gone or has changed since, or an older
+    converter wrote them (a newer one's stay, for the install that has it). Each holds the model's weights in
+    fp32; without this a reinstall (the packaged file at a new path), an edited file or an upgrade would leave
+    one more behind every time."""
     for entry in entries.iterdir():
         if entry.name.startswith(".") or not entry.is_dir():  # a conversion under way, or not an entry
             continue
         try:
             source = json.loads((entry / MANIFEST_NAME).read_text())["source"]
-            path = Path(source["path"])
-        except (OSError, ValueError, KeyError, TypeError):  # not an entry this converter wrote: leave it
+            path, version = Path(source["path"]), int(source["converter_version"])
+        except (OSError, ValueError, KeyError, TypeError):  # not an entry a converter wrote: leave it
             continue
-        if not path.is_file() or _source_identity(path) != source:
+        if version < CONVERTER_VERSION or not path.is_file() or (
+                version == CONVERTER_VERSION and _source_identity(path) != source):
             shutil.rmtree(entry, ignore_errors=True)
