@@ -9,6 +9,8 @@ llama-server gets all N requests at once over HTTP with N slots (`-np N`, contin
   python benchmarks/throughput.py                                   # embedded SmolLM2, CPU
   python benchmarks/throughput.py --num-requests 16 --prompt-len 64 512 --output-len 128 128 \
       --hf-batch-size 16 --llama-server                             # CPU, beside llama.cpp (setup_peers.sh)
+  python benchmarks/throughput.py --gguf-type BF16 --llama-server   # the same model with bf16 weights, as
+                                                                    # published checkpoints are
   python benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
       --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs  # GPU
 """
@@ -67,6 +69,39 @@ def make_random_checkpoint(preset: str, dtype: torch.dtype, device: str) -> Path
     model.save_pretrained(d)
     write_synthetic_tokenizer(d, cfg["vocab_size"])
     return d
+
+
+def retyped_gguf(src: Path, qtype: str) -> Path:
+    """A copy of GGUF `src` whose 2-D weights are `qtype` ("BF16", "F16"): their dequantized values rounded to
+    it, as a checkpoint published in that type holds them; every other tensor and field as it is. Every engine
+    then runs the same 16-bit weights (pagedserve and llama.cpp from the GGUF, transformers from its
+    conversion). Removed at exit."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    d = Path(tempfile.mkdtemp(prefix="bench-gguf-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    out = d / f"{src.stem.rsplit('.', 1)[0]}.{qtype}.gguf"
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(out), arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    target = gguf.GGMLQuantizationType[qtype]
+    for tensor in reader.tensors:
+        if tensor.data.ndim == 2 and tensor.tensor_type != target:
+            values = dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, quantize(values, target), raw_dtype=target)
+        else:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
 
 
 def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
@@ -328,6 +363,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--random", choices=sorted(PRESETS), help="random weights of this shape instead of --model")
+    p.add_argument("--gguf-type", choices=["BF16", "F16"], default=None,
+                   help="the GGUF model (the embedded one or --model x.gguf) with its weights in this type instead")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
@@ -360,6 +397,13 @@ def main() -> None:
     from pagedserve.workers.loader import resolve_model
 
     device = torch.device(args.device)
+    if args.gguf_type:
+        from pagedserve.workers.gguf import embedded_model_gguf
+
+        source = Path(args.model) if args.model else embedded_model_gguf()
+        if source.suffix != ".gguf":
+            raise SystemExit("--gguf-type needs a GGUF model (the embedded one, or --model file.gguf)")
+        args.model = str(retyped_gguf(source, args.gguf_type))
     if args.random:
         dtype = EngineConfig(dtype=args.dtype).torch_dtype(device, None)
         model_dir = make_random_checkpoint(args.random, dtype, args.device)

@@ -54,16 +54,15 @@ class Worker:
         blocks = None if source.is_random else source.weights_dir / GGUF_BLOCKS_NAME
         if config.gguf_linears and blocks is not None and blocks.is_file() and quant_linear.available(
                 self.device, self.dtype):
-            swapped = quant_linear.load_gguf_linears(self.model, blocks)
-            log.info("rank %d: %d linear layers compute from the checkpoint's GGUF blocks", rank, swapped)
+            quant_linear.load_gguf_linears(self.model, blocks)
         if quant_linear.available(self.device, self.dtype):
             # The other fp32 layers through the same kernel, unquantized: every row computed the same way in any
             # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step. A 16-bit
             # checkpoint's weights stay 16-bit there, exactly: half the bytes a decode step streams.
-            swapped = quant_linear.load_fp32_linears(self.model)
+            quant_linear.load_fp32_linears(self.model)
             types = Counter(m.qtype for m in self.model.modules() if isinstance(m, quant_linear.QuantLinear))
-            log.info("rank %d: %d linear layers compute from unquantized panels (by type: %s)", rank, swapped,
-                     ", ".join(f"{t} {n}" for t, n in sorted(types.items()) if t in quant_linear.PLAIN_TYPES))
+            log.info("rank %d: linear layers on the CPU kernel, by weight type: %s", rank,
+                     ", ".join(f"{t} {n}" for t, n in sorted(types.items())))
         if can_pack(self.device, self.dtype):  # what is left: bf16, or a CPU without AVX2
             pack_linears(self.model, PACK_BATCH_HINT)
         self.backend = get_attention_backend(config.attention_backend, self.device)
