@@ -22,7 +22,13 @@ from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout
-from pagedserve.workers.models.quant_linear import QuantLinear, dequantize, load_fp32_linears, load_gguf_linears
+from pagedserve.workers.models.quant_linear import (
+    QuantLinear,
+    dequantize,
+    load_fp32_linears,
+    load_gguf_linears,
+    narrow_embedding,
+)
 
 pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), torch.float32),
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
@@ -184,6 +190,31 @@ def test_fp32_layers_take_the_weights_as_they_are():
     assert torch.equal(dequantize(model.lm_head), model.model.embed_tokens.weight)
 
 
+def test_the_embedding_table_is_held_narrow_only_where_nothing_reads_it_whole():
+    config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64, tie_word_embeddings=True))
+    model = CausalLM(config, 64)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.randn(100, 64).bfloat16().float())
+    ids = torch.tensor([3, 7, 99, 3])
+    rows = model.model.embed_tokens(ids)
+    assert narrow_embedding(model) == "F32"  # the tied head, without a module of its own, reads the whole table
+    load_fp32_linears(model)
+    assert narrow_embedding(model) == "BF16"
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    looked_up = model.model.embed_tokens(ids)
+    assert looked_up.dtype == torch.float32 and torch.equal(looked_up, rows)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_()
+    assert narrow_embedding(model) == "BF16"  # already narrow: left as it is
+    other = CausalLM(config, 64)
+    load_fp32_linears(other)
+    with torch.no_grad():
+        other.model.embed_tokens.weight.normal_()  # values no 16-bit type holds
+    assert narrow_embedding(other) == "F32" and other.model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_gguf_linears_setting_must_be_a_bool():
     from pagedserve.config import EngineConfig
 
@@ -191,16 +222,16 @@ def test_gguf_linears_setting_must_be_a_bool():
         EngineConfig(gguf_linears="no")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_16_bit_checkpoint_keeps_its_weights_16_bit_and_matches_transformers(dtype, tmp_path):
+@pytest.mark.parametrize(("dtype", "tied"), [(torch.bfloat16, False), (torch.float16, True)])
+def test_a_16_bit_checkpoint_keeps_its_weights_16_bit_and_matches_transformers(dtype, tied, tmp_path):
     """A checkpoint saved in bf16 or fp16 (most published ones are bf16) runs on fp32 activations, as transformers
-    runs it loaded in fp32, with its linear layers held in the checkpoint's own type: the same greedy tokens
-    as transformers', from half the bytes of weights."""
+    runs it loaded in fp32, with its linear layers and embedding table held in the checkpoint's own type: the
+    same greedy tokens as transformers', from half the bytes of weights."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False)
+                                      tie_word_embeddings=tied)
     torch.manual_seed(5)
     transformers.AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -214,5 +245,6 @@ def test_a_16_bit_checkpoint_keeps_its_weights_16_bit_and_matches_transformers(d
         model = llm.engine.executor.worker.model
         assert {m.qtype for m in model.modules() if isinstance(m, QuantLinear)} == {
             "BF16" if dtype == torch.bfloat16 else "F16"}
+        assert model.model.embed_tokens.weight.dtype == dtype
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -123,14 +123,20 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(tp.vocab_shard, config.hidden_size))
+        # The model's dtype where the table is held narrower (its values exactly 16-bit ones), else None
+        self.out_dtype: torch.dtype | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.tp.vocab_start
         inside = (local >= 0) & (local < self.tp.vocab_shard)
-        out = F.embedding(local.clamp(0, self.tp.vocab_shard - 1), self.weight) * inside[:, None]
+        out = self._rows(local.clamp(0, self.tp.vocab_shard - 1)) * inside[:, None]
         return all_reduce(out, self.tp)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight)  # [T, H]
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -187,6 +187,21 @@ def load_fp32_linears(model: CausalLM) -> int:
                            if weight.shape[1] % QK == 0 else None)
 
 
+def narrow_embedding(model: CausalLM) -> str:
+    """Hold the fp32 embedding table as the 16-bit type its values all exactly are (a 16-bit checkpoint's), each
+    row widened back as it is looked up: the same values in half the memory. Only where the LM head has a module
+    of its own (nothing else reads the table as a matrix). Returns the type the table is held as."""
+    embed = model.model.embed_tokens
+    held = next((t for t, dtype in PLAIN_TYPES.items() if dtype == embed.weight.dtype), str(embed.weight.dtype))
+    if getattr(model, "lm_head", None) is None or held != "F32":
+        return held
+    qtype = plain_type(embed.weight.detach())
+    if qtype != "F32":
+        embed.weight = nn.Parameter(embed.weight.detach().to(PLAIN_TYPES[qtype]), requires_grad=False)
+        embed.out_dtype = torch.float32
+    return qtype
+
+
 def _linear_sources(model: CausalLM):
     """(module, attribute, the HF tensors whose rows it concatenates) for every linear layer."""
     for i, layer in enumerate(model.model.layers):
