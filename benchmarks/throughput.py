@@ -118,6 +118,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes the model's weights take as the engine holds them: parameters, buffers, and the CPU kernels'
+    panels or packed weights (each tensor once)."""
+    tensors = {}
+    for module in model.modules():
+        held = [*module.parameters(recurse=False), *module.buffers(recurse=False),
+                getattr(module, "panels", None), getattr(module, "packed", None)]
+        tensors.update((id(t), t.numel() * t.element_size()) for t in held if isinstance(t, torch.Tensor))
+    return sum(tensors.values())
+
+
 def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
     """The first two prompts reversed: their lengths, none of their blocks (the first ones differ)."""
     return [p[::-1] for p in prompts[:2]]
@@ -145,13 +156,15 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), "every request must produce exactly max_tokens tokens"
     stats = llm.stats()
+    weights = weight_bytes(llm.engine.executor.worker.model)
     timeline = profile_decode(llm, prompts, outputs, args.profile_steps) if args.profile_steps else None
     llm.shutdown()
     del llm
     name = "pagedserve" + (" (decode CUDA graphs)" if cuda_graphs else "") + (
         "" if gguf_linears else " (gguf_linears=False: fp32 linear layers)") + (
         "" if async_scheduling else " (async_scheduling=False)")
-    note = f"{stats['num_total_blocks']} KV blocks, {stats['num_preemptions']} preemptions"
+    note = (f"weights {weights / 2**20:,.0f} MiB, {stats['num_total_blocks']} KV blocks, "
+            f"{stats['num_preemptions']} preemptions")
     if timeline:
         note += (f"; {timeline['steps']} decode steps of {timeline['rows']} rows: "
                  f"{timeline['step_us_unprofiled']} µs a step unprofiled")
