@@ -23,7 +23,8 @@
  * that scratch in tiles of 6 rows x 16 columns (the classic AVX2 GEMM tile). So each quant is converted once
  * per call, in the same pass that first uses it; with no rows after the first ones (a decode step of up to 4
  * sequences) nothing is stored. Built for a CPU with AVX-512, both tiles hold a panel's 16 columns in one
- * register, the register tile 12 rows.
+ * register, the register tile 12 rows; and where a work item holds two panels, the later rows run against both
+ * at once, 6 rows x 32 columns.
  *
  * Every row, in any tile and either build, does the same operations in the same order: a row's output does
  * not depend on the other rows of the call nor on the CPU's vector width, so a sequence decodes to the same
@@ -32,7 +33,8 @@
  * The blocks are read with software prefetches PREFETCH_BLOCKS ahead: with few rows a block's arithmetic
  * is short, and the hardware prefetcher alone left the loop waiting on memory (one sequence's decode step
  * read its weights at a quarter of the memory's bandwidth; prefetched, its linear layers take half the time).
- * Work items are groups of panels, spread over torch's OpenMP threads.
+ * Only the passes that stream a panel in prefetch: a tile over a panel already in the caches would spend load
+ * slots on them. Work items are groups of panels, spread over torch's OpenMP threads.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -238,11 +240,11 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
  * for F32 against the panel itself (wt = its blocks). */
 #define TILE(n) \
     static void tile_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, const float *sx, \
-                         const float *wt, float *out) { \
+                         const float *wt, int stream, float *out) { \
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
         ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
-            if (qtype == F32) prefetch_ahead(p, bytes); /* wt is this panel, in memory */ \
+            if (stream) prefetch_ahead(p, bytes); /* wt is this panel, read from memory */ \
             SCALES \
             ROWS_##n(SUM_INIT) \
             for (int kk = 0; kk < QK; kk++) { \
@@ -254,8 +256,59 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
         } \
         ROWS_##n(ACC_STORE) \
     }
+#if defined(__AVX512F__)
+/* With AVX-512, the rows after the first ones also run against two panels at once (6 rows x 32 columns): per k,
+ * two panel loads and six broadcasts feed twelve multiply-adds, where a 12 x 16 tile needs twelve broadcasts
+ * and a load for as many (the loads, not the multiply-adds, bound it). Each column's arithmetic is the tile's
+ * above, so are its bits. */
+#define MR_PAIR 6
+#define ACC2_INIT(i) __m512 a##i = _mm512_setzero_ps(), c##i = _mm512_setzero_ps();
+#define SUM2_INIT(i) __m512 s##i = _mm512_setzero_ps(), t##i = _mm512_setzero_ps();
+#define SUM2_STEP(i)                                                                   \
+    {                                                                                  \
+        const __m512 xb = _mm512_set1_ps(x[(i) * ldx + k]);                            \
+        s##i = _mm512_fmadd_ps(xb, q0, s##i);                                          \
+        t##i = _mm512_fmadd_ps(xb, q1, t##i);                                          \
+    }
+#define BLOCK2_END(i)                                                                  \
+    a##i = _mm512_fmadd_ps(d0, s##i, a##i);                                            \
+    c##i = _mm512_fmadd_ps(d1, t##i, c##i);                                            \
+    if (sx) {                                                                          \
+        const __m512 xs = _mm512_set1_ps(sx[(i) * nb + b]);                            \
+        a##i = _mm512_fmadd_ps(m0, xs, a##i);                                          \
+        c##i = _mm512_fmadd_ps(m1, xs, c##i);                                          \
+    }
+#define ACC2_STORE(i) _mm512_storeu_ps(out + (i) * 2 * NR, a##i); _mm512_storeu_ps(out + (i) * 2 * NR + NR, c##i);
+#define TILE_PAIR(n) \
+    static void tile_pair_##n(const float *x, int64_t ldx, const uint8_t *p, const uint8_t *p2, int qtype, int64_t K, \
+                              const float *sx, const float *wt, const float *wt2, int stream, float *out) { \
+        const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
+        ROWS_##n(ACC2_INIT) \
+        for (int64_t b = 0; b < nb; b++, p += bytes, p2 += bytes) { \
+            if (stream) { prefetch_ahead(p, bytes); prefetch_ahead(p2, bytes); } \
+            const __m512 d0 = qtype >= F32 ? _mm512_set1_ps(1.0f) : half16(p); \
+            const __m512 d1 = qtype >= F32 ? _mm512_set1_ps(1.0f) : half16(p2); \
+            const __m512 m0 = qtype == Q4_1 ? half16(p + 2 * NR) : _mm512_setzero_ps(); \
+            const __m512 m1 = qtype == Q4_1 ? half16(p2 + 2 * NR) : _mm512_setzero_ps(); \
+            ROWS_##n(SUM2_INIT) \
+            for (int kk = 0; kk < QK; kk++) { \
+                const int64_t k = b * QK + kk; \
+                const __m512 q0 = _mm512_loadu_ps(wt + k * NR), q1 = _mm512_loadu_ps(wt2 + k * NR); \
+                ROWS_##n(SUM2_STEP) \
+            } \
+            ROWS_##n(BLOCK2_END) \
+        } \
+        ROWS_##n(ACC2_STORE) \
+    }
+typedef void (*pair_fn)(const float *, int64_t, const uint8_t *, const uint8_t *, int, int64_t, const float *,
+                        const float *, const float *, int, float *);
+TILE_PAIR(1) TILE_PAIR(2) TILE_PAIR(3) TILE_PAIR(4) TILE_PAIR(5) TILE_PAIR(6)
+static const pair_fn PAIRS[MR_PAIR + 1] = {0, tile_pair_1, tile_pair_2, tile_pair_3, tile_pair_4, tile_pair_5,
+                                           tile_pair_6};
+#endif
 typedef void (*fused_fn)(const float *, int64_t, const uint8_t *, int, int64_t, const float *, float *, float *);
-typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int, int64_t, const float *, const float *, float *);
+typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int, int64_t, const float *, const float *, int,
+                        float *);
 TILE_FUSED(1) TILE_FUSED(2) TILE_FUSED(3) TILE_FUSED(4)
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #if defined(__AVX512F__)
@@ -266,6 +319,19 @@ static const tile_fn TILES[MR_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, ti
 static const tile_fn TILES[MR_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 #endif
 static const fused_fn FUSED[MR_FUSED + 1] = {0, tile_fused_1, tile_fused_2, tile_fused_3, tile_fused_4};
+
+/* Rows i .. i + mr of y, columns n0 .. n0 + nr: a tile's out (rows `stride` floats apart), plus the bias. */
+static inline void store_rows(float *y, int64_t ldy, int64_t i, int mr, int64_t n0, int nr, const float *out,
+                              int stride, const float *bias) {
+    for (int r = 0; r < mr; r++) {
+        float *dst = y + (i + r) * ldy + n0;
+        if (bias) {
+            for (int j = 0; j < nr; j++) dst[j] = out[r * stride + j] + bias[n0 + j];
+        } else {
+            memcpy(dst, out + r * stride, (size_t)nr * sizeof(float));
+        }
+    }
+}
 
 /* x [M, K] with row stride ldx; w the repacked panels of W [N, K]; y [M, N] with row stride ldy.
  * Returns 0, or -1 when K is not a multiple of 32, -2 for an unknown type, -3 when out of memory. */
@@ -314,35 +380,57 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
             const int64_t p0 = g * group, p1 = p0 + group < n_panels ? p0 + group : n_panels;
             for (int64_t i0 = 0; i0 < M; i0 += MB) {
                 const int64_t iend = i0 + MB < M ? i0 + MB : M;
-                for (int64_t p = p0; p < p1; p++) {
+                for (int64_t p = p0; p < p1;) {
+#if defined(__AVX512F__)
+                    const int pair = p + 1 < p1;  /* this panel and the next in one tile, for the later rows */
+#else
+                    const int pair = 0;
+#endif
                     const int64_t n0 = p * NR;
                     const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+                    const int nr2 = pair ? (int)(N - n0 - NR < NR ? N - n0 - NR : NR) : 0;
                     float *panel = scratch ? wt + (p - p0) * K * NR : NULL;
+                    float *panel2 = scratch && pair ? panel + K * NR : NULL;
                     const float *later = qtype == F32 ? (const float *)(w + p * panel_bytes) : panel;
-                    for (int64_t i = i0; i < iend;) {
+                    const float *later2 = qtype == F32 ? (const float *)(w + (p + 1) * panel_bytes) : panel2;
+                    int64_t i = i0;
+                    /* F32 tiles read the panel in memory: the call's first tile over it streams it in, prefetched;
+                     * the later ones find it in the caches (prefetches there only take load slots). */
+                    const int first = qtype == F32 && i0 == 0;
+                    /* The panel's first rows convert its quants as they go, for the rows after them. F32 panels
+                     * need no converting: past 4 rows, all the rows run in register tiles straight off them (one
+                     * pass over the panel in memory, not one for 4 rows and another). */
+                    if (i0 == 0 && (qtype != F32 || iend <= MR_FUSED)) {
+                        const int mr = (int)(iend < MR_FUSED ? iend : MR_FUSED);
+                        /* panel NULL: no rows come after these, nothing is stored */
+                        FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, sx, panel, out);
+                        store_rows(y, ldy, 0, mr, n0, nr, out, NR, bias);
+                        if (pair) {
+                            FUSED[mr](x, ldx, w + (p + 1) * panel_bytes, qtype, K, sx, panel2, out);
+                            store_rows(y, ldy, 0, mr, n0 + NR, nr2, out, NR, bias);
+                        }
+                        i = mr;
+                    }
+                    while (i < iend) {
                         int mr;
-                        /* The panel's first rows convert its quants as they go, for the rows after them. F32 panels
-                         * need no converting: past 4 rows, all the rows run in register tiles straight off them
-                         * (one pass over the panel in memory for up to 12 rows, not one for 4 and another). */
-                        if (i == 0 && (qtype != F32 || iend <= MR_FUSED)) {
-                            mr = (int)(iend < MR_FUSED ? iend : MR_FUSED);
-                            /* panel NULL: no rows come after these, nothing is stored */
-                            FUSED[mr](x, ldx, w + p * panel_bytes, qtype, K, sx, panel, out);
-                        } else {
-                            mr = (int)(iend - i < MR_TILE ? iend - i : MR_TILE);
-                            TILES[mr](x + i * ldx, ldx, w + p * panel_bytes, qtype, K, sx ? sx + i * nb : NULL, later,
-                                      out);
+#if defined(__AVX512F__)
+                        if (pair) {
+                            mr = (int)(iend - i < MR_PAIR ? iend - i : MR_PAIR);
+                            PAIRS[mr](x + i * ldx, ldx, w + p * panel_bytes, w + (p + 1) * panel_bytes, qtype, K,
+                                      sx ? sx + i * nb : NULL, later, later2, first && i == 0, out);
+                            store_rows(y, ldy, i, mr, n0, nr, out, 2 * NR, bias);
+                            store_rows(y, ldy, i, mr, n0 + NR, nr2, out + NR, 2 * NR, bias);
+                            i += mr;
+                            continue;
                         }
-                        for (int r = 0; r < mr; r++) {
-                            float *dst = y + (i + r) * ldy + n0;
-                            if (bias) {
-                                for (int j = 0; j < nr; j++) dst[j] = out[r * NR + j] + bias[n0 + j];
-                            } else {
-                                memcpy(dst, out + r * NR, (size_t)nr * sizeof(float));
-                            }
-                        }
+#endif
+                        mr = (int)(iend - i < MR_TILE ? iend - i : MR_TILE);
+                        TILES[mr](x + i * ldx, ldx, w + p * panel_bytes, qtype, K, sx ? sx + i * nb : NULL, later,
+                                  first && i == 0, out);
+                        store_rows(y, ldy, i, mr, n0, nr, out, NR, bias);
                         i += mr;
                     }
+                    p += pair ? 2 : 1;
                 }
             }
         }
