@@ -34,13 +34,32 @@ pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), 
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
 # F32: any fp32 checkpoint's weights, through the same kernel; BF16, F16: a 16-bit checkpoint's
-QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F32", "BF16", "F16"]
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "F32", "BF16", "F16"]
+
+
+def _width(qtype: str, k: int) -> int:
+    """`k` in_features, or the multiple of Q4_K's 256-value blocks nearest above it."""
+    return -(-k // 256) * 256 if qtype == "Q4_K" else k
+
+
+def _random_q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_K rows [n, k / 256 * 144]: random 6-bit scales, mins and quants under random fp16 d and dmin (gguf
+    cannot quantize to Q4_K; every such block is one llama.cpp could write)."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    scales = np.stack([rng.standard_normal((n, k // 256)) * 0.01, np.abs(rng.standard_normal((n, k // 256))) * 0.01],
+                      axis=-1).astype(np.float16)  # [n, blocks, (d, dmin)]
+    blocks[..., 0:4] = scales.view(np.uint8)
+    return blocks.reshape(n, -1)
 
 
 def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them (plain
     types: the matrix rounded to the type, and its values widened to fp32)."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    if qtype == "Q4_K":
+        rows = _random_q4_k(n, k, rng)
+        return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType.Q4_K))
+    w = rng.standard_normal((n, k)).astype(np.float32)
     if qtype in quant_linear.PLAIN_TYPES:
         narrow = torch.from_numpy(w).to(quant_linear.PLAIN_TYPES[qtype])
         return narrow.view(torch.uint8), narrow.float()
@@ -51,15 +70,16 @@ def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, tor
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("n", [16, 40, 100])  # whole panels of 16 rows, and a padded last panel
 def test_weights_are_exactly_ggufs_dequantization(qtype, n):
-    rows, w = _quantized(n, 96, qtype, seed=n)
-    assert torch.equal(dequantize(QuantLinear(rows, qtype, 96, None)), w)
+    k = _width(qtype, 96)
+    rows, w = _quantized(n, k, qtype, seed=n)
+    assert torch.equal(dequantize(QuantLinear(rows, qtype, k, None)), w)
 
 
 # Rows that all dequantize as they go (no scratch), partial register tiles on the scratch, past one 48-row item
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("m", [1, 4, 5, 6, 7, 16, 50, 97])
 def test_product_matches_fp32_matmul(qtype, m):
-    n, k = 40, 128
+    n, k = 40, _width(qtype, 128)
     rows, w = _quantized(n, k, qtype, seed=m)
     gen = torch.Generator().manual_seed(m)
     bias = torch.randn(n, generator=gen)
@@ -78,9 +98,10 @@ def test_a_row_gets_the_same_bits_in_any_batch(qtype):
     """A row's output does not depend on the rows beside it: alone, among the first rows (which dequantize as
     they go) or in the register tiles that follow, past one 48-row work item. So a sequence decodes to the same
     tokens whatever else shares its steps."""
-    rows, _ = _quantized(40, 128, qtype, seed=1)
-    layer = QuantLinear(rows, qtype, 128, torch.randn(40))
-    x = torch.randn(60, 128, generator=torch.Generator().manual_seed(2))
+    k = _width(qtype, 128)
+    rows, _ = _quantized(40, k, qtype, seed=1)
+    layer = QuantLinear(rows, qtype, k, torch.randn(40))
+    x = torch.randn(60, k, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([layer(x[i:i + 1]) for i in range(60)])
     for m in (2, 4, 5, 7, 60):
         assert torch.equal(torch.cat([layer(x[i:i + m]) for i in range(0, 60, m)]), alone), m
@@ -96,13 +117,14 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
     avx2.quant_linear.argtypes = native.quant_linear_library().quant_linear.argtypes
     avx2.quant_linear.restype = ctypes.c_int
     for qtype in QTYPES:
-        rows, _ = _quantized(40, 128, qtype, seed=3)
-        layer = QuantLinear(rows, qtype, 128, None)
+        k = _width(qtype, 128)
+        rows, _ = _quantized(40, k, qtype, seed=3)
+        layer = QuantLinear(rows, qtype, k, None)
         for m in (1, 3, 4, 5, 17, 60):  # dequantizing rows alone, then with register tiles after them
-            x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             y = torch.empty(m, 40)
             code = quant_linear.KERNEL_TYPE[qtype]
-            assert avx2.quant_linear(x.data_ptr(), m, 128, 128, layer.panels.data_ptr(), code, 40, None, y.data_ptr(),
+            assert avx2.quant_linear(x.data_ptr(), m, k, k, layer.panels.data_ptr(), code, 40, None, y.data_ptr(),
                                      40, 2) == 0
             assert torch.equal(layer.product(x), y), (qtype, m)
 
@@ -113,6 +135,9 @@ def test_bad_inputs_are_named():
         QuantLinear(rows, "Q5_K", 64, None)
     with pytest.raises(ValueError, match="do not hold 96 values"):
         QuantLinear(rows, "Q4_1", 96, None)
+    q4_k = torch.from_numpy(_random_q4_k(16, 256, np.random.default_rng(0)))
+    with pytest.raises(ValueError, match="do not hold 288 values"):  # Q4_K blocks are 256 values
+        QuantLinear(torch.cat([q4_k, q4_k[:, :18]], dim=1), "Q4_K", 288, None)
     with pytest.raises(ValueError, match="fp32 CPU inputs"):
         QuantLinear(rows, "Q4_1", 64, None)(torch.randn(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="inputs of 64 features, got \\(2, 3, 32\\)"):

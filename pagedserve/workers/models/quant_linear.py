@@ -26,12 +26,15 @@ if TYPE_CHECKING:
     from pagedserve.workers.models.llama import CausalLM
 
 
-QK = 32  # values per GGUF block
+QK = 32  # values per block of the kernel (and of GGUF's Q4_0, Q4_1, Q8_0)
 # The bytes of 32 values: GGUF's block sizes, and plain weights of any checkpoint (read by the same kernel so that
 # every fp32 CPU model computes a row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F32": 128, "BF16": 64, "F16": 64}
-KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5}  # quant_linear.c's enum
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 18, "F32": 128, "BF16": 64, "F16": 64}
+BLOCK_VALUES = {"Q4_K": 256}  # GGUF blocks of other sizes than QK: rows are cut only at their bounds
+KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6}  # quant_linear.c's enum
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
+# The per-block fields before the quants, in bytes: fp16 d (and m), or Q4_K's fp32 d and m per 32 values
+_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q8_0": (2,), "Q4_K": (4, 4)}
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -39,10 +42,39 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and quant_linear_library() is not None
 
 
+def block_values(qtype: str) -> int:
+    """Values per GGUF block of `qtype`: the unit rows are cut at."""
+    return BLOCK_VALUES.get(qtype, QK)
+
+
+def q4_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows [N, K / 256 * 144] (uint8) -> blocks of 32 values [N, K / 32 * 24]: each the fp32 scale d * sc
+    and min -(dmin * m) of its sub-block (exact products of the fp16 d, dmin and 6-bit sc, m), then its 32
+    quants as Q4_1 packs them (value j in byte j's low nibble, j + 16 in its high one). So w = scale * q + min,
+    as gguf's dequantization computes it."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 144)  # [N, S, 144]: fp16 d, fp16 dmin, 12 bytes of scales, 128 of quants
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    low6, high6, rest = blocks[..., 4:16].reshape(n, -1, 3, 4).unbind(2)  # [N, S, 4] each
+    sc = torch.cat([low6 & 0x3F, (rest & 0x0F) | ((low6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit scales
+    mn = torch.cat([high6 & 0x3F, (rest >> 4) | ((high6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit mins
+    scale = (d * sc.float()).reshape(n, -1, 1)  # [N, K / 32, 1]
+    minimum = (-(dmin * mn.float())).reshape(n, -1, 1)
+    qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 64 values per 32 bytes: low nibbles, then high ones
+    values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, -1, QK)  # [N, K / 32, 32]
+    packed = values[..., :16] | (values[..., 16:] << 4)  # [N, K / 32, 16]
+    as_bytes = [t.contiguous().view(torch.uint8) for t in (scale, minimum)]  # [N, K / 32, 4] each
+    return torch.cat([*as_bytes, packed], dim=-1).reshape(n, -1)
+
+
 def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     """GGUF rows [N, K / 32 * block bytes] (uint8) -> the kernel's panels of 16 rows (see quant_linear.c)."""
     nr = quant_linear_library().quant_linear_panel_rows()
-    n, bb = rows.shape[0], BLOCK_BYTES[qtype]
+    if qtype == "Q4_K":
+        rows = q4_k_as_blocks_of_32(rows)
+    n = rows.shape[0]
+    bb = 24 if qtype == "Q4_K" else BLOCK_BYTES[qtype]
     nb = rows.shape[1] // bb
     panels = -(-n // nr)
     blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
@@ -51,13 +83,14 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     if qtype in PLAIN_TYPES:  # [P, nb, 32 k x 16 rows] values, as bytes
         values = blocks.contiguous().view(PLAIN_TYPES[qtype])  # [P, nb, 16 rows, 32 k]
         return values.transpose(2, 3).contiguous().view(torch.uint8).reshape(panels, nb, bb * nr)
-    scales = [blocks[..., 0:2].reshape(panels, nb, 2 * nr)]  # the 16 rows' fp16 d
+    scales, start = [], 0  # each field of the 16 rows side by side: their d, then their m
+    for width in _SCALE_FIELDS[qtype]:
+        scales.append(blocks[..., start:start + width].reshape(panels, nb, width * nr))
+        start += width
     if qtype == "Q8_0":
-        quants = blocks[..., 2:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
+        quants = blocks[..., start:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
     else:
-        if qtype == "Q4_1":
-            scales.append(blocks[..., 2:4].reshape(panels, nb, 2 * nr))  # the 16 rows' fp16 m
-        qs = blocks[..., 2 * len(scales):]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
+        qs = blocks[..., start:]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
         values = torch.cat([qs & 0xF, qs >> 4], dim=-1).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
         quants = (values[..., : nr // 2] | (values[..., nr // 2:] << 4)).reshape(panels, nb, QK * nr // 2)
     return torch.cat([*scales, quants], dim=-1).contiguous()  # [P, nb, panel block bytes]
@@ -70,7 +103,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"GGUF type {qtype!r} has no CPU kernel (supported: {sorted(BLOCK_BYTES)})")
-        if in_features % QK or rows.shape[1] != in_features // QK * BLOCK_BYTES[qtype]:
+        if in_features % block_values(qtype) or rows.shape[1] != in_features // QK * BLOCK_BYTES[qtype]:
             raise ValueError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {in_features} values")
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
         self.panels = repack(rows, qtype)
@@ -147,16 +180,17 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
             qtype = types[name]
             rows = f.get_slice(name)
             n, row_bytes = rows.get_shape()
-            bb = BLOCK_BYTES[qtype]
+            values = block_values(qtype)
+            bb = BLOCK_BYTES[qtype] * values // QK  # bytes of a GGUF block
             dim, start, length = shard_range(name, tp, config) or (0, 0, n)
             if dim == 0:
                 out = torch.zeros(length, row_bytes, dtype=torch.uint8)  # the last vocabulary shard's padding
                 stop = min(start + length, n)
                 out[: stop - start] = rows[start:stop]
                 return out
-            if start % QK or length % QK:
+            if start % values or length % values:
                 return None
-            return rows[:, start // QK * bb: (start + length) // QK * bb].contiguous()
+            return rows[:, start // values * bb: (start + length) // values * bb].contiguous()
 
         for owner, attr, parts in _linear_sources(model):
             if not all(p in names for p in parts) or len({types.get(p) for p in parts}) != 1:
