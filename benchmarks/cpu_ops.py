@@ -1,4 +1,5 @@
-"""The CPU path's two hot spots at the embedded model's shapes, each beside what it replaced, one run:
+"""The CPU path's two hot spots at the embedded model's shapes (or Llama-3.2-1B's, `--shape`), each beside what
+it replaced, one run:
 
 - decode attention, 16 sequences: the native kernel reading the paged pool in place vs the torch reference
   (gather each row's K/V through the block table, then one masked SDPA);
@@ -8,9 +9,11 @@
   layer with weights of its own (so they stream from memory as in a model): F.linear on the plain fp32
   weight, weights packed into oneDNN's layout, the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
   (the embedded GGUF's types), and the same kernel on the fp32 weights (what a checkpoint without GGUF
-  blocks runs) and on them rounded to bf16 (what a bf16 checkpoint runs: its weights kept 16-bit).
+  blocks runs) and on them rounded to bf16 (what a bf16 checkpoint runs: its weights kept 16-bit); where every
+  layer's inputs are a multiple of 256 (Llama-3.2-1B's, not SmolLM2's), on Q4_K blocks too.
 
-  .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400] [--prefill 1024]
+  .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400] [--prefill 1024] [--shape llama-3.2-1b]
+                                        [--layers N]
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+# query heads, KV heads, head_dim, hidden, MLP, vocab, layers
+SHAPES = {"smollm2": (9, 3, 64, 576, 1536, 49152, 30),  # SmolLM2-135M, the embedded model
+          "llama-3.2-1b": (32, 8, 64, 2048, 8192, 128256, 16)}
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -42,6 +49,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=400)
     p.add_argument("--prefill", type=int, default=1024, help="prompt length of the prefill attention (0: none)")
     p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
+                   help="the model whose shapes the kernels run at (llama-3.2-1b: its layers take Q4_K blocks)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the linear layers' step")
     args = p.parse_args()
 
     from gguf import GGMLQuantizationType
@@ -51,8 +61,9 @@ def main() -> None:
     from pagedserve.workers.models import quant_linear
     from pagedserve.workers.models.packed_linear import PackedLinear, can_pack
 
-    # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, hidden 576, MLP 1536, vocab 49152; blocks of 16.
-    hq, hkv, d, bs, hidden, inter, vocab, layers = 9, 3, 64, 16, 576, 1536, 49152, 30
+    hq, hkv, d, hidden, inter, vocab, layers = SHAPES[args.shape]
+    layers = args.layers or layers
+    bs = 16
     r, ctx = args.rows, args.context
     blocks_per_row = -(-ctx // bs)
     pool_blocks = 4096  # rows' blocks scattered through a pool larger than the caches
@@ -108,6 +119,10 @@ def main() -> None:
         blocks = [quant_linear.QuantLinear(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[t])), t,
                                            w.shape[1], None) for w, t in zip(weights, qtypes, strict=True)]
         runs.append(("GGUF blocks (Q4_1, Q8_0 head)", step(blocks)))
+        if all(w.shape[1] % 256 == 0 for w in weights):  # Q4_K's blocks are 256 values: random ones (gguf
+            # cannot quantize to Q4_K), timed as the kernel reads any
+            q4_k = [quant_linear.QuantLinear(random_q4_k(*w.shape, gen), "Q4_K", w.shape[1], None) for w in weights]
+            runs.append(("GGUF Q4_K blocks", step(q4_k)))
         runs.append(("fp32 panels (the same kernel)", step([quant_linear.QuantLinear.from_fp32(w, None)
                                                             for w in weights])))
         # The weights rounded to bf16 (a bf16 checkpoint's), held as they are: the same kernel, half the bytes
@@ -118,6 +133,13 @@ def main() -> None:
     for name, fn in runs:
         ms = median_ms(fn, max(5, args.repeat // 3))
         print(f"  {name:28s} {ms:7.1f} ms  ({flops / ms / 1e6:5.1f} GFLOP/s)")
+
+
+def random_q4_k(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Q4_K rows [n, k / 256 * 144]: random bytes under small fp16 d and dmin (every such block is a valid one)."""
+    blocks = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=gen)
+    blocks[..., 0:4] = torch.full((n, k // 256, 2), 0.01, dtype=torch.float16).view(torch.uint8)
+    return blocks.reshape(n, -1)
 
 
 if __name__ == "__main__":
