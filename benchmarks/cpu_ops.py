@@ -10,7 +10,7 @@ it replaced, one run:
   weight, weights packed into oneDNN's layout, the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
   (the embedded GGUF's types), and the same kernel on the fp32 weights (what a checkpoint without GGUF
   blocks runs) and on them rounded to bf16 (what a bf16 checkpoint runs: its weights kept 16-bit); where every
-  layer's inputs are a multiple of 256 (Llama-3.2-1B's, not SmolLM2's), on Q4_K blocks too.
+  layer's inputs are a multiple of 256 (Llama-3.2-1B's, not SmolLM2's), on Q4_K and Q6_K blocks too.
 
   .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400] [--prefill 1024] [--shape llama-3.2-1b]
                                         [--layers N]
@@ -119,10 +119,12 @@ def main() -> None:
         blocks = [quant_linear.QuantLinear(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[t])), t,
                                            w.shape[1], None) for w, t in zip(weights, qtypes, strict=True)]
         runs.append(("GGUF blocks (Q4_1, Q8_0 head)", step(blocks)))
-        if all(w.shape[1] % 256 == 0 for w in weights):  # Q4_K's blocks are 256 values: random ones (gguf
-            # cannot quantize to Q4_K), timed as the kernel reads any
-            q4_k = [quant_linear.QuantLinear(random_q4_k(*w.shape, gen), "Q4_K", w.shape[1], None) for w in weights]
-            runs.append(("GGUF Q4_K blocks", step(q4_k)))
+        if all(w.shape[1] % 256 == 0 for w in weights):  # the K-types' blocks are 256 values: random ones (gguf
+            # cannot quantize to them), timed as the kernel reads any
+            for qtype in ("Q4_K", "Q6_K"):
+                layers_k = [quant_linear.QuantLinear(random_k_blocks(*w.shape, qtype, gen), qtype, w.shape[1], None)
+                            for w in weights]
+                runs.append((f"GGUF {qtype} blocks", step(layers_k)))
         runs.append(("fp32 panels (the same kernel)", step([quant_linear.QuantLinear.from_fp32(w, None)
                                                             for w in weights])))
         # The weights rounded to bf16 (a bf16 checkpoint's), held as they are: the same kernel, half the bytes
@@ -135,10 +137,13 @@ def main() -> None:
         print(f"  {name:28s} {ms:7.1f} ms  ({flops / ms / 1e6:5.1f} GFLOP/s)")
 
 
-def random_q4_k(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Q4_K rows [n, k / 256 * 144]: random bytes under small fp16 d and dmin (every such block is a valid one)."""
-    blocks = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=gen)
-    blocks[..., 0:4] = torch.full((n, k // 256, 2), 0.01, dtype=torch.float16).view(torch.uint8)
+def random_k_blocks(n: int, k: int, qtype: str, gen: torch.Generator) -> torch.Tensor:
+    """Q4_K or Q6_K rows [n, k / 256 * block bytes]: random bytes under a small fp16 d (and dmin): every such
+    block is a valid one."""
+    size, scales = {"Q4_K": (144, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[qtype]
+    blocks = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen)
+    count = (scales.stop - scales.start) // 2
+    blocks[..., scales] = torch.full((n, k // 256, count), 0.01, dtype=torch.float16).view(torch.uint8)
     return blocks.reshape(n, -1)
 
 

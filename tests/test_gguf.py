@@ -430,8 +430,8 @@ def test_second_start_uses_cache(
 
 
 def test_linears_keep_their_bytes(tmp_path: Path) -> None:
-    """A GGUF's F32, F16, BF16 and Q4_K linear weights (the reader gives the first two as their values, not their
-    bytes) become rows the CPU kernel computes with exactly the converted fp32 weights."""
+    """A GGUF's F32, F16, BF16, Q4_K and Q6_K linear weights (the reader gives the first two as their values, not
+    their bytes) become rows the CPU kernel computes with exactly the converted fp32 weights."""
     np = pytest.importorskip("numpy")
     gguf = pytest.importorskip("gguf")
     import torch
@@ -454,6 +454,9 @@ def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     q4_k = np.random.default_rng(2).integers(0, 256, size=(64, 144), dtype=np.uint8)  # a 256-value block a row
     q4_k[:, 0:4] = np.full((64, 2), 0.01, dtype=np.float16).view(np.uint8)  # d and dmin
     writer.add_tensor("blk.0.ffn_gate.weight", q4_k, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    q6_k = np.random.default_rng(3).integers(0, 256, size=(64, 210), dtype=np.uint8)
+    q6_k[:, 208:210] = np.full((64, 1), 0.001, dtype=np.float16).view(np.uint8)  # d
+    writer.add_tensor("blk.0.attn_v.weight", q6_k, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -463,7 +466,7 @@ def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     assert set(blocks) == set(state)
     assert types == {"model.layers.0.self_attn.o_proj.weight": "F32", "model.layers.0.mlp.down_proj.weight": "F16",
                      "model.layers.0.mlp.up_proj.weight": "BF16", "model.layers.0.self_attn.q_proj.weight": "F16",
-                     "model.layers.0.mlp.gate_proj.weight": "Q4_K"}
+                     "model.layers.0.mlp.gate_proj.weight": "Q4_K", "model.layers.0.self_attn.v_proj.weight": "Q6_K"}
     for name, rows in blocks.items():
         layer = quant_linear.QuantLinear(rows, types[name], state[name].shape[1], None)
         assert torch.equal(quant_linear.dequantize(layer), state[name]), name

@@ -34,12 +34,12 @@ pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), 
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
 # F32: any fp32 checkpoint's weights, through the same kernel; BF16, F16: a 16-bit checkpoint's
-QTYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "F32", "BF16", "F16"]
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F32", "BF16", "F16"]
 
 
 def _width(qtype: str, k: int) -> int:
-    """`k` in_features, or the multiple of Q4_K's 256-value blocks nearest above it."""
-    return -(-k // 256) * 256 if qtype == "Q4_K" else k
+    """`k` in_features, or for the K-types the multiple of their 256-value blocks nearest above it."""
+    return -(-k // 256) * 256 if qtype in ("Q4_K", "Q6_K") else k
 
 
 def _random_q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -52,13 +52,20 @@ def _random_q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def _random_q6_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Q6_K rows [n, k / 256 * 210]: random 6-bit quants and int8 scales under a random fp16 d."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    blocks[..., 208:210] = (rng.standard_normal((n, k // 256, 1)) * 0.001).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them (plain
     types: the matrix rounded to the type, and its values widened to fp32)."""
     rng = np.random.default_rng(seed)
-    if qtype == "Q4_K":
-        rows = _random_q4_k(n, k, rng)
-        return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType.Q4_K))
+    if qtype in ("Q4_K", "Q6_K"):  # gguf cannot quantize to them
+        rows = (_random_q4_k if qtype == "Q4_K" else _random_q6_k)(n, k, rng)
+        return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[qtype]))
     w = rng.standard_normal((n, k)).astype(np.float32)
     if qtype in quant_linear.PLAIN_TYPES:
         narrow = torch.from_numpy(w).to(quant_linear.PLAIN_TYPES[qtype])

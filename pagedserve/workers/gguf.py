@@ -31,7 +31,7 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump whenever the produced directory changes meaning (names, dtype, files), so that caches written by an
 # older converter are not silently reused.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 
 # Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
 MANIFEST_NAME = "pagedserve_gguf.json"
@@ -137,7 +137,7 @@ def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, 
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
-    from pagedserve.workers.models.quant_linear import BLOCK_BYTES
+    from pagedserve.workers.models.quant_linear import BLOCKS
 
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
@@ -157,7 +157,7 @@ def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, 
         if hf_name is None:
             continue
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        keep_blocks = tensor.tensor_type.name in BLOCK_BYTES and tensor.data.ndim == 2
+        keep_blocks = tensor.tensor_type.name in BLOCKS and tensor.data.ndim == 2
         raw = tensor.data  # [rows, bytes of a row's blocks]
         if arch in _PERMUTED_QK_ARCHS:
             # A row permutation: the same one applies to the rows of blocks.

@@ -1,7 +1,8 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, Q4_K) and
  * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32. Q4_K's
  * 256-value super-blocks come as 32-value ones, each with its own fp32 scale and min (its super-block's fp16
- * d and dmin times the sub-block's 6-bit scale and min, exact products): 6 bits per weight. Plain
+ * d and dmin times the sub-block's 6-bit scale and min, exact products): 6 bits per weight. Q6_K's come as
+ * 32-value blocks of int8 quants (q - 32) with the fp32 scales of their two 16-value halves: 10 bits. Plain
  * weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
@@ -43,7 +44,7 @@
 #include <string.h>
 
 /* F32, BF16, F16: plain weights in the same panels (d = 1), as fp32 or as 16-bit values each exactly is */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7 };
 #define PLAIN(qtype) ((qtype) == F32 || (qtype) == BF16 || (qtype) == F16)
 #define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K)  /* w = d q + m: the block sums of x take part */
 
@@ -66,6 +67,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q4_1: return 4 * NR + QK * NR / 2;
     case Q8_0: return 2 * NR + QK * NR;
     case Q4_K: return 8 * NR + QK * NR / 2;  /* the 16 rows' fp32 d, their fp32 m, then Q4_1's quants */
+    case Q6_K: return 8 * NR + QK * NR;  /* the 16 rows' fp32 d of each half, then Q8_0's quants */
     case F32: return QK * NR * (int64_t)sizeof(float);
     case BF16:
     case F16: return QK * NR * 2;
@@ -115,7 +117,8 @@ static inline float block_sum(const float *x) {
 /* Every tile, for each row and each of its 16 columns: per K block, s = sum of x[k] * q[k] over the block's 32 k
  * in order from zero (q the quant as a float; Q4_0: q - 8; plain types: the weight, d = 1), then acc = fma(d, s, acc),
  * and for Q4_1 and Q4_K acc = fma(m, sum(x over the block), acc) (`block_sum`, done once per row and block:
- * `sx`). */
+ * `sx`). Q6_K's blocks have a d for each half: acc = fma(d of the first half, s, acc) after the 16th k, and s
+ * starts again from zero (`HALF_END`). */
 #if defined(__AVX512F__)
 /* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
  * 12 rows' sums and accumulators. Each column's arithmetic is the 8-wide build's, so are its bits. */
@@ -128,15 +131,21 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     a##i = _mm512_fmadd_ps(d0, s##i, a##i);                                            \
     if (sx) a##i = _mm512_fmadd_ps(m0, _mm512_set1_ps(sx[(i) * nb + b]), a##i);
 #define ACC_STORE(i) _mm512_storeu_ps(out + (i) * NR, a##i);
-/* A block's 16 scales and mins (rows 0-15): fp16 in GGUF's own types, fp32 in Q4_K's, 1 and 0 for plain ones. */
+/* A block's 16 scales and mins (rows 0-15): fp16 in GGUF's own types, fp32 in the K-types' (Q6_K's of its second
+ * half; `halves16`: of its first), 1 and 0 for plain ones. */
 static inline __m512 scales16(const uint8_t *p, int qtype) {
-    return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : qtype == Q4_K ? _mm512_loadu_ps((const float *)p) : half16(p);
+    return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : qtype == Q4_K ? _mm512_loadu_ps((const float *)p)
+         : qtype == Q6_K ? _mm512_loadu_ps((const float *)(p + 4 * NR)) : half16(p);
+}
+static inline __m512 halves16(const uint8_t *p, int qtype) {
+    return qtype == Q6_K ? _mm512_loadu_ps((const float *)p) : _mm512_setzero_ps();
 }
 static inline __m512 mins16(const uint8_t *p, int qtype) {
     return qtype == Q4_1 ? half16(p + 2 * NR)
          : qtype == Q4_K ? _mm512_loadu_ps((const float *)(p + 4 * NR)) : _mm512_setzero_ps();
 }
-#define SCALES const __m512 d0 = scales16(p, qtype), m0 = mins16(p, qtype);
+#define SCALES const __m512 d0 = scales16(p, qtype), m0 = mins16(p, qtype), e0 = halves16(p, qtype);
+#define HALF_END(i) a##i = _mm512_fmadd_ps(e0, s##i, a##i); s##i = _mm512_setzero_ps();
 /* A k's 16 quants as floats (rows 0-15 in order: Q8_0's bytes; Q4's low nibbles, rows 0-7, then high). */
 #define NIBBLES(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
@@ -173,11 +182,14 @@ static inline __m512 mins16(const uint8_t *p, int qtype) {
         a##i##1 = _mm256_fmadd_ps(m1, xs, a##i##1);                                    \
     }
 #define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
-/* Rows 8 h to 8 h + 7 of a block's scales and mins: fp16 in GGUF's own types, fp32 in Q4_K's, 1 and 0 for plain
- * ones. */
+/* Rows 8 h to 8 h + 7 of a block's scales and mins: fp16 in GGUF's own types, fp32 in the K-types' (Q6_K's of its
+ * second half; `halves8`: of its first), 1 and 0 for plain ones. */
 static inline __m256 scales8(const uint8_t *p, int qtype, int h) {
     return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : qtype == Q4_K ? _mm256_loadu_ps((const float *)p + 8 * h)
-                                                               : half8(p + 16 * h);
+         : qtype == Q6_K ? _mm256_loadu_ps((const float *)(p + 4 * NR) + 8 * h) : half8(p + 16 * h);
+}
+static inline __m256 halves8(const uint8_t *p, int qtype, int h) {
+    return qtype == Q6_K ? _mm256_loadu_ps((const float *)p + 8 * h) : _mm256_setzero_ps();
 }
 static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
     return qtype == Q4_1 ? half8(p + 2 * NR + 16 * h)
@@ -185,7 +197,13 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
 }
 #define SCALES                                                                         \
     const __m256 d0 = scales8(p, qtype, 0), d1 = scales8(p, qtype, 1);                 \
-    const __m256 m0 = mins8(p, qtype, 0), m1 = mins8(p, qtype, 1);
+    const __m256 m0 = mins8(p, qtype, 0), m1 = mins8(p, qtype, 1);                     \
+    const __m256 e0 = halves8(p, qtype, 0), e1 = halves8(p, qtype, 1);
+#define HALF_END(i)                                                                    \
+    a##i##0 = _mm256_fmadd_ps(e0, s##i##0, a##i##0);                                   \
+    a##i##1 = _mm256_fmadd_ps(e1, s##i##1, a##i##1);                                   \
+    s##i##0 = _mm256_setzero_ps();                                                     \
+    s##i##1 = _mm256_setzero_ps();
 /* A k's 16 quants as floats: q0 rows 0-7, q1 rows 8-15 (Q4: byte j holds row j low, row j + 8 high). */
 #define QUANTS_Q8(k) \
     const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (k))); \
@@ -216,13 +234,18 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
 /* out[0:n][0:16] = x[0:n, :] @ W^T for the first rows of x against a panel still in its blocks (at p): each k's
  * 16 quants are converted in registers, used at once, and stored to wt (K x 16 floats) for the rows that
  * follow, when there are any (one pass over the blocks instead of two). sx: the rows' block sums (Q4_1, Q4_K). */
-#define BLOCK_LOOP(QUANTS, STEP) \
-    for (int kk = 0; kk < QK; kk++) { \
+#define HALF_LOOP(QUANTS, STEP, FROM) \
+    for (int kk = FROM; kk < FROM + QK / 2; kk++) { \
         const int64_t k = b * QK + kk; \
         QUANTS(kk) \
         if (wt) { STORE_QUANTS(k) } \
         STEP \
     }
+/* Two loops over a block's halves, so that Q6_K's step between them leaves the others' loops whole. */
+#define BLOCK_LOOP(QUANTS, STEP, HALF) \
+    HALF_LOOP(QUANTS, STEP, 0) \
+    if (qtype == Q6_K) { HALF } \
+    HALF_LOOP(QUANTS, STEP, QK / 2)
 #define TILE_FUSED(n) \
     static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, \
                                const float *sx, float *wt, float *out) { \
@@ -233,24 +256,24 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
             prefetch_ahead(p, bytes); \
             SCALES \
             ROWS_##n(SUM_INIT) \
-            if (qtype == Q8_0) { \
-                const uint8_t *q = p + 2 * NR; \
-                BLOCK_LOOP(QUANTS_Q8, ROWS_##n(SUM_STEP)) \
+            if (qtype == Q8_0 || qtype == Q6_K) { \
+                const uint8_t *q = p + (qtype == Q6_K ? 8 : 2) * NR; \
+                BLOCK_LOOP(QUANTS_Q8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (HAS_MIN(qtype)) { \
                 const uint8_t *q = p + (qtype == Q4_K ? 8 : 4) * NR; \
-                BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP)) \
+                BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == F32) { \
                 const uint8_t *q = p; \
-                BLOCK_LOOP(QUANTS_F32, ROWS_##n(SUM_STEP)) \
+                BLOCK_LOOP(QUANTS_F32, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == BF16) { \
                 const uint8_t *q = p; \
-                BLOCK_LOOP(QUANTS_BF16, ROWS_##n(SUM_STEP)) \
+                BLOCK_LOOP(QUANTS_BF16, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == F16) { \
                 const uint8_t *q = p; \
-                BLOCK_LOOP(QUANTS_F16, ROWS_##n(SUM_STEP)) \
+                BLOCK_LOOP(QUANTS_F16, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else { \
                 const uint8_t *q = p + 2 * NR; \
-                BLOCK_LOOP(QUANTS_Q40, ROWS_##n(SUM_STEP)) \
+                BLOCK_LOOP(QUANTS_Q40, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } \
             ROWS_##n(BLOCK_END) \
         } \
@@ -267,7 +290,13 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
             if (stream) prefetch_ahead(p, bytes); /* wt is this panel, read from memory */ \
             SCALES \
             ROWS_##n(SUM_INIT) \
-            for (int kk = 0; kk < QK; kk++) { \
+            for (int kk = 0; kk < QK / 2; kk++) { \
+                const int64_t k = b * QK + kk; \
+                LOAD_QUANTS(k) \
+                ROWS_##n(SUM_STEP) \
+            } \
+            if (qtype == Q6_K) { ROWS_##n(HALF_END) } \
+            for (int kk = QK / 2; kk < QK; kk++) { \
                 const int64_t k = b * QK + kk; \
                 LOAD_QUANTS(k) \
                 ROWS_##n(SUM_STEP) \
@@ -298,6 +327,11 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
         a##i = _mm512_fmadd_ps(m0, xs, a##i);                                          \
         c##i = _mm512_fmadd_ps(m1, xs, c##i);                                          \
     }
+#define HALF2_END(i)                                                                   \
+    a##i = _mm512_fmadd_ps(e0, s##i, a##i);                                            \
+    c##i = _mm512_fmadd_ps(e1, t##i, c##i);                                            \
+    s##i = _mm512_setzero_ps();                                                        \
+    t##i = _mm512_setzero_ps();
 #define ACC2_STORE(i) _mm512_storeu_ps(out + (i) * 2 * NR, a##i); _mm512_storeu_ps(out + (i) * 2 * NR + NR, c##i);
 #define TILE_PAIR(n) \
     static void tile_pair_##n(const float *x, int64_t ldx, const uint8_t *p, const uint8_t *p2, int qtype, int64_t K, \
@@ -308,8 +342,15 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
             if (stream) { prefetch_ahead(p, bytes); prefetch_ahead(p2, bytes); } \
             const __m512 d0 = scales16(p, qtype), d1 = scales16(p2, qtype); \
             const __m512 m0 = mins16(p, qtype), m1 = mins16(p2, qtype); \
+            const __m512 e0 = halves16(p, qtype), e1 = halves16(p2, qtype); \
             ROWS_##n(SUM2_INIT) \
-            for (int kk = 0; kk < QK; kk++) { \
+            for (int kk = 0; kk < QK / 2; kk++) { \
+                const int64_t k = b * QK + kk; \
+                const __m512 q0 = _mm512_loadu_ps(wt + k * NR), q1 = _mm512_loadu_ps(wt2 + k * NR); \
+                ROWS_##n(SUM2_STEP) \
+            } \
+            if (qtype == Q6_K) { ROWS_##n(HALF2_END) } \
+            for (int kk = QK / 2; kk < QK; kk++) { \
                 const int64_t k = b * QK + kk; \
                 const __m512 q0 = _mm512_loadu_ps(wt + k * NR), q1 = _mm512_loadu_ps(wt2 + k * NR); \
                 ROWS_##n(SUM2_STEP) \

@@ -27,14 +27,17 @@ if TYPE_CHECKING:
 
 
 QK = 32  # values per block of the kernel (and of GGUF's Q4_0, Q4_1, Q8_0)
-# The bytes of 32 values: GGUF's block sizes, and plain weights of any checkpoint (read by the same kernel so that
-# every fp32 CPU model computes a row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 18, "F32": 128, "BF16": 64, "F16": 64}
-BLOCK_VALUES = {"Q4_K": 256}  # GGUF blocks of other sizes than QK: rows are cut only at their bounds
-KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6}  # quant_linear.c's enum
+# (values, bytes) of a block of each type the kernel reads: GGUF's types (rows are cut only at their blocks'
+# bounds), and plain weights of any checkpoint (read by the same kernel so that every fp32 CPU model computes a
+# row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210),
+          "F32": (32, 128), "BF16": (32, 64), "F16": (32, 64)}
+KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7}  # its enum
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
-# The per-block fields before the quants, in bytes: fp16 d (and m), or Q4_K's fp32 d and m per 32 values
-_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q8_0": (2,), "Q4_K": (4, 4)}
+# The per-block fields before the quants, in bytes: fp16 d (and m); the K-types as blocks of 32 values: Q4_K's
+# fp32 d and m, Q6_K's fp32 d of each 16-value half
+_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q8_0": (2,), "Q4_K": (4, 4), "Q6_K": (4, 4)}
+_K_TYPES = {"Q4_K": 24, "Q6_K": 40}  # the bytes of 32 values as the K-types are repacked (`as_blocks_of_32`)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -42,9 +45,26 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and quant_linear_library() is not None
 
 
-def block_values(qtype: str) -> int:
-    """Values per GGUF block of `qtype`: the unit rows are cut at."""
-    return BLOCK_VALUES.get(qtype, QK)
+def as_blocks_of_32(rows: torch.Tensor, qtype: str) -> torch.Tensor:
+    """A K-type's rows of 256-value blocks as blocks of 32 values, each with its scales (see the two below)."""
+    return q4_k_as_blocks_of_32(rows) if qtype == "Q4_K" else q6_k_as_blocks_of_32(rows)
+
+
+def q6_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows [N, K / 256 * 210] (uint8) -> blocks of 32 values [N, K / 32 * 40]: the fp32 scales d * sc of its
+    two 16-value halves (exact products of the fp16 d and 8-bit sc), then its 32 quants less 32, as int8. So
+    w = scale * q, as gguf's dequantization computes it."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 210)  # [N, S, 210]: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 sc, fp16 d
+    low = blocks[..., :128].reshape(n, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    low = (low & 0x0F).reshape(n, -1, 2, 128)  # [N, S, half, 128]
+    high = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    high = (high & 0x03).reshape(n, -1, 2, 128)
+    values = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, -1, QK)  # [N, K / 32, 32]
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
+    scales = (d * sc).reshape(n, -1, 2)  # [N, K / 32, 2]: each 32 values' two halves
+    return torch.cat([scales.contiguous().view(torch.uint8), values.view(torch.uint8)], dim=-1).reshape(n, -1)
 
 
 def q4_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
@@ -71,10 +91,10 @@ def q4_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
 def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     """GGUF rows [N, K / 32 * block bytes] (uint8) -> the kernel's panels of 16 rows (see quant_linear.c)."""
     nr = quant_linear_library().quant_linear_panel_rows()
-    if qtype == "Q4_K":
-        rows = q4_k_as_blocks_of_32(rows)
+    if qtype in _K_TYPES:
+        rows = as_blocks_of_32(rows, qtype)
     n = rows.shape[0]
-    bb = 24 if qtype == "Q4_K" else BLOCK_BYTES[qtype]
+    bb = _K_TYPES.get(qtype) or BLOCKS[qtype][1]  # bytes of 32 values
     nb = rows.shape[1] // bb
     panels = -(-n // nr)
     blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
@@ -87,7 +107,7 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     for width in _SCALE_FIELDS[qtype]:
         scales.append(blocks[..., start:start + width].reshape(panels, nb, width * nr))
         start += width
-    if qtype == "Q8_0":
+    if qtype in ("Q8_0", "Q6_K"):  # a byte a value
         quants = blocks[..., start:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
     else:
         qs = blocks[..., start:]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
@@ -101,9 +121,10 @@ class QuantLinear(nn.Module):
 
     def __init__(self, rows: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
-        if qtype not in BLOCK_BYTES:
-            raise ValueError(f"GGUF type {qtype!r} has no CPU kernel (supported: {sorted(BLOCK_BYTES)})")
-        if in_features % block_values(qtype) or rows.shape[1] != in_features // QK * BLOCK_BYTES[qtype]:
+        if qtype not in BLOCKS:
+            raise ValueError(f"GGUF type {qtype!r} has no CPU kernel (supported: {sorted(BLOCKS)})")
+        values, block_bytes = BLOCKS[qtype]
+        if in_features % values or rows.shape[1] != in_features // values * block_bytes:
             raise ValueError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {in_features} values")
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
         self.panels = repack(rows, qtype)
@@ -180,8 +201,7 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
             qtype = types[name]
             rows = f.get_slice(name)
             n, row_bytes = rows.get_shape()
-            values = block_values(qtype)
-            bb = BLOCK_BYTES[qtype] * values // QK  # bytes of a GGUF block
+            values, bb = BLOCKS[qtype]
             dim, start, length = shard_range(name, tp, config) or (0, 0, n)
             if dim == 0:
                 out = torch.zeros(length, row_bytes, dtype=torch.uint8)  # the last vocabulary shard's padding
@@ -196,7 +216,7 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
             if not all(p in names for p in parts) or len({types.get(p) for p in parts}) != 1:
                 continue
             qtype = types[parts[0]]
-            if qtype not in BLOCK_BYTES:
+            if qtype not in BLOCKS:
                 continue
             shards = [shard_rows(p) for p in parts]
             if any(s is None for s in shards):
