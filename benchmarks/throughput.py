@@ -79,9 +79,23 @@ def retyped_gguf(src: Path, qtype: str) -> Path:
     import gguf
     from gguf.quants import dequantize, quantize
 
+    target = gguf.GGMLQuantizationType[qtype]
+
+    def retype(tensor):
+        if tensor.data.ndim != 2 or tensor.tensor_type == target:
+            return None
+        return quantize(dequantize(tensor.data, tensor.tensor_type), target), target
+
     d = Path(tempfile.mkdtemp(prefix="bench-gguf-"))
     atexit.register(shutil.rmtree, d, ignore_errors=True)
-    out = d / f"{src.stem.rsplit('.', 1)[0]}.{qtype}.gguf"
+    return rewritten_gguf(src, d / f"{src.stem.rsplit('.', 1)[0]}.{qtype}.gguf", retype)
+
+
+def rewritten_gguf(src: Path, out: Path, retype) -> Path:
+    """GGUF `src` written to `out` with every field as it is and each tensor as `retype(tensor)` gives it (its
+    data and GGML type), or as it is where that is None."""
+    import gguf
+
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(str(out), arch=reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
@@ -90,13 +104,9 @@ def retyped_gguf(src: Path, qtype: str) -> Path:
         kind = field.types[0]
         writer.add_key_value(field.name, field.contents(), kind,
                              sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    target = gguf.GGMLQuantizationType[qtype]
     for tensor in reader.tensors:
-        if tensor.data.ndim == 2 and tensor.tensor_type != target:
-            values = dequantize(tensor.data, tensor.tensor_type)
-            writer.add_tensor(tensor.name, quantize(values, target), raw_dtype=target)
-        else:
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        data, kind = retype(tensor) or (tensor.data, tensor.tensor_type)
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

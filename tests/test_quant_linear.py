@@ -42,20 +42,21 @@ def _width(qtype: str, k: int) -> int:
     return -(-k // 256) * 256 if qtype in ("Q4_K", "Q6_K") else k
 
 
-def _random_q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Q4_K rows [n, k / 256 * 144]: random 6-bit scales, mins and quants under random fp16 d and dmin (gguf
-    cannot quantize to Q4_K; every such block is one llama.cpp could write)."""
+def _random_q4_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
+    """Q4_K rows [n, k / 256 * 144]: random 6-bit scales, mins and quants under random fp16 d and dmin of about
+    `scale` (gguf cannot quantize to Q4_K; every such block is one llama.cpp could write)."""
     blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-    scales = np.stack([rng.standard_normal((n, k // 256)) * 0.01, np.abs(rng.standard_normal((n, k // 256))) * 0.01],
-                      axis=-1).astype(np.float16)  # [n, blocks, (d, dmin)]
+    scales = np.stack([rng.standard_normal((n, k // 256)), np.abs(rng.standard_normal((n, k // 256)))],
+                      axis=-1) * scale  # [n, blocks, (d, dmin)]
+    scales = scales.astype(np.float16)
     blocks[..., 0:4] = scales.view(np.uint8)
     return blocks.reshape(n, -1)
 
 
-def _random_q6_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Q6_K rows [n, k / 256 * 210]: random 6-bit quants and int8 scales under a random fp16 d."""
+def _random_q6_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
+    """Q6_K rows [n, k / 256 * 210]: random 6-bit quants and int8 scales under a random fp16 d of about `scale`."""
     blocks = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
-    blocks[..., 208:210] = (rng.standard_normal((n, k // 256, 1)) * 0.001).astype(np.float16).view(np.uint8)
+    blocks[..., 208:210] = (rng.standard_normal((n, k // 256, 1)) * scale).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -192,6 +193,37 @@ def test_16_bit_panels_give_the_fp32_panels_bits_from_half_the_bytes(qtype):
     for m in (1, 3, 4, 5, 13, 60, 130):  # the first rows alone, with register tiles after them, past 48 rows
         x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
         assert torch.equal(narrow(x), wide(x)), m
+
+
+def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path, monkeypatch):
+    """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q4_K and Q6_K
+    (random blocks, alternately): the engine runs them on their blocks, and its tokens are those of their fp32
+    dequantization."""
+    from benchmarks.throughput import rewritten_gguf
+    from pagedserve.workers.gguf import embedded_model_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))  # converted here, removed with it
+    rng = np.random.default_rng(0)
+
+    def k_types(tensor):
+        if not tensor.name.endswith("ffn_down.weight"):
+            return None
+        n, k = tensor.data.shape[0], int(tensor.n_elements) // tensor.data.shape[0]
+        if int(tensor.name.split(".")[1]) % 2:
+            return _random_q6_k(n, k, rng, scale=1e-4), GGMLQuantizationType.Q6_K
+        return _random_q4_k(n, k, rng, scale=1e-4), GGMLQuantizationType.Q4_K
+
+    path = rewritten_gguf(embedded_model_gguf(), tmp_path / "k-types.gguf", k_types)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    answers = []
+    for gguf_linears in (True, False):
+        with LLM(str(path), gguf_linears=gguf_linears) as llm:
+            model = llm.engine.executor.worker.model
+            types = {m.qtype for m in model.modules() if isinstance(m, QuantLinear)}
+            assert types == ({"Q4_1", "Q4_K", "Q6_K", "Q8_0"} if gguf_linears else {"F32"}), types
+            answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert answers[0] == answers[1]
 
 
 def test_fp32_layers_take_the_weights_as_they_are():
