@@ -169,17 +169,24 @@ def test_embedded_model_layers_hold_the_fp32_weights(embedded_dir, tp_rank):
             assert torch.equal(dequantize(module), weight), name
 
 
-def test_engine_tokens_match_fp32_weights(embedded_dir):
-    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: list[str], max_tokens: int) -> None:
+    """The engine on `model` computes with the GGUF's blocks, of `block_types`, and with their fp32 dequantization
+    (F32 panels: the kernel unquantized), and draws the same greedy tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     answers = []
     for gguf_linears in (True, False):
-        with LLM(str(embedded_dir), gguf_linears=gguf_linears) as llm:
-            model = llm.engine.executor.worker.model
-            types = {m.qtype for m in model.modules() if isinstance(m, QuantLinear)}
-            assert types == ({"Q4_1", "Q8_0"} if gguf_linears else {"F32"}), types  # fp32: the kernel unquantized
+        with LLM(model, gguf_linears=gguf_linears) as llm:
+            engine_model = llm.engine.executor.worker.model
+            types = {m.qtype for m in engine_model.modules() if isinstance(m, QuantLinear)}
+            assert types == (block_types if gguf_linears else {"F32"}), types
             answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert answers[0] == answers[1]
+
+
+def test_engine_tokens_match_fp32_weights(embedded_dir):
+    _same_tokens_on_blocks_and_fp32(str(embedded_dir), {"Q4_1", "Q8_0"},
+                                    ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."],
+                                    24)
 
 
 @pytest.mark.parametrize("qtype", ["BF16", "F16"])
@@ -214,16 +221,8 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
         return _random_q4_k(n, k, rng, scale=1e-4), GGMLQuantizationType.Q4_K
 
     path = rewritten_gguf(embedded_model_gguf(), tmp_path / "k-types.gguf", k_types)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    answers = []
-    for gguf_linears in (True, False):
-        with LLM(str(path), gguf_linears=gguf_linears) as llm:
-            model = llm.engine.executor.worker.model
-            types = {m.qtype for m in model.modules() if isinstance(m, QuantLinear)}
-            assert types == ({"Q4_1", "Q4_K", "Q6_K", "Q8_0"} if gguf_linears else {"F32"}), types
-            answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-    assert answers[0] == answers[1]
+    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q4_K", "Q6_K", "Q8_0"},
+                                    ["The capital of France is", "def fibonacci(n):"], 16)
 
 
 def test_fp32_layers_take_the_weights_as_they_are():
