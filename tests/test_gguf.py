@@ -430,7 +430,7 @@ def test_second_start_uses_cache(
 
 
 def test_linears_keep_their_bytes(tmp_path: Path) -> None:
-    """A GGUF's F32, F16, BF16, Q4_K and Q6_K linear weights (the reader gives the first two as their values, not
+    """A GGUF's F32, F16, BF16, Q5_0 and K-type linear weights (the reader gives the first two as their values, not
     their bytes) become rows the CPU kernel computes with exactly the converted fp32 weights."""
     np = pytest.importorskip("numpy")
     gguf = pytest.importorskip("gguf")
@@ -457,6 +457,11 @@ def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     q6_k = np.random.default_rng(3).integers(0, 256, size=(64, 210), dtype=np.uint8)
     q6_k[:, 208:210] = np.full((64, 1), 0.001, dtype=np.float16).view(np.uint8)  # d
     writer.add_tensor("blk.0.attn_v.weight", q6_k, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    q5_k = np.random.default_rng(4).integers(0, 256, size=(64, 176), dtype=np.uint8)
+    q5_k[:, 0:4] = np.full((64, 2), 0.01, dtype=np.float16).view(np.uint8)  # d and dmin
+    writer.add_tensor("blk.0.attn_k.weight", q5_k, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+    writer.add_tensor("output.weight", gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q5_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q5_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -466,7 +471,8 @@ def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     assert set(blocks) == set(state)
     assert types == {"model.layers.0.self_attn.o_proj.weight": "F32", "model.layers.0.mlp.down_proj.weight": "F16",
                      "model.layers.0.mlp.up_proj.weight": "BF16", "model.layers.0.self_attn.q_proj.weight": "F16",
-                     "model.layers.0.mlp.gate_proj.weight": "Q4_K", "model.layers.0.self_attn.v_proj.weight": "Q6_K"}
+                     "model.layers.0.mlp.gate_proj.weight": "Q4_K", "model.layers.0.self_attn.v_proj.weight": "Q6_K",
+                     "model.layers.0.self_attn.k_proj.weight": "Q5_K", "lm_head.weight": "Q5_0"}
     for name, rows in blocks.items():
         layer = quant_linear.QuantLinear(rows, types[name], state[name].shape[1], None)
         assert torch.equal(quant_linear.dequantize(layer), state[name]), name

@@ -34,23 +34,32 @@ pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), 
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
 # F32: any fp32 checkpoint's weights, through the same kernel; BF16, F16: a 16-bit checkpoint's
-QTYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F32", "BF16", "F16"]
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "BF16", "F16"]
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _width(qtype: str, k: int) -> int:
     """`k` in_features, or for the K-types the multiple of their 256-value blocks nearest above it."""
-    return -(-k // 256) * 256 if qtype in ("Q4_K", "Q6_K") else k
+    return -(-k // 256) * 256 if qtype in K_TYPES else k
 
 
-def _random_q4_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
-    """Q4_K rows [n, k / 256 * 144]: random 6-bit scales, mins and quants under random fp16 d and dmin of about
-    `scale` (gguf cannot quantize to Q4_K; every such block is one llama.cpp could write)."""
-    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+def _random_q4_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.01, size: int = 144) -> np.ndarray:
+    """Q4_K rows [n, k / 256 * 144] (or Q5_K's, `size` 176): random 6-bit scales, mins and quants under random
+    fp16 d and dmin of about `scale` (gguf cannot quantize to the K-types; every such block is one llama.cpp
+    could write)."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
     scales = np.stack([rng.standard_normal((n, k // 256)), np.abs(rng.standard_normal((n, k // 256)))],
                       axis=-1) * scale  # [n, blocks, (d, dmin)]
     scales = scales.astype(np.float16)
     blocks[..., 0:4] = scales.view(np.uint8)
     return blocks.reshape(n, -1)
+
+
+def _random_k_type(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
+    scaled = {} if scale is None else {"scale": scale}
+    if qtype == "Q6_K":
+        return _random_q6_k(n, k, rng, **scaled)
+    return _random_q4_k(n, k, rng, size=144 if qtype == "Q4_K" else 176, **scaled)
 
 
 def _random_q6_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
@@ -64,8 +73,8 @@ def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, tor
     """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them (plain
     types: the matrix rounded to the type, and its values widened to fp32)."""
     rng = np.random.default_rng(seed)
-    if qtype in ("Q4_K", "Q6_K"):  # gguf cannot quantize to them
-        rows = (_random_q4_k if qtype == "Q4_K" else _random_q6_k)(n, k, rng)
+    if qtype in K_TYPES:  # gguf cannot quantize to them
+        rows = _random_k_type(qtype, n, k, rng)
         return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[qtype]))
     w = rng.standard_normal((n, k)).astype(np.float32)
     if qtype in quant_linear.PLAIN_TYPES:
@@ -203,9 +212,9 @@ def test_16_bit_panels_give_the_fp32_panels_bits_from_half_the_bytes(qtype):
 
 
 def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path, monkeypatch):
-    """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q4_K and Q6_K
-    (random blocks, alternately): the engine runs them on their blocks, and its tokens are those of their fp32
-    dequantization."""
+    """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q4_K, Q5_K and Q6_K
+    (random blocks, in turn) and half its gate and up projections as Q5_0 (requantized: 576 inputs, no K-type
+    fits): the engine runs them on their blocks, and its tokens are those of their fp32 dequantization."""
     from benchmarks.throughput import rewritten_gguf
     from pagedserve.workers.gguf import embedded_model_gguf
 
@@ -213,15 +222,18 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
     rng = np.random.default_rng(0)
 
     def k_types(tensor):
-        if not tensor.name.endswith("ffn_down.weight"):
-            return None
-        n, k = tensor.data.shape[0], int(tensor.n_elements) // tensor.data.shape[0]
-        if int(tensor.name.split(".")[1]) % 2:
-            return _random_q6_k(n, k, rng, scale=1e-4), GGMLQuantizationType.Q6_K
-        return _random_q4_k(n, k, rng, scale=1e-4), GGMLQuantizationType.Q4_K
+        layer = int(tensor.name.split(".")[1]) if tensor.name.startswith("blk.") else -1
+        if tensor.name.endswith("ffn_down.weight"):
+            qtype = K_TYPES[layer % 3]
+            n, k = tensor.data.shape[0], int(tensor.n_elements) // tensor.data.shape[0]
+            return _random_k_type(qtype, n, k, rng, scale=1e-4), GGMLQuantizationType[qtype]
+        if tensor.name.endswith(("ffn_gate.weight", "ffn_up.weight")) and layer % 2 == 0:
+            values = gguf_dequantize(tensor.data, tensor.tensor_type)
+            return gguf_quantize(values, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0
+        return None
 
     path = rewritten_gguf(embedded_model_gguf(), tmp_path / "k-types.gguf", k_types)
-    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q4_K", "Q6_K", "Q8_0"},
+    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"},
                                     ["The capital of France is", "def fibonacci(n):"], 16)
 
 

@@ -1,9 +1,10 @@
-/* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, Q4_K) and
- * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32. Q4_K's
+/* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, K-types) and
+ * dequantized in the kernel: decode steps stream 4.5 to 10 bits per weight instead of fp32's 32. Q4_K's
  * 256-value super-blocks come as 32-value ones, each with its own fp32 scale and min (its super-block's fp16
  * d and dmin times the sub-block's 6-bit scale and min, exact products): 6 bits per weight. Q6_K's come as
- * 32-value blocks of int8 quants (q - 32) with the fp32 scales of their two 16-value halves: 10 bits. Plain
- * weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
+ * 32-value blocks of int8 quants (q - 32) with the fp32 scales of their two 16-value halves: 10 bits. Q5_K's
+ * as Q4_K's, with the 5-bit quants a byte each: 10 bits. (Q5_0 comes as Q8_0: its quants less 16, a byte each.)
+ * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
  * widened on load). A 16-bit panel widens to the same floats, so it gives F32's bits from half the bytes.
@@ -44,9 +45,10 @@
 #include <string.h>
 
 /* F32, BF16, F16: plain weights in the same panels (d = 1), as fp32 or as 16-bit values each exactly is */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7, Q5_K = 8 };
 #define PLAIN(qtype) ((qtype) == F32 || (qtype) == BF16 || (qtype) == F16)
-#define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K)  /* w = d q + m: the block sums of x take part */
+#define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K)  /* w = d q + m: x's block sums */
+#define FP32_SCALES(qtype) ((qtype) == Q4_K || (qtype) == Q5_K)  /* per block: the rows' fp32 d, then their m */
 
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
@@ -68,6 +70,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q8_0: return 2 * NR + QK * NR;
     case Q4_K: return 8 * NR + QK * NR / 2;  /* the 16 rows' fp32 d, their fp32 m, then Q4_1's quants */
     case Q6_K: return 8 * NR + QK * NR;  /* the 16 rows' fp32 d of each half, then Q8_0's quants */
+    case Q5_K: return 8 * NR + QK * NR;  /* the 16 rows' fp32 d, their fp32 m, then the quants a byte each */
     case F32: return QK * NR * (int64_t)sizeof(float);
     case BF16:
     case F16: return QK * NR * 2;
@@ -116,7 +119,7 @@ static inline float block_sum(const float *x) {
 
 /* Every tile, for each row and each of its 16 columns: per K block, s = sum of x[k] * q[k] over the block's 32 k
  * in order from zero (q the quant as a float; Q4_0: q - 8; plain types: the weight, d = 1), then acc = fma(d, s, acc),
- * and for Q4_1 and Q4_K acc = fma(m, sum(x over the block), acc) (`block_sum`, done once per row and block:
+ * and for Q4_1, Q4_K and Q5_K acc = fma(m, sum(x over the block), acc) (`block_sum`, once per row and block:
  * `sx`). Q6_K's blocks have a d for each half: acc = fma(d of the first half, s, acc) after the 16th k, and s
  * starts again from zero (`HALF_END`). */
 #if defined(__AVX512F__)
@@ -134,7 +137,7 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
 /* A block's 16 scales and mins (rows 0-15): fp16 in GGUF's own types, fp32 in the K-types' (Q6_K's of its second
  * half; `halves16`: of its first), 1 and 0 for plain ones. */
 static inline __m512 scales16(const uint8_t *p, int qtype) {
-    return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : qtype == Q4_K ? _mm512_loadu_ps((const float *)p)
+    return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : FP32_SCALES(qtype) ? _mm512_loadu_ps((const float *)p)
          : qtype == Q6_K ? _mm512_loadu_ps((const float *)(p + 4 * NR)) : half16(p);
 }
 static inline __m512 halves16(const uint8_t *p, int qtype) {
@@ -142,7 +145,7 @@ static inline __m512 halves16(const uint8_t *p, int qtype) {
 }
 static inline __m512 mins16(const uint8_t *p, int qtype) {
     return qtype == Q4_1 ? half16(p + 2 * NR)
-         : qtype == Q4_K ? _mm512_loadu_ps((const float *)(p + 4 * NR)) : _mm512_setzero_ps();
+         : FP32_SCALES(qtype) ? _mm512_loadu_ps((const float *)(p + 4 * NR)) : _mm512_setzero_ps();
 }
 #define SCALES const __m512 d0 = scales16(p, qtype), m0 = mins16(p, qtype), e0 = halves16(p, qtype);
 #define HALF_END(i) a##i = _mm512_fmadd_ps(e0, s##i, a##i); s##i = _mm512_setzero_ps();
@@ -152,6 +155,8 @@ static inline __m512 mins16(const uint8_t *p, int qtype) {
     const __m128i n_ = _mm_unpacklo_epi64(_mm_and_si128(v_, low4), _mm_and_si128(_mm_srli_epi16(v_, 4), low4));
 #define QUANTS_Q8(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
+#define QUANTS_U8(k) \
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
 #define QUANTS_Q40(k) NIBBLES(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
 #define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
@@ -185,7 +190,7 @@ static inline __m512 mins16(const uint8_t *p, int qtype) {
 /* Rows 8 h to 8 h + 7 of a block's scales and mins: fp16 in GGUF's own types, fp32 in the K-types' (Q6_K's of its
  * second half; `halves8`: of its first), 1 and 0 for plain ones. */
 static inline __m256 scales8(const uint8_t *p, int qtype, int h) {
-    return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : qtype == Q4_K ? _mm256_loadu_ps((const float *)p + 8 * h)
+    return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : FP32_SCALES(qtype) ? _mm256_loadu_ps((const float *)p + 8 * h)
          : qtype == Q6_K ? _mm256_loadu_ps((const float *)(p + 4 * NR) + 8 * h) : half8(p + 16 * h);
 }
 static inline __m256 halves8(const uint8_t *p, int qtype, int h) {
@@ -193,7 +198,7 @@ static inline __m256 halves8(const uint8_t *p, int qtype, int h) {
 }
 static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
     return qtype == Q4_1 ? half8(p + 2 * NR + 16 * h)
-         : qtype == Q4_K ? _mm256_loadu_ps((const float *)(p + 4 * NR) + 8 * h) : _mm256_setzero_ps();
+         : FP32_SCALES(qtype) ? _mm256_loadu_ps((const float *)(p + 4 * NR) + 8 * h) : _mm256_setzero_ps();
 }
 #define SCALES                                                                         \
     const __m256 d0 = scales8(p, qtype, 0), d1 = scales8(p, qtype, 1);                 \
@@ -209,6 +214,10 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
     const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_)); \
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v_, 8)));
+#define QUANTS_U8(k) \
+    const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (k))); \
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v_)); \
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v_, 8)));
 #define QUANTS_Q40(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4)), \
@@ -233,7 +242,7 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
 
 /* out[0:n][0:16] = x[0:n, :] @ W^T for the first rows of x against a panel still in its blocks (at p): each k's
  * 16 quants are converted in registers, used at once, and stored to wt (K x 16 floats) for the rows that
- * follow, when there are any (one pass over the blocks instead of two). sx: the rows' block sums (Q4_1, Q4_K). */
+ * follow, when there are any (one pass over the blocks instead of two). sx: the rows' block sums (`HAS_MIN`). */
 #define HALF_LOOP(QUANTS, STEP, FROM) \
     for (int kk = FROM; kk < FROM + QK / 2; kk++) { \
         const int64_t k = b * QK + kk; \
@@ -259,6 +268,9 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
             if (qtype == Q8_0 || qtype == Q6_K) { \
                 const uint8_t *q = p + (qtype == Q6_K ? 8 : 2) * NR; \
                 BLOCK_LOOP(QUANTS_Q8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
+            } else if (qtype == Q5_K) { \
+                const uint8_t *q = p + 8 * NR; \
+                BLOCK_LOOP(QUANTS_U8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (HAS_MIN(qtype)) { \
                 const uint8_t *q = p + (qtype == Q4_K ? 8 : 4) * NR; \
                 BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
@@ -413,7 +425,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         if (group > per_thread) group = per_thread;
     }
     const int64_t n_groups = (n_panels + group - 1) / group, nb = K / QK;
-    /* The m term (Q4_1, Q4_K): each row's block sums, once per call. */
+    /* The m term (`HAS_MIN`): each row's block sums, once per call. */
     float *sx = HAS_MIN(qtype) ? malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1)) : NULL;
     if (HAS_MIN(qtype) && !sx) return -3;
     int failed = 0;

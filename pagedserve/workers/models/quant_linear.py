@@ -1,11 +1,12 @@
-"""Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q8_0), and the
-fp32 layers of any other checkpoint through the same kernel (plain panels: every row computed the same way in any
-batch, which oneDNN's GEMM does not; and the model's layers in one native call, models/native_forward.py). A
+"""Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0 and the
+K-types Q4_K, Q5_K, Q6_K), and the fp32 layers of any other checkpoint through the same kernel (plain panels:
+every row computed the same way in any batch, which oneDNN's GEMM does not; and the model's layers in one native
+call, models/native_forward.py). A
 bf16 or fp16 checkpoint's weights, widened to fp32 on load, are held as the 16-bit values they are (BF16, F16
 panels): the kernel widens them back to the same floats, so the model computes the same bits from half the bytes.
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
-blocks 4.5 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
+blocks 4.5 to 10. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
 wrote as fp32 (each block's scale factored out of its sum), so it computes the same model; the fp32 copy
 stays for the embedding lookup and is what the kernel is tested against.
 """
@@ -30,14 +31,19 @@ QK = 32  # values per block of the kernel (and of GGUF's Q4_0, Q4_1, Q8_0)
 # (values, bytes) of a block of each type the kernel reads: GGUF's types (rows are cut only at their blocks'
 # bounds), and plain weights of any checkpoint (read by the same kernel so that every fp32 CPU model computes a
 # row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210),
-          "F32": (32, 128), "BF16": (32, 64), "F16": (32, 64)}
-KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7}  # its enum
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
+          "Q5_K": (256, 176), "Q6_K": (256, 210), "F32": (32, 128), "BF16": (32, 64), "F16": (32, 64)}
+# quant_linear.c's enum; Q5_0 runs as Q8_0 (`as_blocks_of_32`)
+KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7, "Q5_K": 8,
+               "Q5_0": 2}
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
-# The per-block fields before the quants, in bytes: fp16 d (and m); the K-types as blocks of 32 values: Q4_K's
-# fp32 d and m, Q6_K's fp32 d of each 16-value half
-_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q8_0": (2,), "Q4_K": (4, 4), "Q6_K": (4, 4)}
-_K_TYPES = {"Q4_K": 24, "Q6_K": 40}  # the bytes of 32 values as the K-types are repacked (`as_blocks_of_32`)
+# The per-block fields before the quants, in bytes: fp16 d (and m); Q4_K's and Q5_K's fp32 d and m per 32 values,
+# Q6_K's fp32 d of each 16-value half
+_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q4_K": (4, 4), "Q5_K": (4, 4),
+                 "Q6_K": (4, 4)}
+# The bytes of 32 values of the types repacked as other blocks of 32 first (`as_blocks_of_32`)
+_REBLOCKED = {"Q4_K": 24, "Q5_K": 40, "Q6_K": 40, "Q5_0": 34}
+_BYTE_QUANTS = ("Q8_0", "Q5_0", "Q5_K", "Q6_K")  # a byte a quant in the panels
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -46,8 +52,64 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def as_blocks_of_32(rows: torch.Tensor, qtype: str) -> torch.Tensor:
-    """A K-type's rows of 256-value blocks as blocks of 32 values, each with its scales (see the two below)."""
-    return q4_k_as_blocks_of_32(rows) if qtype == "Q4_K" else q6_k_as_blocks_of_32(rows)
+    """Rows of a type the kernel does not read as they are, as blocks of 32 values it does (see the functions
+    below)."""
+    return {"Q4_K": q4_k_as_blocks_of_32, "Q5_K": q5_k_as_blocks_of_32, "Q6_K": q6_k_as_blocks_of_32,
+            "Q5_0": q5_0_as_q8_0}[qtype](rows)
+
+
+def q5_0_as_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """Q5_0 rows [N, K / 32 * 22] (uint8) -> Q8_0 blocks [N, K / 32 * 34]: the same fp16 d, the 5-bit quants less
+    16 as int8. So w = d * q, as gguf's dequantization computes it."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 22)  # [N, nb, 22]: fp16 d, 32 high bits, 16 bytes of low nibbles
+    high = blocks[..., 2:6].contiguous().view(torch.int32)  # [N, nb, 1]: value j's 5th bit is bit j
+    high = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [N, nb, 32]
+    qs = blocks[..., 6:]
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]: values 0-15 low nibbles, 16-31 high ones
+    values = ((low.to(torch.int32) | (high << 4)) - 16).to(torch.int8)
+    return torch.cat([blocks[..., :2], values.view(torch.uint8)], dim=-1).reshape(n, -1)
+
+
+def _k_scales_and_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's [N, S, bytes] blocks -> each 32 values' fp32 scale d * sc and min -(dmin * m) [N, K / 32,
+    1]: exact products of the fp16 d, dmin and the 6-bit sc, m packed in the block's 12 bytes of scales."""
+    n = blocks.shape[0]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    low6, high6, rest = blocks[..., 4:16].reshape(n, -1, 3, 4).unbind(2)  # [N, S, 4] each
+    sc = torch.cat([low6 & 0x3F, (rest & 0x0F) | ((low6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit scales
+    mn = torch.cat([high6 & 0x3F, (rest >> 4) | ((high6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit mins
+    return (d * sc.float()).reshape(n, -1, 1), (-(dmin * mn.float())).reshape(n, -1, 1)
+
+
+def q4_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows [N, K / 256 * 144] (uint8) -> blocks of 32 values [N, K / 32 * 24]: each the fp32 scale d * sc
+    and min -(dmin * m) of its sub-block (exact products of the fp16 d, dmin and 6-bit sc, m), then its 32
+    quants as Q4_1 packs them (value j in byte j's low nibble, j + 16 in its high one). So w = scale * q + min,
+    as gguf's dequantization computes it."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 144)  # [N, S, 144]: fp16 d, fp16 dmin, 12 bytes of scales, 128 of quants
+    scale, minimum = _k_scales_and_mins(blocks)
+    qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 64 values per 32 bytes: low nibbles, then high ones
+    values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, -1, QK)  # [N, K / 32, 32]
+    packed = values[..., :16] | (values[..., 16:] << 4)  # [N, K / 32, 16]
+    as_bytes = [t.contiguous().view(torch.uint8) for t in (scale, minimum)]  # [N, K / 32, 4] each
+    return torch.cat([*as_bytes, packed], dim=-1).reshape(n, -1)
+
+
+def q5_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
+    """Q5_K rows [N, K / 256 * 176] (uint8) -> blocks of 32 values [N, K / 32 * 40]: Q4_K's fp32 scale and min,
+    then the 32 5-bit quants a byte each. So w = scale * q + min, as gguf's dequantization computes it."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 176)  # [N, S, 176]: as Q4_K's first 16 bytes, 32 of 5th bits, 128 of nibbles
+    scale, minimum = _k_scales_and_mins(blocks)
+    qs = blocks[..., 48:].reshape(n, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    low = (qs & 0x0F).reshape(n, -1, 8, 32)  # [N, S, sub-block, 32]: sub-block 2c the low nibbles, 2c + 1 the high
+    high = blocks[..., 16:48].reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+    values = (low | ((high & 1) << 4)).reshape(n, -1, QK)  # [N, K / 32, 32]: sub-block j's 5th bits are bit j
+    as_bytes = [t.contiguous().view(torch.uint8) for t in (scale, minimum)]  # [N, K / 32, 4] each
+    return torch.cat([*as_bytes, values], dim=-1).reshape(n, -1)
 
 
 def q6_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
@@ -67,34 +129,14 @@ def q6_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales.contiguous().view(torch.uint8), values.view(torch.uint8)], dim=-1).reshape(n, -1)
 
 
-def q4_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
-    """Q4_K rows [N, K / 256 * 144] (uint8) -> blocks of 32 values [N, K / 32 * 24]: each the fp32 scale d * sc
-    and min -(dmin * m) of its sub-block (exact products of the fp16 d, dmin and 6-bit sc, m), then its 32
-    quants as Q4_1 packs them (value j in byte j's low nibble, j + 16 in its high one). So w = scale * q + min,
-    as gguf's dequantization computes it."""
-    n = rows.shape[0]
-    blocks = rows.reshape(n, -1, 144)  # [N, S, 144]: fp16 d, fp16 dmin, 12 bytes of scales, 128 of quants
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    low6, high6, rest = blocks[..., 4:16].reshape(n, -1, 3, 4).unbind(2)  # [N, S, 4] each
-    sc = torch.cat([low6 & 0x3F, (rest & 0x0F) | ((low6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit scales
-    mn = torch.cat([high6 & 0x3F, (rest >> 4) | ((high6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit mins
-    scale = (d * sc.float()).reshape(n, -1, 1)  # [N, K / 32, 1]
-    minimum = (-(dmin * mn.float())).reshape(n, -1, 1)
-    qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 64 values per 32 bytes: low nibbles, then high ones
-    values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, -1, QK)  # [N, K / 32, 32]
-    packed = values[..., :16] | (values[..., 16:] << 4)  # [N, K / 32, 16]
-    as_bytes = [t.contiguous().view(torch.uint8) for t in (scale, minimum)]  # [N, K / 32, 4] each
-    return torch.cat([*as_bytes, packed], dim=-1).reshape(n, -1)
-
-
 def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
-    """GGUF rows [N, K / 32 * block bytes] (uint8) -> the kernel's panels of 16 rows (see quant_linear.c)."""
+    """Rows [N, K / values * bytes] (uint8) of `qtype`'s blocks (`BLOCKS`) -> the kernel's panels of 16 rows (see
+    quant_linear.c)."""
     nr = quant_linear_library().quant_linear_panel_rows()
-    if qtype in _K_TYPES:
+    if qtype in _REBLOCKED:
         rows = as_blocks_of_32(rows, qtype)
     n = rows.shape[0]
-    bb = _K_TYPES.get(qtype) or BLOCKS[qtype][1]  # bytes of 32 values
+    bb = _REBLOCKED.get(qtype) or BLOCKS[qtype][1]  # bytes of 32 values
     nb = rows.shape[1] // bb
     panels = -(-n // nr)
     blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
@@ -107,7 +149,7 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     for width in _SCALE_FIELDS[qtype]:
         scales.append(blocks[..., start:start + width].reshape(panels, nb, width * nr))
         start += width
-    if qtype in ("Q8_0", "Q6_K"):  # a byte a value
+    if qtype in _BYTE_QUANTS:
         quants = blocks[..., start:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
     else:
         qs = blocks[..., start:]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
