@@ -233,8 +233,10 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
     const __m256 q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
 #define QUANTS_BF16(k) \
     const __m256i v_ = _mm256_loadu_si256((const __m256i *)(q + 2 * NR * (k))); \
-    const __m256 q0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v_)), 16)); \
-    const __m256 q1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v_, 1)), 16));
+    const __m256 q0 = _mm256_castsi256_ps( \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v_)), 16)); \
+    const __m256 q1 = _mm256_castsi256_ps( \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v_, 1)), 16));
 #define QUANTS_F16(k) const __m256 q0 = half8(q + 2 * NR * (k)), q1 = half8(q + 2 * NR * (k) + 16);
 #define STORE_QUANTS(k) _mm256_storeu_ps(wt + (k) * NR, q0); _mm256_storeu_ps(wt + (k) * NR + 8, q1);
 #define LOAD_QUANTS(k) const __m256 q0 = _mm256_loadu_ps(wt + (k) * NR), q1 = _mm256_loadu_ps(wt + (k) * NR + 8);
@@ -320,8 +322,8 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
 #if defined(__AVX512F__)
 /* With AVX-512, the rows after the first ones also run against two panels at once (6 rows x 32 columns): per k,
  * two panel loads and six broadcasts feed twelve multiply-adds, where a 12 x 16 tile needs twelve broadcasts
- * and a load for as many (up to 6% faster at 256-1,024 rows). Each column's arithmetic is the tile's above, so are
- * its bits. */
+ * and a load for as many (up to 6% faster at 256-1,024 rows). Each column's arithmetic is the tile's above,
+ * so are its bits. */
 #define MR_PAIR 6
 #define ACC2_INIT(i) __m512 a##i = _mm512_setzero_ps(), c##i = _mm512_setzero_ps();
 #define SUM2_INIT(i) __m512 s##i = _mm512_setzero_ps(), t##i = _mm512_setzero_ps();
