@@ -18,13 +18,16 @@ PEERS_DIR = Path(os.environ.get("PAGEDSERVE_PEERS_DIR", Path(__file__).resolve()
 
 
 def peer_binary(name: str) -> Path:
-    """llama-server or guidellm, from setup_peers.sh's directories (or $LLAMA_SERVER / $GUIDELLM)."""
-    env = {"llama-server": "LLAMA_SERVER", "guidellm": "GUIDELLM"}[name]
+    """llama-server, llama-quantize or guidellm, from setup_peers.sh's directories (or $LLAMA_SERVER,
+    $LLAMA_QUANTIZE, $GUIDELLM)."""
+    env = {"llama-server": "LLAMA_SERVER", "llama-quantize": "LLAMA_QUANTIZE", "guidellm": "GUIDELLM"}[name]
     default = {"llama-server": PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server",
+               "llama-quantize": PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-quantize",
                "guidellm": PEERS_DIR / "guidellm" / "bin" / "guidellm"}[name]
     path = Path(os.environ.get(env, default))
     if not path.is_file():
-        raise FileNotFoundError(f"{name} not found at {path}: run `bash benchmarks/setup_peers.sh {name}` "
+        target = "guidellm" if name == "guidellm" else "llama-server"  # llama-quantize comes with llama-server
+        raise FileNotFoundError(f"{name} not found at {path}: run `bash benchmarks/setup_peers.sh {target}` "
                                 f"(or set ${env})")
     return path
 

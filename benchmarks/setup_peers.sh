@@ -2,7 +2,8 @@
 # The benchmark peers, each in its own directory and never a dependency of the package:
 #   llama-server  llama.cpp's OpenAI-compatible server, built from the tree vendored in the
 #                 llama-cpp-python sdist (a portable AVX2 build: a -DGGML_NATIVE=ON build has crashed
-#                 in its AMX path on AMD EPYC machines)
+#                 in its AMX path on AMD EPYC machines), and llama-quantize beside it (throughput.py's
+#                 --gguf-type Q4_K_M and the like)
 #   guidellm      a load generator for OpenAI-compatible servers, in its own virtualenv
 #
 #   bash benchmarks/setup_peers.sh [llama-server] [guidellm]     # both when none is named
@@ -19,7 +20,12 @@ mkdir -p "$PEERS"
 
 build_llama_server() {
   local bin="$PEERS/llama.cpp/build/bin/llama-server"
-  if [[ -x "$bin" ]]; then echo "llama-server: $bin"; return; fi
+  if [[ -x "$bin" && -x "$PEERS/llama.cpp/build/bin/llama-quantize" ]]; then echo "llama-server: $bin"; return; fi
+  if [[ -x "$bin" ]]; then  # built before llama-quantize came with it
+    cmake --build "$PEERS/llama.cpp/build" --target llama-quantize -j "$(nproc)"
+    echo "llama-server: $bin"
+    return
+  fi
   local src="$PEERS/src"
   mkdir -p "$src"
   "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$src"
@@ -30,7 +36,7 @@ build_llama_server() {
   cmake -S "$PEERS/llama.cpp" -B "$PEERS/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-  cmake --build "$PEERS/llama.cpp/build" --target llama-server -j "$(nproc)"
+  cmake --build "$PEERS/llama.cpp/build" --target llama-server llama-quantize -j "$(nproc)"
   echo "llama-server: $bin"
 }
 

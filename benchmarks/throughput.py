@@ -10,7 +10,8 @@ llama-server gets all N requests at once over HTTP with N slots (`-np N`, contin
   python benchmarks/throughput.py --num-requests 16 --prompt-len 64 512 --output-len 128 128 \
       --hf-batch-size 16 --llama-server                             # CPU, beside llama.cpp (setup_peers.sh)
   python benchmarks/throughput.py --gguf-type BF16 --llama-server   # the same model with bf16 weights, as
-                                                                    # published checkpoints are
+                                                                    # published checkpoints are (Q4_K_M: as
+                                                                    # llama-quantize makes GGUFs from them)
   python benchmarks/throughput.py --random qwen2.5-0.5b --dtype bfloat16 --num-requests 256 \
       --prompt-len 100 1024 --output-len 256 256 --hf-batch-size 64 --hf-generate-batch --cuda-graphs  # GPU
 """
@@ -89,6 +90,20 @@ def retyped_gguf(src: Path, qtype: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix="bench-gguf-"))
     atexit.register(shutil.rmtree, d, ignore_errors=True)
     return rewritten_gguf(src, d / f"{src.stem.rsplit('.', 1)[0]}.{qtype}.gguf", retype)
+
+
+def quantized_gguf(src: Path, ftype: str) -> Path:
+    """GGUF `src` quantized to `ftype` (Q4_K_M, Q5_K_M, ...) by llama.cpp's llama-quantize, as such files are
+    made (its own choice of type per tensor, Q5_0 / Q8_0 where a row is no multiple of 256). Beside `src`,
+    removed with it."""
+    import subprocess
+
+    from peers import peer_binary
+
+    out = src.with_name(f"{src.stem.rsplit('.', 1)[0]}.{ftype}.gguf")
+    subprocess.run([str(peer_binary("llama-quantize")), str(src), str(out), ftype], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
 
 
 def rewritten_gguf(src: Path, out: Path, retype) -> Path:
@@ -386,8 +401,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--random", choices=sorted(PRESETS), help="random weights of this shape instead of --model")
-    p.add_argument("--gguf-type", choices=["BF16", "F16"], default=None,
-                   help="the GGUF model (the embedded one or --model x.gguf) with its weights in this type instead")
+    p.add_argument("--gguf-type", default=None,
+                   help="the GGUF model (the embedded one or --model x.gguf) with its weights in this type instead: "
+                        "BF16 or F16, or a type llama-quantize makes from the BF16 weights (Q4_K_M, Q5_K_M, ...)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
@@ -426,7 +442,8 @@ def main() -> None:
         source = Path(args.model) if args.model else embedded_model_gguf()
         if source.suffix != ".gguf":
             raise SystemExit("--gguf-type needs a GGUF model (the embedded one, or --model file.gguf)")
-        args.model = str(retyped_gguf(source, args.gguf_type))
+        args.model = str(retyped_gguf(source, args.gguf_type) if args.gguf_type in ("BF16", "F16")
+                         else quantized_gguf(retyped_gguf(source, "BF16"), args.gguf_type))
     if args.random:
         dtype = EngineConfig(dtype=args.dtype).torch_dtype(device, None)
         model_dir = make_random_checkpoint(args.random, dtype, args.device)
