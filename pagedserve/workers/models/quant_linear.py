@@ -33,7 +33,7 @@ QK = 32  # values per block of the kernel (and of GGUF's Q4_0, Q4_1, Q8_0)
 # row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
           "Q5_K": (256, 176), "Q6_K": (256, 210), "F32": (32, 128), "BF16": (32, 64), "F16": (32, 64)}
-# quant_linear.c's enum; Q5_0 runs as Q8_0 (`as_blocks_of_32`)
+# quant_linear.c's enum; Q5_0 runs as Q8_0 (`q5_0_as_q8_0`)
 KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7, "Q5_K": 8,
                "Q5_0": 2}
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
@@ -41,21 +41,12 @@ PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float1
 # Q6_K's fp32 d of each 16-value half
 _SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q4_K": (4, 4), "Q5_K": (4, 4),
                  "Q6_K": (4, 4)}
-# The bytes of 32 values of the types repacked as other blocks of 32 first (`as_blocks_of_32`)
-_REBLOCKED = {"Q4_K": 24, "Q5_K": 40, "Q6_K": 40, "Q5_0": 34}
 _BYTE_QUANTS = ("Q8_0", "Q5_0", "Q5_K", "Q6_K")  # a byte a quant in the panels
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """The kernel computes in fp32 on x86 CPUs with AVX2, FMA and F16C."""
     return device.type == "cpu" and dtype == torch.float32 and quant_linear_library() is not None
-
-
-def as_blocks_of_32(rows: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Rows of a type the kernel does not read as they are, as blocks of 32 values it does (see the functions
-    below)."""
-    return {"Q4_K": q4_k_as_blocks_of_32, "Q5_K": q5_k_as_blocks_of_32, "Q6_K": q6_k_as_blocks_of_32,
-            "Q5_0": q5_0_as_q8_0}[qtype](rows)
 
 
 def q5_0_as_q8_0(rows: torch.Tensor) -> torch.Tensor:
@@ -129,14 +120,20 @@ def q6_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales.contiguous().view(torch.uint8), values.view(torch.uint8)], dim=-1).reshape(n, -1)
 
 
+# The types the kernel does not read as they are: their rows as blocks of 32 values it does
+_AS_BLOCKS_OF_32 = {"Q4_K": q4_k_as_blocks_of_32, "Q5_K": q5_k_as_blocks_of_32, "Q6_K": q6_k_as_blocks_of_32,
+                    "Q5_0": q5_0_as_q8_0}
+
+
 def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows [N, K / values * bytes] (uint8) of `qtype`'s blocks (`BLOCKS`) -> the kernel's panels of 16 rows (see
     quant_linear.c)."""
-    nr = quant_linear_library().quant_linear_panel_rows()
-    if qtype in _REBLOCKED:
-        rows = as_blocks_of_32(rows, qtype)
+    lib = quant_linear_library()
+    nr = lib.quant_linear_panel_rows()
+    if qtype in _AS_BLOCKS_OF_32:
+        rows = _AS_BLOCKS_OF_32[qtype](rows)
     n = rows.shape[0]
-    bb = _REBLOCKED.get(qtype) or BLOCKS[qtype][1]  # bytes of 32 values
+    bb = lib.quant_linear_panel_block_bytes(KERNEL_TYPE[qtype]) // nr  # a row's bytes of 32 values
     nb = rows.shape[1] // bb
     panels = -(-n // nr)
     blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
