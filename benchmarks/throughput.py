@@ -106,9 +106,9 @@ def quantized_gguf(src: Path, ftype: str) -> Path:
     return out
 
 
-def rewritten_gguf(src: Path, out: Path, retype) -> Path:
+def rewritten_gguf(src: Path, out: Path, retype, added: dict | None = None) -> Path:
     """GGUF `src` written to `out` with every field as it is and each tensor as `retype(tensor)` gives it (its
-    data and GGML type), or as it is where that is None."""
+    data and GGML type), or as it is where that is None; then the tensors `added` (name: (data, GGML type))."""
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -122,6 +122,8 @@ def rewritten_gguf(src: Path, out: Path, retype) -> Path:
     for tensor in reader.tensors:
         data, kind = retype(tensor) or (tensor.data, tensor.tensor_type)
         writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    for name, (data, kind) in (added or {}).items():
+        writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -25,9 +25,9 @@ from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.models.quant_linear import (
     QuantLinear,
     dequantize,
+    hold_embedding,
     load_fp32_linears,
     load_gguf_linears,
-    narrow_embedding,
 )
 
 pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), torch.float32),
@@ -89,7 +89,12 @@ def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, tor
 def test_weights_are_exactly_ggufs_dequantization(qtype, n):
     k = _width(qtype, 96)
     rows, w = _quantized(n, k, qtype, seed=n)
-    assert torch.equal(dequantize(QuantLinear(rows, qtype, k, None)), w)
+    layer = QuantLinear(rows, qtype, k, None)
+    assert torch.equal(dequantize(layer), w)
+    # Looked up by row (an embedding table held in panels): the same floats, in any order and shape of ids
+    ids = torch.randint(0, n, (3, 7), generator=torch.Generator().manual_seed(n))
+    assert torch.equal(layer.rows(ids), w[ids])
+    assert layer.rows(ids[:0]).shape == (0, 7, k)
 
 
 # Rows that all dequantize as they go (no scratch), partial register tiles on the scratch, past one 48-row item
@@ -133,6 +138,8 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
     avx2 = ctypes.CDLL(str(native._build(native.compiler(), native.CSRC / "quant_linear.c", flags)))
     avx2.quant_linear.argtypes = native.quant_linear_library().quant_linear.argtypes
     avx2.quant_linear.restype = ctypes.c_int
+    avx2.quant_linear_rows.argtypes = native.quant_linear_library().quant_linear_rows.argtypes
+    avx2.quant_linear_rows.restype = ctypes.c_int
     for qtype in QTYPES:
         k = _width(qtype, 128)
         rows, _ = _quantized(40, k, qtype, seed=3)
@@ -144,6 +151,10 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
             assert avx2.quant_linear(x.data_ptr(), m, k, k, layer.panels.data_ptr(), code, 40, None, y.data_ptr(),
                                      40, 2) == 0
             assert torch.equal(layer.product(x), y), (qtype, m)
+        ids = torch.tensor([39, 0, 17, 17])
+        rows = torch.empty(4, k)
+        assert avx2.quant_linear_rows(layer.panels.data_ptr(), code, 40, k, ids.data_ptr(), 4, rows.data_ptr()) == 0
+        assert torch.equal(layer.rows(ids), rows), qtype
 
 
 def test_bad_inputs_are_named():
@@ -159,6 +170,8 @@ def test_bad_inputs_are_named():
         QuantLinear(rows, "Q4_1", 64, None)(torch.randn(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="inputs of 64 features, got \\(2, 3, 32\\)"):
         QuantLinear(rows, "Q4_1", 64, None)(torch.randn(2, 3, 32))  # as many values as 3 rows of 64: not those
+    with pytest.raises(IndexError, match=r"ids \[-1, 16\] are outside the table's 16 rows"):
+        QuantLinear(rows, "Q4_1", 64, None).rows(torch.tensor([0, 16, 3, -1, 16]))
 
 
 @pytest.mark.parametrize("tp_rank", [None, 1])  # the whole model, and rank 1 of 3 (sliced along rows and K)
@@ -176,18 +189,28 @@ def test_embedded_model_layers_hold_the_fp32_weights(embedded_dir, tp_rank):
         if isinstance(module, QuantLinear):
             weight = fp32["model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
             assert torch.equal(dequantize(module), weight), name
+    # The table is looked up in the tied head's blocks: the rows of this rank's shard, and no fp32 copy
+    embed = model.model.embed_tokens
+    assert hold_embedding(model) == "Q8_0, the LM head's panels"
+    assert embed.weight is None and embed.table is model.lm_head
+    ids = torch.tensor([0, 5, embed.tp.vocab_shard - 1, 5])
+    assert torch.equal(embed.table.rows(ids), fp32["model.embed_tokens.weight"][ids])
+    if tp_rank is None:
+        assert torch.equal(embed(ids), fp32["model.embed_tokens.weight"][ids])
 
 
 def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: list[str], max_tokens: int) -> None:
     """The engine on `model` computes with the GGUF's blocks, of `block_types`, and with their fp32 dequantization
-    (F32 panels: the kernel unquantized), and draws the same greedy tokens."""
+    (plain panels: the kernel unquantized, 16-bit where every value of a layer is one), and draws the same greedy
+    tokens."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     answers = []
     for gguf_linears in (True, False):
         with LLM(model, gguf_linears=gguf_linears) as llm:
             engine_model = llm.engine.executor.worker.model
             types = {m.qtype for m in engine_model.modules() if isinstance(m, QuantLinear)}
-            assert types == (block_types if gguf_linears else {"F32"}), types
+            assert types == block_types if gguf_linears else types <= set(quant_linear.PLAIN_TYPES), types
+            assert engine_model.model.embed_tokens.weight is None  # looked up in panels, no fp32 copy
             answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert answers[0] == answers[1]
 
@@ -237,6 +260,34 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
                                     ["The capital of France is", "def fibonacci(n):"], 16)
 
 
+def test_an_untied_gguf_looks_its_table_up_in_its_own_blocks(tmp_path, monkeypatch):
+    """The embedded GGUF given an LM head of its own (its table's Q8_0 blocks), and its table requantized to Q4_0:
+    the engine looks tokens up in the table's own blocks, holding no fp32 copy, and draws the tokens of the fp32
+    path."""
+    import gguf
+
+    from benchmarks.throughput import rewritten_gguf
+    from pagedserve.workers.gguf import embedded_model_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))  # converted here, removed with it
+    src = embedded_model_gguf()
+    table = next(t for t in gguf.GGUFReader(src).tensors if t.name == "token_embd.weight")
+
+    def q4_0_table(tensor):
+        if tensor.name != "token_embd.weight":
+            return None
+        q4_0 = GGMLQuantizationType.Q4_0
+        return gguf_quantize(gguf_dequantize(tensor.data, tensor.tensor_type), q4_0), q4_0
+
+    path = rewritten_gguf(src, tmp_path / "untied.gguf", q4_0_table,
+                          added={"output.weight": (table.data, table.tensor_type)})
+    with LLM(str(path), max_model_len=64) as llm:
+        model = llm.engine.executor.worker.model
+        assert not model.config.tie_word_embeddings
+        assert model.model.embed_tokens.table.qtype == "Q4_0" and model.lm_head.qtype == "Q8_0"
+    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_0", "Q4_1", "Q8_0"}, ["The capital of France is"], 16)
+
+
 def test_fp32_layers_take_the_weights_as_they_are():
     w, bias = torch.randn(24, 64), torch.randn(24)
     layer = QuantLinear.from_fp32(w, bias)
@@ -265,29 +316,42 @@ def test_fp32_layers_take_the_weights_as_they_are():
     assert torch.equal(dequantize(model.lm_head), model.model.embed_tokens.weight)
 
 
-def test_the_embedding_table_is_held_narrow_only_where_nothing_reads_it_whole():
-    config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
-                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=64, tie_word_embeddings=True))
-    model = CausalLM(config, 64)
+def test_the_embedding_table_is_held_once_in_panels():
+    """The table is looked up where the kernel holds it, with no fp32 copy: in the tied LM head's panels (a 16-bit
+    checkpoint's as its 16-bit values), else in panels of its own. A tied head that reads the table itself, or a
+    width the kernel does not take, keeps the table."""
+    def model(tied: bool, hidden: int = 64) -> CausalLM:
+        config = ModelConfig.from_dict(dict(
+            model_type="llama", vocab_size=100, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied))
+        m = CausalLM(config, 64)
+        with torch.no_grad():
+            m.model.embed_tokens.weight.copy_(torch.randn(100, hidden).bfloat16().float())
+        return m
+
+    ids = torch.tensor([[3, 7], [99, 3]])
+    tied = model(tied=True)
+    table = tied.model.embed_tokens.weight.detach().clone()
+    assert hold_embedding(tied) == "F32"  # the tied head, without a module of its own, reads the whole table
+    assert tied.model.embed_tokens.weight is not None
+    load_fp32_linears(tied)
+    assert hold_embedding(tied) == "BF16, the LM head's panels"
+    assert tied.model.embed_tokens.weight is None and tied.model.embed_tokens.table is tied.lm_head
+    assert torch.equal(tied.model.embed_tokens(ids), table[ids])
+    assert hold_embedding(tied) == "BF16, the LM head's panels"  # already held: left as it is
+
+    untied = model(tied=False)
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(torch.randn(100, 64).bfloat16().float())
-    ids = torch.tensor([3, 7, 99, 3])
-    rows = model.model.embed_tokens(ids)
-    assert narrow_embedding(model) == "F32"  # the tied head, without a module of its own, reads the whole table
-    load_fp32_linears(model)
-    assert narrow_embedding(model) == "BF16"
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    looked_up = model.model.embed_tokens(ids)
-    assert looked_up.dtype == torch.float32 and torch.equal(looked_up, rows)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_()
-    assert narrow_embedding(model) == "BF16"  # already narrow: left as it is
-    other = CausalLM(config, 64)
-    load_fp32_linears(other)
-    with torch.no_grad():
-        other.model.embed_tokens.weight.normal_()  # values no 16-bit type holds
-    assert narrow_embedding(other) == "F32" and other.model.embed_tokens.weight.dtype == torch.float32
+        untied.model.embed_tokens.weight[5, 1] = 0.1  # a value no 16-bit type holds
+    table = untied.model.embed_tokens.weight.detach().clone()
+    load_fp32_linears(untied)
+    assert hold_embedding(untied) == "F32"
+    assert untied.model.embed_tokens.weight is None and untied.model.embed_tokens.table is not untied.lm_head
+    assert torch.equal(untied.model.embed_tokens(ids), table[ids])
+    assert hold_embedding(model(tied=False)) == "BF16"
+
+    narrow = model(tied=False, hidden=48)  # not a multiple of 32: the kernel does not take it
+    assert hold_embedding(narrow) == "F32" and narrow.model.embed_tokens.weight is not None
 
 
 def test_gguf_linears_setting_must_be_a_bool():
@@ -320,6 +384,7 @@ def test_a_16_bit_checkpoint_keeps_its_weights_16_bit_and_matches_transformers(d
         model = llm.engine.executor.worker.model
         assert {m.qtype for m in model.modules() if isinstance(m, QuantLinear)} == {
             "BF16" if dtype == torch.bfloat16 else "F16"}
-        assert model.model.embed_tokens.weight.dtype == dtype
+        table = model.model.embed_tokens.table  # one of the modules above: held 16-bit too, once
+        assert model.model.embed_tokens.weight is None and (table is model.lm_head) == tied
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected

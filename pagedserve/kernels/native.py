@@ -62,7 +62,8 @@ def quant_linear_library() -> ctypes.CDLL | None:
         "quant_linear_panel_rows": ([], ctypes.c_int),
         "quant_linear_panel_block_bytes": ([ctypes.c_int], _i64),
         "quant_linear": ([_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, _i64, ctypes.c_int],
-                         ctypes.c_int)})
+                         ctypes.c_int),
+        "quant_linear_rows": ([_ptr, ctypes.c_int, _i64, _i64, _ptr, _i64, _ptr], ctypes.c_int)})
     if lib is not None and not lib.quant_linear_supported():
         log.info("this CPU lacks AVX2/FMA/F16C: linear layers use fp32 weights")
         return None

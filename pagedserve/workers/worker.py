@@ -60,8 +60,10 @@ class Worker:
             # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step. A 16-bit
             # checkpoint's weights stay 16-bit there, exactly: half the bytes a decode step streams.
             quant_linear.load_fp32_linears(self.model)
-            embedding = quant_linear.narrow_embedding(self.model)
-            types = Counter(m.qtype for m in self.model.modules() if isinstance(m, quant_linear.QuantLinear))
+            embedding = quant_linear.hold_embedding(self.model)
+            table, head = self.model.model.embed_tokens.table, getattr(self.model, "lm_head", None)
+            types = Counter(m.qtype for m in self.model.modules()
+                            if isinstance(m, quant_linear.QuantLinear) and (m is not table or m is head))
             log.info("rank %d: linear layers on the CPU kernel, by weight type: %s; embedding table %s", rank,
                      ", ".join(f"{t} {n}" for t, n in sorted(types.items())), embedding)
         if can_pack(self.device, self.dtype):  # what is left: bf16, or a CPU without AVX2

@@ -513,6 +513,54 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     return failed ? -3 : 0;
 }
 
+static inline float half_at(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+static inline float float_at(const uint8_t *p) { float f; memcpy(&f, p, sizeof f); return f; }
+
+/* Row r's weight k (of 32) in the (panel, K block) at p: the fp32 weight the products above are taken with, as
+ * gguf's dequantization forms it (d * q, or d * q + m; d * q is exact, so there is one rounding at most). */
+static inline float weight_at(const uint8_t *p, int qtype, int r, int k) {
+    const int nibble = r < NR / 2 ? 0 : 4;
+    switch (qtype) {
+    case Q4_0: return half_at(p + 2 * r) * (float)(((p[2 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15) - 8);
+    case Q4_1:
+        return half_at(p + 2 * r) * (float)((p[4 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15)
+             + half_at(p + 2 * NR + 2 * r);
+    case Q8_0: return half_at(p + 2 * r) * (float)(int8_t)p[2 * NR + NR * k + r];
+    case Q4_K:
+        return float_at(p + 4 * r) * (float)((p[8 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15)
+             + float_at(p + 4 * NR + 4 * r);
+    case Q5_K: return float_at(p + 4 * r) * (float)p[8 * NR + NR * k + r] + float_at(p + 4 * NR + 4 * r);
+    case Q6_K: return float_at(p + (k < QK / 2 ? 0 : 4 * NR) + 4 * r) * (float)(int8_t)p[8 * NR + NR * k + r];
+    case F32: return float_at(p + 4 * (NR * k + r));
+    case BF16: {
+        const uint32_t bits = (uint32_t)(p[2 * (NR * k + r)] | (p[2 * (NR * k + r) + 1] << 8)) << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    default: return half_at(p + 2 * (NR * k + r));  /* F16 */
+    }
+}
+
+/* out [n, K] = rows ids[0 .. n) of W [N, K] from its panels w: an embedding table looked up where it is held,
+ * the same floats as the fp32 table. Returns 0, -1 when K is not a multiple of 32, -2 for an unknown type, -4
+ * when an id is outside [0, N). */
+int quant_linear_rows(const uint8_t *w, int qtype, int64_t N, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    if (K % QK) return -1;
+    const int64_t block_bytes = quant_linear_panel_block_bytes(qtype);
+    if (!block_bytes) return -2;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -4;
+    const int64_t nb = K / QK;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *p = w + ids[i] / NR * nb * block_bytes;
+        const int r = (int)(ids[i] % NR);
+        for (int64_t b = 0; b < nb; b++, p += block_bytes)
+            for (int k = 0; k < QK; k++) out[i * K + b * QK + k] = weight_at(p, qtype, r, k);
+    }
+    return 0;
+}
+
 #else  /* no AVX2/FMA/F16C: the caller keeps the fp32 weights */
 
 int quant_linear_supported(void) { return 0; }
@@ -520,6 +568,10 @@ int quant_linear_supported(void) { return 0; }
 int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int qtype, int64_t N,
                  const float *bias, float *y, int64_t ldy, int num_threads) {
     return -4;
+}
+
+int quant_linear_rows(const uint8_t *w, int qtype, int64_t N, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    return -2;
 }
 
 #endif

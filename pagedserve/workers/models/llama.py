@@ -123,8 +123,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(tp.vocab_shard, config.hidden_size))
-        # The model's dtype where the table is held narrower (its values exactly 16-bit ones), else None
-        self.out_dtype: torch.dtype | None = None
+        # Where the CPU's linear kernel holds the table (a QuantLinear: the tied LM head, or the table's own GGUF
+        # blocks or 16-bit values), rows are read from it and `weight` is None: the table is not held twice.
+        self.table: nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -135,8 +136,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out, self.tp)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, self.weight)  # [T, H]
-        return rows if self.out_dtype is None else rows.to(self.out_dtype)
+        return F.embedding(ids, self.weight) if self.table is None else self.table.rows(ids)  # [T, H]
 
 
 class DecoderLayer(nn.Module):

@@ -7,8 +7,9 @@ panels): the kernel widens them back to the same floats, so the model computes t
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
 blocks 4.5 to 10. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
-wrote as fp32 (each block's scale factored out of its sum), so it computes the same model; the fp32 copy
-stays for the embedding lookup and is what the kernel is tested against.
+wrote as fp32 (each block's scale factored out of its sum), so it computes the same model. The embedding table
+is looked up in panels too (`QuantLinear.rows`: the same floats as the fp32 table), the tied LM head's where it
+has one, so no fp32 copy of it is held.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
         self.panels = repack(rows, qtype)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._kernel = quant_linear_library().quant_linear  # a decode step makes a hundred calls: looked up once
+        lib = quant_linear_library()
+        self._kernel, self._lookup = lib.quant_linear, lib.quant_linear_rows  # a step makes a hundred calls
 
     @classmethod
     def from_fp32(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
@@ -205,6 +207,20 @@ class QuantLinear(nn.Module):
                 raise RuntimeError(f"quant_linear failed with status {status}")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W, as the fp32 weights the layer multiplies by: [*ids.shape, in_features]. So an
+        embedding table held here is looked up without an fp32 copy of it."""
+        flat = ids.reshape(-1).to(torch.long).contiguous()
+        out = torch.empty(flat.numel(), self.in_features)  # [T, K]
+        status = self._lookup(self.panels.data_ptr(), KERNEL_TYPE[self.qtype], self.out_features, self.in_features,
+                              flat.data_ptr(), flat.numel(), out.data_ptr())
+        if status == -4:
+            bad = flat[(flat < 0) | (flat >= self.out_features)].unique()[:8].tolist()
+            raise IndexError(f"ids {bad} are outside the table's {self.out_features} rows")
+        if status:
+            raise RuntimeError(f"quant_linear_rows failed with status {status}")
+        return out.view(*ids.shape, self.in_features)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
                 f"bias={self.bias is not None}")
@@ -226,7 +242,8 @@ def dequantize(linear: QuantLinear) -> torch.Tensor:
 
 def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
     """Swap each linear layer whose weights `blocks_path` holds as GGUF blocks (the converter's sidecar
-    file) for a QuantLinear on this rank's shard of them; returns how many were swapped. A layer whose
+    file) for a QuantLinear on this rank's shard of them, and give an untied embedding table one to be looked up
+    in (`hold_embedding`); returns how many were made. A layer whose
     parts differ in type, or whose shard does not fall on block boundaries, keeps its fp32 weights."""
     from safetensors import safe_open
 
@@ -280,19 +297,23 @@ def load_fp32_linears(model: CausalLM) -> int:
                            if weight.shape[1] % QK == 0 else None)
 
 
-def narrow_embedding(model: CausalLM) -> str:
-    """Hold the fp32 embedding table as the 16-bit type its values all exactly are (a 16-bit checkpoint's), each
-    row widened back as it is looked up: the same values in half the memory. Only where the LM head has a module
-    of its own (nothing else reads the table as a matrix). Returns the type the table is held as."""
-    embed = model.model.embed_tokens
-    held = next((t for t, dtype in PLAIN_TYPES.items() if dtype == embed.weight.dtype), str(embed.weight.dtype))
-    if getattr(model, "lm_head", None) is None or held != "F32":
-        return held
-    qtype = plain_type(embed.weight.detach())
-    if qtype != "F32":
-        embed.weight = nn.Parameter(embed.weight.detach().to(PLAIN_TYPES[qtype]), requires_grad=False)
-        embed.out_dtype = torch.float32
-    return qtype
+def hold_embedding(model: CausalLM) -> str:
+    """Look the embedding's rows up in a QuantLinear's panels and drop the fp32 table: in the tied LM head's (the
+    same values, held once), in the table's own GGUF blocks (`load_gguf_linears`), else in panels made from it
+    (bf16 or fp16 where every value is one). A tied head that reads the table itself keeps it. Returns how the
+    table is held."""
+    embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+    if embed.table is None:
+        if model.config.tie_word_embeddings:
+            if not isinstance(head, QuantLinear):
+                return "F32"
+            embed.table = head
+        elif embed.weight.shape[1] % QK:
+            return "F32"
+        else:
+            embed.table = QuantLinear.from_fp32(embed.weight, None)
+    embed.weight = None
+    return embed.table.qtype + (", the LM head's panels" if embed.table is head else "")
 
 
 def _linear_sources(model: CausalLM):
@@ -303,6 +324,10 @@ def _linear_sources(model: CausalLM):
         yield layer.self_attn, "o_proj", [p + "self_attn.o_proj.weight"]
         yield layer.mlp, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         yield layer.mlp, "down_proj", [p + "mlp.down_proj.weight"]
-    # A tied head reads the embedding's blocks; the lookup keeps the fp32 embedding.
-    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
-    yield model, "lm_head", [head]
+    # A tied head reads the embedding's blocks, and the lookups read the head's (`hold_embedding`); an untied
+    # table has blocks of its own.
+    if model.config.tie_word_embeddings:
+        yield model, "lm_head", ["model.embed_tokens.weight"]
+    else:
+        yield model, "lm_head", ["lm_head.weight"]
+        yield model.model.embed_tokens, "table", ["model.embed_tokens.weight"]
