@@ -5,6 +5,7 @@ tokens with them as with fp32 weights."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from gguf.quants import quantize as gguf_quantize
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import native
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
-from pagedserve.workers.loader import build_model, resolve_model
+from pagedserve.workers.loader import build_model, hf_tensor_shapes, resolve_model
 from pagedserve.workers.models import quant_linear
 from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
@@ -183,11 +184,12 @@ def test_embedded_model_layers_hold_the_fp32_weights(embedded_dir, tp_rank):
     tp = TPLayout.make(config, tp_rank, 3) if tp_rank is not None else None
     model = build_model(source, config, torch.float32, torch.device("cpu"), 64, tp=tp)
     fp32 = {name: p.detach().clone() for name, p in model.named_parameters()}
-    swapped = load_gguf_linears(model, embedded_dir / GGUF_BLOCKS_NAME)
-    assert swapped == 4 * config.num_layers + 1
+    held = load_gguf_linears(model, embedded_dir / GGUF_BLOCKS_NAME)
+    assert len(held) == 7 * config.num_layers + 1  # q, k, v, o, gate, up, down; the table, the tied head's too
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            weight = fp32["model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
+            table = name in ("lm_head", "model.embed_tokens.table")  # one module, the tied head
+            weight = fp32["model.embed_tokens.weight" if table else f"{name}.weight"]
             assert torch.equal(dequantize(module), weight), name
     # The table is looked up in the tied head's blocks: the rows of this rank's shard, and no fp32 copy
     embed = model.model.embed_tokens
@@ -197,6 +199,58 @@ def test_embedded_model_layers_hold_the_fp32_weights(embedded_dir, tp_rank):
     assert torch.equal(embed.table.rows(ids), fp32["model.embed_tokens.weight"][ids])
     if tp_rank is None:
         assert torch.equal(embed(ids), fp32["model.embed_tokens.weight"][ids])
+
+
+def test_layers_held_as_blocks_are_never_loaded_as_fp32(tmp_path):
+    """Made from the blocks before the checkpoint is read (`build_model`'s `held_by`), the layers a GGUF holds as
+    blocks never have fp32 weights: a checkpoint without those tensors loads, with the same weights, biases and
+    table as the full one."""
+    import transformers
+    from safetensors.torch import save_file
+
+    transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                             ).save_pretrained(tmp_path / "full")
+    config = ModelConfig.from_file(tmp_path / "full" / "config.json")
+    assert config.qkv_bias  # biases of layers held as blocks still come from the checkpoint
+    rng = np.random.default_rng(0)
+    state, blocks = {}, {}
+    for name, shape in hf_tensor_shapes(config).items():
+        values = rng.standard_normal(shape).astype(np.float32)
+        if len(shape) == 2:
+            blocks[name] = gguf_quantize(values, GGMLQuantizationType.Q8_0)
+            values = gguf_dequantize(blocks[name], GGMLQuantizationType.Q8_0)
+        state[name] = torch.from_numpy(values)
+    types = {name: "Q8_0" for name in blocks}
+    (tmp_path / "lean").mkdir()
+    (tmp_path / "lean" / "config.json").write_bytes((tmp_path / "full" / "config.json").read_bytes())
+    for d, tensors in (("full", state), ("lean", {n: t for n, t in state.items() if n not in blocks})):
+        save_file(tensors, str(tmp_path / d / "model.safetensors"))
+        save_file({n: torch.from_numpy(b) for n, b in blocks.items()}, str(tmp_path / d / GGUF_BLOCKS_NAME),
+                  metadata=types)
+
+    def build(d, held_by=None):
+        return build_model(resolve_model(str(tmp_path / d)), config, torch.float32, torch.device("cpu"), 64,
+                           held_by=held_by)
+
+    full = build("full")
+    with pytest.raises(ValueError, match="lacks weights for: model.embed_tokens.weight"):
+        build("lean")
+    ids = torch.tensor([0, 255, 7])
+    for d in ("lean", "full"):  # the full checkpoint's fp32 copies of those layers are passed over
+        held = build(d, functools.partial(load_gguf_linears, blocks_path=tmp_path / d / GGUF_BLOCKS_NAME))
+        assert held.model.embed_tokens.weight is None
+        assert torch.equal(held.model.embed_tokens(ids), full.model.embed_tokens(ids))
+        layers = {n: m for n, m in held.named_modules() if isinstance(m, QuantLinear)}
+        assert len(layers) == 4 * 2 + 2  # the table's, the head's, four in each layer
+        for name, module in layers.items():
+            if name != "model.embed_tokens.table":
+                plain = full.get_submodule(name)
+                assert torch.equal(dequantize(module), plain.weight), name
+                assert (module.bias is None) == (plain.bias is None), name
+                assert plain.bias is None or torch.equal(module.bias, plain.bias), name
+        attn = held.model.layers[1].self_attn.qkv_proj
+        assert attn.bias is not None and attn.bias.abs().sum() > 0
 
 
 def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: list[str], max_tokens: int) -> None:

@@ -76,18 +76,22 @@ _FUSED = [
 
 
 def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0, tp: TPLayout | None = None) -> CausalLM:
-    """The model (this rank's shard of it) with its weights, on `device` in `dtype`, in eval mode."""
+                max_positions: int, seed: int = 0, tp: TPLayout | None = None,
+                held_by: Callable[[CausalLM], set[str]] | None = None) -> CausalLM:
+    """The model (this rank's shard of it) with its weights, on `device` in `dtype`, in eval mode. `held_by`
+    runs on the model before its parameters are made: it swaps in modules that hold their own weights (a GGUF's
+    blocks) and returns the checkpoint tensors they hold, which are then never read."""
     tp = tp or TPLayout.make(config)
     with torch.device("meta"):
         model = CausalLM(config, max_positions, tp)
+    held = held_by(model) if held_by is not None else set()
     model = model.to_empty(device=device).to(dtype)
     # RoPE tables are computed, not loaded: build them for real (meta tensors hold no values).
     model.model.rope = RotaryEmbedding(config, max_positions).to(device)
     if source.is_random:
-        _load(model, _random_tensors(config, seed), "random weights")
+        _load(model, _random_tensors(config, seed), "random weights", held)
     else:
-        _load(model, _safetensors(source.weights_dir), source.weights_dir.name)
+        _load(model, _safetensors(source.weights_dir), source.weights_dir.name, held)
     return model.eval().requires_grad_(False)
 
 
@@ -155,7 +159,8 @@ def _narrow(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor
     return full.narrow(dim, start, stop - start)
 
 
-def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]], label: str) -> None:
+def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]], label: str,
+          held: set[str]) -> None:
     from tqdm import tqdm
 
     config, tp = model.config, model.tp
@@ -166,7 +171,7 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
     expected = hf_tensor_shapes(config)
     for name, shape, read in tqdm(tensors, desc=f"Loading {label}", unit="tensor", leave=False,
                                   total=len(expected)):
-        if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+        if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings) or name in held:
             continue
         if name in expected and tuple(shape) != expected[name]:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 
@@ -50,11 +51,15 @@ class Worker:
         if world_size > 1:
             _init_distributed(self.device, rank, world_size, dist_init_method)
         self.tp = TPLayout.make(model_config, rank, world_size)
-        self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed, self.tp)
         blocks = None if source.is_random else source.weights_dir / GGUF_BLOCKS_NAME
+        held_by = None
         if config.gguf_linears and blocks is not None and blocks.is_file() and quant_linear.available(
                 self.device, self.dtype):
-            quant_linear.load_gguf_linears(self.model, blocks)
+            # The layers a GGUF holds as blocks are made from them before the checkpoint is read, so their fp32
+            # copies are never loaded: memory holds about the GGUF's bytes, not four bytes a weight.
+            held_by = functools.partial(quant_linear.load_gguf_linears, blocks_path=blocks)
+        self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed, self.tp,
+                                 held_by)
         if quant_linear.available(self.device, self.dtype):
             # The other fp32 layers through the same kernel, unquantized: every row computed the same way in any
             # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step. A 16-bit

@@ -168,7 +168,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {in_features} values")
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
         self.panels = repack(rows, qtype)
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        # A parameter, so that the loader fills it where the layer is made before the checkpoint is read
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         lib = quant_linear_library()
         self._kernel, self._lookup = lib.quant_linear, lib.quant_linear_rows  # a step makes a hundred calls
 
@@ -240,15 +241,17 @@ def dequantize(linear: QuantLinear) -> torch.Tensor:
     return linear.product(torch.eye(linear.in_features)).T.contiguous()
 
 
-def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
-    """Swap each linear layer whose weights `blocks_path` holds as GGUF blocks (the converter's sidecar
-    file) for a QuantLinear on this rank's shard of them, and give an untied embedding table one to be looked up
-    in (`hold_embedding`); returns how many were made. A layer whose
-    parts differ in type, or whose shard does not fall on block boundaries, keeps its fp32 weights."""
+def load_gguf_linears(model: CausalLM, blocks_path: Path) -> set[str]:
+    """Swap each linear layer whose weights `blocks_path` holds as GGUF blocks (the converter's sidecar file) for a
+    QuantLinear on this rank's shard of them, and have the embedding looked up in blocks too: the tied LM head's,
+    or an untied table's own. Returns the checkpoint tensors now held as blocks, whose fp32 copies the model no
+    longer has a place for. A layer whose parts differ in type, or whose shard does not fall on block boundaries,
+    keeps its fp32 weights. Runs on a loaded model or on one whose parameters are not made yet (on the meta
+    device: `build_model`'s `held_by`), which never holds those fp32 copies at all."""
     from safetensors import safe_open
 
     config, tp = model.config, model.tp
-    swapped = 0
+    held: set[str] = set()
     with safe_open(blocks_path, framework="pt") as f:
         types = f.metadata() or {}  # tensor name -> GGUF type
         names = set(f.keys())
@@ -285,8 +288,13 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> int:
                 raise ValueError(f"{blocks_path}: {', '.join(parts)} hold {rows.shape[0]} rows for this rank, "
                                  f"the model expects {out_features}")
             setattr(owner, attr, QuantLinear(rows, qtype, in_features, None if old is None else old.bias))
-            swapped += 1
-    return swapped
+            held.update(parts)
+    embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+    if config.tie_word_embeddings and isinstance(head, QuantLinear):
+        embed.table = head
+    if embed.table is not None:
+        embed.weight = None
+    return held
 
 
 def load_fp32_linears(model: CausalLM) -> int:
