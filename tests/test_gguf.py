@@ -381,6 +381,35 @@ def test_converted_dir_loads_and_matches_logits(converted: Path, oracle_model, o
 
 
 @pytest.mark.slow
+def test_large_weights_are_written_in_shards(converted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past SHARD_BYTES the fp32 weights go into shards with transformers' index (the converter holds one shard at
+    a time, not a 7B model's 28 GB): the same tensors, read by transformers and by the engine's loader."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.workers.loader import _safetensors
+
+    monkeypatch.setattr(gguf_mod, "SHARD_BYTES", 100 * 2**20)
+    out = gguf_mod.convert_gguf(embedded_model_gguf(), tmp_path / "sharded")
+    assert gguf_mod._is_complete(out) and not (out / "model.safetensors").exists()
+    index = json.loads((out / gguf_mod.WEIGHTS_INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == 6 and shards[0] == "model-00001-of-00006.safetensors"  # 538 MB of fp32
+    whole = load_file(str(converted / "model.safetensors"))
+    assert set(index["weight_map"]) == set(whole)
+    for shard in shards:
+        for name, tensor in load_file(str(out / shard)).items():
+            assert index["weight_map"][name] == shard and torch.equal(tensor, whole[name]), name
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in whole.values())
+    read = {name: read(0, 0, shape[0]) for name, shape, read in _safetensors(out)}
+    assert read.keys() == whole.keys() and all(torch.equal(read[n], whole[n]) for n in whole)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert torch.equal(model.model.layers[29].mlp.down_proj.weight, whole["model.layers.29.mlp.down_proj.weight"])
+    assert {p.name for p in out.iterdir() if p.name.startswith(".")} == set()  # no shard left under its first name
+
+
+@pytest.mark.slow
 def test_tokenizer_roundtrip(converted: Path, oracle_tokenizer) -> None:
     from transformers import AutoTokenizer
 
@@ -467,7 +496,10 @@ def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
 
-    state, blocks, types = gguf_mod._dequantized_state_dict(path)
+    converted = list(gguf_mod._converted_tensors(path))
+    state = {name: values for name, values, _, _ in converted}
+    blocks = {name: rows for name, _, rows, _ in converted if rows is not None}
+    types = {name: qtype for name, _, rows, qtype in converted if rows is not None}
     assert set(blocks) == set(state)
     assert types == {"model.layers.0.self_attn.o_proj.weight": "F32", "model.layers.0.mlp.down_proj.weight": "F16",
                      "model.layers.0.mlp.up_proj.weight": "BF16", "model.layers.0.self_attn.q_proj.weight": "F16",

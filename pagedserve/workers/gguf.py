@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,13 @@ CONVERTER_VERSION = 6
 # Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
 MANIFEST_NAME = "pagedserve_gguf.json"
 WEIGHTS_NAME = "model.safetensors"
+# Where the fp32 weights exceed SHARD_BYTES: shards of about that size, and transformers' index of them
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SHARD_BYTES = 2**30
 # uint8 rows of GGUF blocks under transformers names; the metadata maps each name to its GGUF type.
 GGUF_BLOCKS_NAME = "gguf_blocks.safetensors"
-_REQUIRED_FILES = ("config.json", WEIGHTS_NAME, "tokenizer_config.json")
+# And the weights: one file, or an index of shards
+_REQUIRED_FILES = ("config.json", "tokenizer_config.json")
 
 # GGUF `general.architecture` values whose tensors this converter knows how to name. Only llama.cpp's
 # Llama converter permutes Q/K rows; Qwen2/Qwen3 store them in HF order.
@@ -127,10 +132,10 @@ def _reverse_qk_permute(weights: Any, n_head: int) -> Any:
     return np.ascontiguousarray(w.swapaxes(2, 1).reshape(weights.shape))
 
 
-def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
-    """Every tensor of the GGUF as a float32 torch tensor under its transformers name; and the 2-D tensors
-    of a type the CPU's linear kernel reads as their raw rows of blocks (uint8), with their types. (Widening
-    that set changes what the cache holds: bump CONVERTER_VERSION with it.)"""
+def _converted_tensors(gguf_path: Path) -> Iterator[tuple[str, Any, Any | None, str]]:
+    """Each tensor of the GGUF, one at a time: its transformers name, its values as a float32 torch tensor, and for
+    a 2-D tensor of a type the CPU's linear kernel reads, its raw rows of blocks (uint8), else None; and its GGUF
+    type. (Widening the set kept as blocks changes what the cache holds: bump CONVERTER_VERSION with it.)"""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -149,9 +154,6 @@ def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, 
     # llama.cpp treats a missing KV head count as plain multi-head attention.
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
 
-    state: dict[str, Any] = {}
-    blocks: dict[str, Any] = {}
-    block_types: dict[str, str] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
         hf_name = _hf_tensor_name(tensor.name)
         if hf_name is None:
@@ -166,11 +168,42 @@ def _dequantized_state_dict(gguf_path: Path) -> tuple[dict[str, Any], dict[str, 
             elif ".attn_k." in tensor.name:
                 weights, raw = _reverse_qk_permute(weights, n_kv_head), _reverse_qk_permute(raw, n_kv_head)
         # Copy out of the file's memmap: the reader's views are read-only and must not outlive it.
-        state[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
-        if keep_blocks:  # the reader gives F32 and F16 tensors as their values: their bytes, as they are
-            blocks[hf_name] = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).copy())
-            block_types[hf_name] = tensor.tensor_type.name
-    return state, blocks, block_types
+        values = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
+        # The reader gives F32 and F16 tensors as their values: their bytes, as they are
+        blocks = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).copy()) if keep_blocks else None
+        yield hf_name, values, blocks, tensor.tensor_type.name
+
+
+def _write_weights(tensors: Iterator[tuple[str, Any]], out_dir: Path) -> None:
+    """The float32 tensors as `model.safetensors`, or where they exceed SHARD_BYTES as shards of about that size
+    and the index transformers reads: only one shard is ever held, so converting a 7B GGUF (28 GB of fp32) does
+    not need 28 GB of memory."""
+    from safetensors.torch import save_file
+
+    parts: list[list[str]] = []  # each shard's tensor names
+    shard: dict[str, Any] = {}
+    total = shard_bytes = 0
+    for name, values in tensors:
+        shard[name] = values
+        total += values.numel() * values.element_size()
+        shard_bytes += values.numel() * values.element_size()
+        if shard_bytes >= SHARD_BYTES:
+            save_file(shard, str(out_dir / f".shard-{len(parts)}"), metadata={"format": "pt"})
+            parts.append(list(shard))
+            shard, shard_bytes = {}, 0
+    if shard or not parts:
+        save_file(shard, str(out_dir / f".shard-{len(parts)}"), metadata={"format": "pt"})
+        parts.append(list(shard))
+    if len(parts) == 1:
+        os.replace(out_dir / ".shard-0", out_dir / WEIGHTS_NAME)
+        return
+    weight_map = {}
+    for i, names in enumerate(parts):
+        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(out_dir / f".shard-{i}", out_dir / file)
+        weight_map |= dict.fromkeys(names, file)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
@@ -189,22 +222,26 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
         # transformers leaves this unset for GGUF; loaders that dispatch on it need it.
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
 
-    state, blocks, block_types = _dequantized_state_dict(gguf_path)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        blocks.pop("lm_head.weight", None)
-        block_types.pop("lm_head.weight", None)
-    save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
-    del state
+    blocks: dict[str, Any] = {}  # about the GGUF's own bytes: held whole, written once
+    block_types: dict[str, str] = {}
+
+    def fp32_tensors() -> Iterator[tuple[str, Any]]:
+        for tensor, values, rows, qtype in _converted_tensors(gguf_path):
+            if tensor == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            if rows is not None:
+                blocks[tensor], block_types[tensor] = rows, qtype
+            yield tensor, values
+
+    _write_weights(fp32_tensors(), out_dir)
     if blocks:
         save_file(blocks, str(out_dir / GGUF_BLOCKS_NAME), metadata={"format": "pt", **block_types})
-    del blocks
+    blocks.clear()
 
     config.save_pretrained(out_dir)
     # safetensors writes 0600 files; give the weights the umask-derived mode of the files we wrote.
-    for weights_file in (WEIGHTS_NAME, GGUF_BLOCKS_NAME):
-        if (out_dir / weights_file).exists():
-            shutil.copymode(out_dir / "config.json", out_dir / weights_file)
+    for weights_file in out_dir.glob("*.safetensors"):
+        shutil.copymode(out_dir / "config.json", weights_file)
     generation_config = GenerationConfig.from_model_config(config)
     if generation_config.eos_token_id is not None:
         generation_config.save_pretrained(out_dir)
@@ -227,7 +264,8 @@ def _is_complete(out_dir: Path) -> bool:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all((out_dir / f).is_file() for f in files) and all(f in files for f in _REQUIRED_FILES)
+    return (all((out_dir / f).is_file() for f in files) and all(f in files for f in _REQUIRED_FILES)
+            and (WEIGHTS_NAME in files or WEIGHTS_INDEX_NAME in files))
 
 
 def _unique_sibling(path: Path, tag: str) -> Path:
@@ -238,7 +276,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert a GGUF checkpoint into a Hugging Face-layout directory at `out_dir` and return it.
 
     The directory holds `config.json`, `generation_config.json`, the tokenizer files (chat template
-    included), `model.safetensors` with float32 weights under transformers names, and a manifest. It is
+    included), `model.safetensors` with float32 weights under transformers names (or shards of them and their
+    index), the GGUF blocks the CPU's kernel reads, and a manifest. It is
     built in a temporary sibling and renamed into place, so `out_dir` is either absent, the previous
     content, or complete; an existing `out_dir` is replaced.
     """
