@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from collections import Counter
@@ -73,6 +74,7 @@ class Worker:
                      ", ".join(f"{t} {n}" for t, n in sorted(types.items())), embedding)
         if can_pack(self.device, self.dtype):  # what is left: bf16, or a CPU without AVX2
             pack_linears(self.model, PACK_BATCH_HINT)
+        _return_freed_heap()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.available_blocks = self._count_blocks()
@@ -186,6 +188,16 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBa
                           prompt_token_ids=[0] * n, output_token_ids=[]) for r, n in enumerate(row_len)]
     return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=slots,
                      table_updates=updates, samples=samples)
+
+
+def _return_freed_heap() -> None:
+    """Give the heap's free pages back to the system. Loading frees about a model's worth of temporaries (fp32
+    weights replaced by blocks or panels, slices read and repacked), and glibc keeps them: a 1B Q4_K_M model's
+    process stayed 0.9 GB larger than it needed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        pass
 
 
 def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
