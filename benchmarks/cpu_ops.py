@@ -137,13 +137,13 @@ def main() -> None:
         print(f"  {name:28s} {ms:7.1f} ms  ({flops / ms / 1e6:5.1f} GFLOP/s)")
 
 
-def random_k_blocks(n: int, k: int, qtype: str, gen: torch.Generator) -> torch.Tensor:
+def random_k_blocks(n: int, k: int, qtype: str, gen: torch.Generator, d: float = 0.01) -> torch.Tensor:
     """Q4_K, Q5_K or Q6_K rows [n, k / 256 * block bytes]: random bytes under a small fp16 d (and dmin): every
     such block is a valid one."""
     size, scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[qtype]
     blocks = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen)
     count = (scales.stop - scales.start) // 2
-    blocks[..., scales] = torch.full((n, k // 256, count), 0.01, dtype=torch.float16).view(torch.uint8)
+    blocks[..., scales] = torch.full((n, k // 256, count), d, dtype=torch.float16).view(torch.uint8)
     return blocks.reshape(n, -1)
 
 
