@@ -28,8 +28,14 @@ BLOCK = 16
 CPU = get_attention_backend("cpu", torch.device("cpu"))
 
 
+def _blocks(weight: torch.Tensor, qtype: str, bias: torch.Tensor | None) -> QuantLinear:
+    rows = gguf_quantize(weight.detach().numpy(), GGMLQuantizationType[qtype])
+    return QuantLinear(torch.from_numpy(rows), qtype, weight.shape[1], bias)
+
+
 def tiny_gguf_model(model_type: str) -> CausalLM:
-    """Two random layers whose projections are GGUF blocks of each kernel type."""
+    """Two random layers whose projections are GGUF blocks of each kernel type; in the second layer q/k/v and
+    gate/up are parts of different types (as llama-quantize's _M mixes make them)."""
     config = ModelConfig.from_dict(dict(model_type=model_type, vocab_size=300, hidden_size=64, intermediate_size=96,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         max_position_embeddings=512))
@@ -38,12 +44,20 @@ def tiny_gguf_model(model_type: str) -> CausalLM:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + torch.randn_like(p) / 8 if "norm" in name else torch.randn_like(p) / 4)
-    for layer in model.model.layers:
-        for owner, attr, qtype in [(layer.self_attn, "qkv_proj", "Q4_0"), (layer.self_attn, "o_proj", "Q4_1"),
-                                   (layer.mlp, "gate_up_proj", "Q8_0"), (layer.mlp, "down_proj", "Q4_1")]:
+    for i, layer in enumerate(model.model.layers):
+        for owner, attr, qtypes in [(layer.self_attn, "qkv_proj", {64: "Q4_0", 96: "Q4_0", 128: "Q8_0"}),
+                                    (layer.self_attn, "o_proj", {64: "Q4_1"}),
+                                    (layer.mlp, "gate_up_proj", {96: "Q8_0", 192: "Q4_1"}),
+                                    (layer.mlp, "down_proj", {64: "Q4_1"})]:
             old = getattr(owner, attr)
-            rows = gguf_quantize(old.weight.detach().numpy(), GGMLQuantizationType[qtype])
-            setattr(owner, attr, QuantLinear(torch.from_numpy(rows), qtype, old.in_features, old.bias))
+            if i == 0 or len(qtypes) == 1:
+                setattr(owner, attr, _blocks(old.weight, next(iter(qtypes.values())), old.bias))
+                continue
+            parts, start = [], 0  # rows up to each end in its type: q and k Q4_0, v Q8_0; gate Q8_0, up Q4_1
+            for end, qtype in qtypes.items():
+                parts.append(_blocks(old.weight[start:end], qtype, None))
+                start = end
+            setattr(owner, attr, quant_linear.ConcatQuantLinear(parts, old.bias))
     return model
 
 

@@ -158,6 +158,27 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
         assert torch.equal(layer.rows(ids), rows), qtype
 
 
+def test_parts_of_different_types_give_each_parts_bits():
+    """A fused layer whose parts are held in different types computes each part's columns as that part alone
+    does, bit for bit, in every tile; with the bias of the whole layer."""
+    parts = [QuantLinear(_quantized(n, 256, qtype, seed=n)[0], qtype, 256, None)
+             for n, qtype in ((48, "Q4_K"), (20, "Q4_K"), (24, "Q6_K"))]
+    bias = torch.randn(92)
+    layer = quant_linear.ConcatQuantLinear(parts, bias)
+    assert (layer.in_features, layer.out_features) == (256, 92)
+    assert torch.equal(dequantize(layer), torch.cat([dequantize(p) for p in parts]))
+    for m in (1, 4, 5, 60):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        alone = torch.cat([p(x) for p in parts], dim=1)
+        assert torch.equal(layer.product(x), alone), m
+        assert torch.equal(layer(x), alone + bias), m
+        assert torch.equal(linear_product(layer, x), alone), m
+    assert layer(torch.randn(2, 3, 256)).shape == (2, 3, 92)
+    with pytest.raises(ValueError, match="same inputs and have no bias of their own"):
+        quant_linear.ConcatQuantLinear([parts[0], QuantLinear(_quantized(16, 512, "Q4_K", 0)[0], "Q4_K", 512, None)],
+                                       None)
+
+
 def test_bad_inputs_are_named():
     rows, _ = _quantized(16, 64, "Q4_1", seed=0)
     with pytest.raises(ValueError, match="Q5_K"):
@@ -253,7 +274,8 @@ def test_layers_held_as_blocks_are_never_loaded_as_fp32(tmp_path):
         assert attn.bias is not None and attn.bias.abs().sum() > 0
 
 
-def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: list[str], max_tokens: int) -> None:
+def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: list[str], max_tokens: int,
+                                    mixed_parts: bool = False) -> None:
     """The engine on `model` computes with the GGUF's blocks, of `block_types`, and with their fp32 dequantization
     (plain panels: the kernel unquantized, 16-bit where every value of a layer is one), and draws the same greedy
     tokens."""
@@ -265,6 +287,10 @@ def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: 
             types = {m.qtype for m in engine_model.modules() if isinstance(m, QuantLinear)}
             assert types == block_types if gguf_linears else types <= set(quant_linear.PLAIN_TYPES), types
             assert engine_model.model.embed_tokens.weight is None  # looked up in panels, no fp32 copy
+            runner = llm.engine.executor.worker.runner
+            assert runner.native_forward is not None  # the layers in one native call a step
+            mixed = any(isinstance(m, quant_linear.ConcatQuantLinear) for m in engine_model.modules())
+            assert mixed == (gguf_linears and mixed_parts)
             answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert answers[0] == answers[1]
 
@@ -290,8 +316,9 @@ def test_16_bit_panels_give_the_fp32_panels_bits_from_half_the_bytes(qtype):
 
 def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path, monkeypatch):
     """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q4_K, Q5_K and Q6_K
-    (random blocks, in turn) and half its gate and up projections as Q5_0 (requantized: 576 inputs, no K-type
-    fits): the engine runs them on their blocks, and its tokens are those of their fp32 dequantization."""
+    (random blocks, in turn), and half its gate and v projections as Q5_0 (requantized: 576 inputs, no K-type
+    fits) beside Q4_1 up, q and k projections: the engine runs them on their blocks, fused parts of two types
+    too, in one native call a step, and its tokens are those of their fp32 dequantization."""
     from benchmarks.throughput import rewritten_gguf
     from pagedserve.workers.gguf import embedded_model_gguf
 
@@ -304,14 +331,16 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
             qtype = K_TYPES[layer % 3]
             n, k = tensor.data.shape[0], int(tensor.n_elements) // tensor.data.shape[0]
             return _random_k_type(qtype, n, k, rng, scale=1e-4), GGMLQuantizationType[qtype]
-        if tensor.name.endswith(("ffn_gate.weight", "ffn_up.weight")) and layer % 2 == 0:
+        # Mixed parts, as llama-quantize's _M mixes make them: v beside Q4_1 q and k, gate beside a Q4_1 up
+        if (tensor.name.endswith("ffn_gate.weight") and layer % 2 == 0) or (
+                tensor.name.endswith("attn_v.weight") and layer % 2):
             values = gguf_dequantize(tensor.data, tensor.tensor_type)
             return gguf_quantize(values, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0
         return None
 
     path = rewritten_gguf(embedded_model_gguf(), tmp_path / "k-types.gguf", k_types)
     _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"},
-                                    ["The capital of France is", "def fibonacci(n):"], 16)
+                                    ["The capital of France is", "def fibonacci(n):"], 16, mixed_parts=True)
 
 
 def test_an_untied_gguf_looks_its_table_up_in_its_own_blocks(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@
  * linear layer, the RMSNorm, the rotary embedding, the K/V write, the paged attention, the SiLU gate), so the
  * outputs are the modules' bits (tests/test_native_forward.py checks it). It covers what those kernels cover:
  * Llama / Qwen2 / Qwen3 layers (biases, q/k norms) whose four projections run on the GGUF-block kernel (GGUF
- * blocks or fp32 panels), fp32, one rank; the modules run every other model.
+ * blocks, in parts of different types too, or plain panels), fp32, one rank; the modules run every other model.
  */
 #include <stdint.h>
 #include <string.h>
@@ -42,10 +42,18 @@ typedef struct {
     rms_norm_heads_fn rms_norm_heads;
 } kernels_t;
 
+#define MAX_PARTS 3
+/* A linear layer's output columns in parts of one weight type each: one part, or a fused q/k/v or gate/up
+ * projection whose parts a GGUF holds in different types (ConcatQuantLinear). */
 typedef struct {
     const uint8_t *panels;  /* the repacked blocks (workers/models/quant_linear.py) */
     const float *bias;      /* [n] or NULL */
-    int64_t qtype, n, k;
+    int64_t qtype, n;
+} part_t;
+
+typedef struct {
+    part_t parts[MAX_PARTS];
+    int64_t num_parts, k;
 } linear_t;
 
 typedef struct {
@@ -77,6 +85,20 @@ typedef struct {
     float *hidden, *residual, *normed, *qkv, *query, *attn, *gate_up, *act;
 } buffers_t;
 
+/* y [T, ldy] = x [T, l->k] @ W^T (+ bias): each part's kernel call writes its own columns. */
+static int linear(const kernels_t *kern, const linear_t *l, const float *x, int64_t T, float *y, int64_t ldy,
+                  int threads) {
+    int64_t col = 0;
+    for (int64_t p = 0; p < l->num_parts; p++) {
+        const part_t *part = &l->parts[p];
+        const int status = kern->quant_linear(x, T, l->k, l->k, part->panels, (int)part->qtype, part->n, part->bias,
+                                              y + col, ldy, threads);
+        if (status) return status;
+        col += part->n;
+    }
+    return 0;
+}
+
 /* Returns 0; else the failing kernel's status plus an offset naming it: 100 the linear layer, 200 the K/V
  * write, 300 the attention. */
 int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, const buffers_t *b) {
@@ -92,8 +114,7 @@ int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, co
         const layer_t *L = &m->layers[i];
         float *k_plane = s->kv + i * 2 * plane, *v_plane = k_plane + plane;
         kern->rms_norm(b->hidden, H, i ? b->residual : NULL, H, L->input_norm, m->eps, b->normed, H, T, H, threads);
-        if ((status = kern->quant_linear(b->normed, T, H, H, L->qkv.panels, (int)L->qkv.qtype, qkv_size, L->qkv.bias,
-                                         b->qkv, qkv_size, threads)))
+        if ((status = linear(kern, &L->qkv, b->normed, T, b->qkv, qkv_size, threads)))
             return 100 - status;
         float *q = b->qkv, *k = b->qkv + q_size, *v = k + kv_size;
         if (L->q_norm) {  /* in place: the modules' new tensors hold the same values */
@@ -110,16 +131,13 @@ int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, co
                                       m->scale, threads)))
             return 300 - status;
         /* o_proj's output lands in `hidden` (free until the next layer's norm reads it). */
-        if ((status = kern->quant_linear(b->attn, T, q_size, q_size, L->o.panels, (int)L->o.qtype, H, L->o.bias,
-                                         b->hidden, H, threads)))
+        if ((status = linear(kern, &L->o, b->attn, T, b->hidden, H, threads)))
             return 100 - status;
         kern->rms_norm(b->hidden, H, b->residual, H, L->post_norm, m->eps, b->normed, H, T, H, threads);
-        if ((status = kern->quant_linear(b->normed, T, H, H, L->gate_up.panels, (int)L->gate_up.qtype, 2 * I,
-                                         L->gate_up.bias, b->gate_up, 2 * I, threads)))
+        if ((status = linear(kern, &L->gate_up, b->normed, T, b->gate_up, 2 * I, threads)))
             return 100 - status;
         kern->silu_mul(b->gate_up, 2 * I, b->act, I, T, I, threads);
-        if ((status = kern->quant_linear(b->act, T, I, I, L->down.panels, (int)L->down.qtype, H, L->down.bias,
-                                         b->hidden, H, threads)))
+        if ((status = linear(kern, &L->down, b->act, T, b->hidden, H, threads)))
             return 100 - status;
     }
     kern->rms_norm(b->hidden, H, b->residual, H, m->final_norm, m->eps, b->normed, H, T, H, threads);

@@ -3,7 +3,8 @@
 At a decode step of a few sequences, the Python and torch dispatch between the CPU kernels (twelve calls a
 layer) costs about a third of the step. The driver makes the same kernel calls on the same values in C, so
 its outputs are the modules' bits. It takes the models those kernels cover: Llama / Qwen2 / Qwen3 layers whose
-projections all run on the GGUF-block kernel (`QuantLinear`: GGUF blocks or fp32 panels), fp32, one rank, on
+projections all run on the GGUF-block kernel (`QuantLinear`: GGUF blocks or plain panels; `ConcatQuantLinear`:
+parts of different types), fp32, one rank, on
 the `cpu` attention backend; the modules
 (`CausalLM.forward`) run every other model, and remain the definition of the forward pass.
 """
@@ -19,7 +20,7 @@ from pagedserve.kernels import cpu
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.kernels.native import decoder_library, layer_ops_library, paged_attention_library, quant_linear_library
 from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.models.quant_linear import KERNEL_TYPE, QuantLinear
+from pagedserve.workers.models.quant_linear import KERNEL_TYPE, ConcatQuantLinear, QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,15 @@ class _Kernels(ctypes.Structure):
                                           "rms_norm_heads")]
 
 
+_MAX_PARTS = 3  # decoder.c's MAX_PARTS: q, k and v each of its own type at most
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("panels", _ptr), ("bias", _ptr), ("qtype", _i64), ("n", _i64)]
+
+
 class _Linear(ctypes.Structure):
-    _fields_ = [("panels", _ptr), ("bias", _ptr), ("qtype", _i64), ("n", _i64), ("k", _i64)]
+    _fields_ = [("parts", _Part * _MAX_PARTS), ("num_parts", _i64), ("k", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -82,8 +90,10 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return "an attention shape the kernel does not take"
     for layer in model.model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(isinstance(p, QuantLinear) for p in projections):
+        if not all(isinstance(p, QuantLinear | ConcatQuantLinear) for p in projections):
             return "a projection the GGUF-block kernel does not run"
+        if any(isinstance(p, ConcatQuantLinear) and len(p.parts) > _MAX_PARTS for p in projections):
+            return f"a projection in more than {_MAX_PARTS} parts"
     norms = [model.model.norm.weight] + [norm.weight for layer in model.model.layers for norm in _norms(layer)]
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return "norm weights that are not contiguous fp32"
@@ -99,9 +109,12 @@ def _optional_ptr(norm) -> int | None:
     return None if norm is None else norm.weight.data_ptr()
 
 
-def _linear(p: QuantLinear) -> _Linear:
-    return _Linear(p.panels.data_ptr(), None if p.bias is None else p.bias.data_ptr(), KERNEL_TYPE[p.qtype],
-                   p.out_features, p.in_features)
+def _linear(p: QuantLinear | ConcatQuantLinear) -> _Linear:
+    columns = p.columns() if isinstance(p, ConcatQuantLinear) else [(p, 0)]
+    bias = None if p.bias is None else p.bias.data_ptr()
+    parts = [_Part(part.panels.data_ptr(), None if bias is None else bias + 4 * start, KERNEL_TYPE[part.qtype],
+                   part.out_features) for part, start in columns]
+    return _Linear((_Part * _MAX_PARTS)(*parts), len(parts), p.in_features)
 
 
 class NativeForward:

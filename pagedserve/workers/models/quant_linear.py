@@ -14,6 +14,7 @@ has one, so no fp32 copy of it is held.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -190,23 +191,19 @@ class QuantLinear(nn.Module):
         return self._matmul(x, None)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype != torch.float32 or not x.is_cpu:
-            raise ValueError(f"QuantLinear takes fp32 CPU inputs, got {x.dtype} on {x.device}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"QuantLinear takes inputs of {self.in_features} features, got {tuple(x.shape)}")
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        m = x2.shape[0]
-        y = torch.empty(m, self.out_features)  # [M, N]
-        if m:
-            status = self._kernel(x2.data_ptr(), m, self.in_features, x2.stride(0), self.panels.data_ptr(),
-                                  KERNEL_TYPE[self.qtype], self.out_features,
-                                  None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
-                                  torch.get_num_threads())
+        x2 = _input_rows(x, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features)  # [M, N]
+        self.write(x2, y.data_ptr(), self.out_features, None if bias is None else bias.data_ptr())
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def write(self, x2: torch.Tensor, y: int, ldy: int, bias: int | None) -> None:
+        """`x2 @ W.T (+ bias)` into the fp32 rows at address `y`, `ldy` floats apart (a part's columns of a wider
+        output); x2 [M, in_features] as `_input_rows` gives it."""
+        if x2.shape[0]:
+            status = self._kernel(x2.data_ptr(), x2.shape[0], self.in_features, x2.stride(0), self.panels.data_ptr(),
+                                  KERNEL_TYPE[self.qtype], self.out_features, bias, y, ldy, torch.get_num_threads())
             if status:
                 raise RuntimeError(f"quant_linear failed with status {status}")
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, as the fp32 weights the layer multiplies by: [*ids.shape, in_features]. So an
@@ -227,6 +224,53 @@ class QuantLinear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
+def _input_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """fp32 CPU `x` [..., in_features] as the kernel reads it: rows [M, in_features] of unit stride."""
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise ValueError(f"QuantLinear takes fp32 CPU inputs, got {x.dtype} on {x.device}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"QuantLinear takes inputs of {in_features} features, got {tuple(x.shape)}")
+    x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+class ConcatQuantLinear(nn.Module):
+    """`x @ W.T + bias` where W's rows are QuantLinears of different types side by side: a fused q/k/v or gate/up
+    projection whose parts a GGUF holds in different types (llama-quantize's _M mixes give some layers' v_proj
+    Q6_K beside a Q4_K q and k). Each part's kernel call writes its own columns of the output, so each streams
+    its own blocks, and a column has the bits it has in a layer of its part alone."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise ValueError("the parts of a ConcatQuantLinear take the same inputs and have no bias of their own")
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` without the bias (a row-parallel shard adds it after the all-reduce)."""
+        return self._matmul(x, None)
+
+    def columns(self) -> list[tuple[QuantLinear, int]]:
+        """Each part and the first output column it writes."""
+        starts = [0]
+        for part in self.parts[:-1]:
+            starts.append(starts[-1] + part.out_features)
+        return list(zip(self.parts, starts, strict=True))
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = _input_rows(x, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features)  # [M, N]
+        for part, start in self.columns():
+            part.write(x2, y.data_ptr() + 4 * start, self.out_features,
+                       None if bias is None else bias.data_ptr() + 4 * start)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+
 def plain_type(weight: torch.Tensor) -> str:
     """The narrowest plain type that holds every value of fp32 `weight` exactly: "BF16", "F16" or "F32"."""
     for qtype in ("BF16", "F16"):
@@ -245,9 +289,10 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> set[str]:
     """Swap each linear layer whose weights `blocks_path` holds as GGUF blocks (the converter's sidecar file) for a
     QuantLinear on this rank's shard of them, and have the embedding looked up in blocks too: the tied LM head's,
     or an untied table's own. Returns the checkpoint tensors now held as blocks, whose fp32 copies the model no
-    longer has a place for. A layer whose parts differ in type, or whose shard does not fall on block boundaries,
-    keeps its fp32 weights. Runs on a loaded model or on one whose parameters are not made yet (on the meta
-    device: `build_model`'s `held_by`), which never holds those fp32 copies at all."""
+    longer has a place for. A fused layer whose parts differ in type runs each on its own blocks
+    (ConcatQuantLinear); one whose shard does not fall on block boundaries keeps its fp32 weights. Runs on a
+    loaded model or on one whose parameters are not made yet (on the meta device: `build_model`'s `held_by`),
+    which never holds those fp32 copies at all."""
     from safetensors import safe_open
 
     config, tp = model.config, model.tp
@@ -272,22 +317,27 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> set[str]:
             return rows[:, start // values * bb: (start + length) // values * bb].contiguous()
 
         for owner, attr, parts in _linear_sources(model):
-            if not all(p in names for p in parts) or len({types.get(p) for p in parts}) != 1:
-                continue
-            qtype = types[parts[0]]
-            if qtype not in BLOCKS:
+            if not all(p in names and types[p] in BLOCKS for p in parts):
                 continue
             shards = [shard_rows(p) for p in parts]
             if any(s is None for s in shards):
                 continue
             old = getattr(owner, attr, None)
             in_features = config.hidden_size if old is None else old.in_features
-            rows = torch.cat(shards)
             out_features = tp.vocab_shard if old is None else old.out_features
-            if rows.shape[0] != out_features:
-                raise ValueError(f"{blocks_path}: {', '.join(parts)} hold {rows.shape[0]} rows for this rank, "
-                                 f"the model expects {out_features}")
-            setattr(owner, attr, QuantLinear(rows, qtype, in_features, None if old is None else old.bias))
+            if sum(s.shape[0] for s in shards) != out_features:
+                raise ValueError(f"{blocks_path}: {', '.join(parts)} hold {sum(s.shape[0] for s in shards)} rows "
+                                 f"for this rank, the model expects {out_features}")
+            bias = None if old is None else old.bias
+            # Neighbouring parts of one type in one layer: one kernel call, not a call a part
+            runs = [(qtype, [s for _, s in group]) for qtype, group in
+                    itertools.groupby(zip([types[p] for p in parts], shards, strict=True), key=lambda ts: ts[0])]
+            if len(runs) == 1:
+                layer = QuantLinear(torch.cat(runs[0][1]), runs[0][0], in_features, bias)
+            else:
+                layer = ConcatQuantLinear([QuantLinear(torch.cat(rows), qtype, in_features, None)
+                                           for qtype, rows in runs], bias)
+            setattr(owner, attr, layer)
             held.update(parts)
     embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
     if config.tie_word_embeddings and isinstance(head, QuantLinear):
