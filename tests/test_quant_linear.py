@@ -98,6 +98,13 @@ def test_weights_are_exactly_ggufs_dequantization(qtype, n):
     assert layer.rows(ids[:0]).shape == (0, 7, k)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "F32"])
+def test_panels_repacked_in_chunks_are_those_repacked_at_once(qtype, monkeypatch):
+    rows, _ = _quantized(100, _width(qtype, 64), qtype, seed=2)  # a last chunk of 4 rows: a padded panel
+    monkeypatch.setattr(quant_linear, "_REPACK_ROWS", 32)
+    assert torch.equal(QuantLinear(rows, qtype, _width(qtype, 64), None).panels, quant_linear.repack(rows, qtype))
+
+
 # Rows that all dequantize as they go (no scratch), partial register tiles on the scratch, past one 48-row item
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("m", [1, 4, 5, 6, 7, 16, 50, 97])

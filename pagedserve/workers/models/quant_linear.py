@@ -157,6 +157,24 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.cat([*scales, quants], dim=-1).contiguous()  # [P, nb, panel block bytes]
 
 
+_REPACK_ROWS = 4096  # rows repacked at a time: a multiple of the panels' 16 rows
+
+
+def _repacked_in_chunks(rows: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`repack`, a few thousand rows at a time into the panels' own tensor: the reblocking's temporaries, several
+    times a part's bytes, stay those of a chunk (a 1B model's embedding table held them at 0.6 GB at once)."""
+    if rows.shape[0] <= _REPACK_ROWS:
+        return repack(rows, qtype)
+    first = repack(rows[:_REPACK_ROWS], qtype)  # [P, nb, panel block bytes]
+    per_panel = _REPACK_ROWS // first.shape[0]
+    panels = torch.empty(-(-rows.shape[0] // per_panel), *first.shape[1:], dtype=torch.uint8)
+    panels[: first.shape[0]] = first
+    for start in range(_REPACK_ROWS, rows.shape[0], _REPACK_ROWS):
+        part = repack(rows[start:start + _REPACK_ROWS], qtype)
+        panels[start // per_panel: start // per_panel + part.shape[0]] = part
+    return panels
+
+
 class QuantLinear(nn.Module):
     """`x @ W.T + bias` with W [out_features, in_features] held as GGUF blocks; x is fp32."""
 
@@ -168,7 +186,7 @@ class QuantLinear(nn.Module):
         if in_features % values or rows.shape[1] != in_features // values * block_bytes:
             raise ValueError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {in_features} values")
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
-        self.panels = repack(rows, qtype)
+        self.panels = _repacked_in_chunks(rows, qtype)
         # A parameter, so that the loader fills it where the layer is made before the checkpoint is read
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         lib = quant_linear_library()
