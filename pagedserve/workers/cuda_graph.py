@@ -46,7 +46,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.long, device=dev)  # [bs + 1]: one token a row
         self.context_lens = torch.zeros(max_bs, dtype=torch.long, device=dev)  # [bs]
         self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.long, device=dev)  # [bs, blocks]
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.model.norm.weight.dtype  # the activations' (the embedding may be held in panels, not a tensor)
         self.hidden = torch.zeros(max_bs, model.config.hidden_size, dtype=dtype, device=dev)  # [bs, H]
         self.contexts = {bs: AttentionContext(
             backend=backend, slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
