@@ -229,27 +229,28 @@ def test_embedded_model_layers_hold_the_fp32_weights(embedded_dir, tp_rank):
         assert torch.equal(embed(ids), fp32["model.embed_tokens.weight"][ids])
 
 
-def test_layers_held_as_blocks_are_never_loaded_as_fp32(tmp_path):
+@pytest.mark.parametrize("tp_rank", [None, 1])  # the whole model, and rank 1 of 2
+def test_layers_held_as_blocks_are_never_loaded_as_fp32(tmp_path, tp_rank):
     """Made from the blocks before the checkpoint is read (`build_model`'s `held_by`), the layers a GGUF holds as
     blocks never have fp32 weights: a checkpoint without those tensors loads, with the same weights, biases and
-    table as the full one."""
+    table as the full one; a q/k/v projection with a v of another type too, in parts, whole or sharded."""
     import transformers
     from safetensors.torch import save_file
 
-    transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                              ).save_pretrained(tmp_path / "full")
     config = ModelConfig.from_file(tmp_path / "full" / "config.json")
     assert config.qkv_bias  # biases of layers held as blocks still come from the checkpoint
     rng = np.random.default_rng(0)
-    state, blocks = {}, {}
+    state, blocks, types = {}, {}, {}
     for name, shape in hf_tensor_shapes(config).items():
         values = rng.standard_normal(shape).astype(np.float32)
         if len(shape) == 2:
-            blocks[name] = gguf_quantize(values, GGMLQuantizationType.Q8_0)
-            values = gguf_dequantize(blocks[name], GGMLQuantizationType.Q8_0)
+            types[name] = "Q4_0" if name.endswith("v_proj.weight") else "Q8_0"
+            blocks[name] = gguf_quantize(values, GGMLQuantizationType[types[name]])
+            values = gguf_dequantize(blocks[name], GGMLQuantizationType[types[name]])
         state[name] = torch.from_numpy(values)
-    types = {name: "Q8_0" for name in blocks}
     (tmp_path / "lean").mkdir()
     (tmp_path / "lean" / "config.json").write_bytes((tmp_path / "full" / "config.json").read_bytes())
     for d, tensors in (("full", state), ("lean", {n: t for n, t in state.items() if n not in blocks})):
@@ -258,27 +259,32 @@ def test_layers_held_as_blocks_are_never_loaded_as_fp32(tmp_path):
                   metadata=types)
 
     def build(d, held_by=None):
+        tp = None if tp_rank is None else TPLayout.make(config, tp_rank, 2)
         return build_model(resolve_model(str(tmp_path / d)), config, torch.float32, torch.device("cpu"), 64,
-                           held_by=held_by)
+                           held_by=held_by, tp=tp)
 
     full = build("full")
     with pytest.raises(ValueError, match="lacks weights for: model.embed_tokens.weight"):
         build("lean")
-    ids = torch.tensor([0, 255, 7])
+    ids = torch.tensor([0, full.tp.vocab_shard - 1, 7])
     for d in ("lean", "full"):  # the full checkpoint's fp32 copies of those layers are passed over
         held = build(d, functools.partial(load_gguf_linears, blocks_path=tmp_path / d / GGUF_BLOCKS_NAME))
-        assert held.model.embed_tokens.weight is None
-        assert torch.equal(held.model.embed_tokens(ids), full.model.embed_tokens(ids))
-        layers = {n: m for n, m in held.named_modules() if isinstance(m, QuantLinear)}
-        assert len(layers) == 4 * 2 + 2  # the table's, the head's, four in each layer
+        embed = held.model.embed_tokens
+        assert embed.weight is None and torch.equal(embed.table.rows(ids), full.model.embed_tokens.weight[ids])
+        layers = {n: m for n, m in held.named_modules() if isinstance(m, QuantLinear | quant_linear.ConcatQuantLinear)
+                  and not n.startswith(("model.embed_tokens.table", "lm_head")) and ".parts." not in n}
+        assert len(layers) == 4 * 2  # four in each layer
         for name, module in layers.items():
-            if name != "model.embed_tokens.table":
-                plain = full.get_submodule(name)
-                assert torch.equal(dequantize(module), plain.weight), name
-                assert (module.bias is None) == (plain.bias is None), name
-                assert plain.bias is None or torch.equal(module.bias, plain.bias), name
+            plain = full.get_submodule(name)
+            assert torch.equal(dequantize(module), plain.weight), name
+            assert (module.bias is None) == (plain.bias is None), name
+            assert plain.bias is None or torch.equal(module.bias, plain.bias), name
         attn = held.model.layers[1].self_attn.qkv_proj
+        assert [p.qtype for p in attn.parts] == ["Q8_0", "Q4_0"]  # q and k in one part, v in its own
         assert attn.bias is not None and attn.bias.abs().sum() > 0
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(attn(x), x @ full.get_submodule("model.layers.1.self_attn.qkv_proj").weight.T
+                                   + attn.bias, atol=1e-4, rtol=1e-5)
 
 
 def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: list[str], max_tokens: int,

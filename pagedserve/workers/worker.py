@@ -192,8 +192,8 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBa
 
 def _return_freed_heap() -> None:
     """Give the heap's free pages back to the system. Loading frees about a model's worth of temporaries (fp32
-    weights replaced by blocks or panels, slices read and repacked), and glibc keeps them: a 1B Q4_K_M model's
-    process stayed 0.9 GB larger than it needed."""
+    weights replaced by blocks or panels, slices read and repacked), and glibc keeps them: a 1B-shaped Q4_K_M
+    model's process stayed about 0.9 GB larger than it needed."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to ask
