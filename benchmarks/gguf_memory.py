@@ -82,6 +82,7 @@ def make_gguf(out: Path, layers: int, hidden: int, intermediate: int, heads: int
     import gguf
     import torch
     from cpu_ops import random_k_blocks
+    from throughput import gguf_writer_like
 
     from pagedserve.workers.gguf import embedded_model_gguf
 
@@ -90,14 +91,7 @@ def make_gguf(out: Path, layers: int, hidden: int, intermediate: int, heads: int
     shape = {f"{arch}.block_count": layers, f"{arch}.embedding_length": hidden,
              f"{arch}.feed_forward_length": intermediate, f"{arch}.attention.head_count": heads,
              f"{arch}.attention.head_count_kv": kv_heads, f"{arch}.rope.dimension_count": hidden // heads}
-    writer = gguf.GGUFWriter(str(out), arch=arch)
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue  # written by the writer itself
-        kind = field.types[0]
-        value = shape.get(field.name, field.contents())
-        writer.add_key_value(field.name, value, kind,
-                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    writer = gguf_writer_like(reader, out, shape)
     gen = torch.Generator().manual_seed(0)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     kv = hidden // heads * kv_heads

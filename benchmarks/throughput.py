@@ -106,19 +106,28 @@ def quantized_gguf(src: Path, ftype: str) -> Path:
     return out
 
 
+def gguf_writer_like(reader, out: Path, fields: dict | None = None):
+    """A GGUFWriter to `out` holding every field of the file `reader` reads (the values in `fields` instead of
+    theirs), ready for its tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out), arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        writer.add_key_value(field.name, (fields or {}).get(field.name, field.contents()), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    return writer
+
+
 def rewritten_gguf(src: Path, out: Path, retype, added: dict | None = None) -> Path:
     """GGUF `src` written to `out` with every field as it is and each tensor as `retype(tensor)` gives it (its
     data and GGML type), or as it is where that is None; then the tensors `added` (name: (data, GGML type))."""
     import gguf
 
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(str(out), arch=reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue  # written by the writer itself
-        kind = field.types[0]
-        writer.add_key_value(field.name, field.contents(), kind,
-                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    writer = gguf_writer_like(reader, out)
     for tensor in reader.tensors:
         data, kind = retype(tensor) or (tensor.data, tensor.tensor_type)
         writer.add_tensor(tensor.name, data, raw_dtype=kind)
