@@ -61,6 +61,7 @@ def quant_linear_library() -> ctypes.CDLL | None:
         "quant_linear_supported": ([], ctypes.c_int),
         "quant_linear_panel_rows": ([], ctypes.c_int),
         "quant_linear_panel_block_bytes": ([ctypes.c_int], _i64),
+        "quant_linear_panel_bytes": ([ctypes.c_int, _i64], _i64),
         "quant_linear": ([_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, _i64, ctypes.c_int],
                          ctypes.c_int),
         "quant_linear_rows": ([_ptr, ctypes.c_int, _i64, _i64, _ptr, _i64, _ptr], ctypes.c_int)})

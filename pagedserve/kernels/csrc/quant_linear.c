@@ -1,9 +1,11 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, K-types) and
- * dequantized in the kernel: decode steps stream 4.5 to 10 bits per weight instead of fp32's 32. Q4_K's
- * 256-value super-blocks come as 32-value ones, each with its own fp32 scale and min (its super-block's fp16
- * d and dmin times the sub-block's 6-bit scale and min, exact products): 6 bits per weight. Q6_K's come as
- * 32-value blocks of int8 quants (q - 32) with the fp32 scales of their two 16-value halves: 10 bits. Q5_K's
- * as Q4_K's, with the 5-bit quants a byte each: 10 bits. (Q5_0 comes as Q8_0: its quants less 16, a byte each.)
+ * dequantized in the kernel: decode steps stream 4.5 to 8.6 bits per weight instead of fp32's 32. Q4_K's
+ * 256-value super-blocks come as 32-value ones, each with its sub-block's 6-bit scale and min as bytes, and the
+ * super-block's fp16 d and dmin in a header region after the panel's blocks; a block's fp32 scale and min are
+ * formed in registers (d * scale, -(dmin * min): exact products): 4.6 bits per weight. Q6_K's come as 32-value
+ * blocks of int8 quants (q - 32) with the int8 scales of their two 16-value halves and the fp16 d in the header:
+ * 8.6 bits. Q5_K's as Q4_K's, with the 5-bit quants a byte each: 8.6 bits. (Q5_0 comes as Q8_0: its quants less
+ * 16, a byte each.)
  * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
@@ -20,8 +22,9 @@
  * every rounding where it is written.
  *
  * Weights are repacked once at load time (workers/models/quant_linear.py) into panels of 16 output rows:
- * per panel and 32-wide K block, the 16 rows' fp16 scales (and mins), then for each of the 32 k the 16
- * rows' quants side by side (4-bit: byte j holds row j in its low nibble and row j + 8 in its high one).
+ * per panel and 32-wide K block, the 16 rows' fp16 scales (and mins; the K-types' 8-bit ones), then for each of
+ * the 32 k the 16 rows' quants side by side (4-bit: byte j holds row j in its low nibble and row j + 8 in its high
+ * one); after a K-type panel's blocks, per 256-value super-block, the 16 rows' fp16 d (and dmin).
  * The first rows of x (up to 4) run against a panel straight from its blocks, converting each k's 16 quants
  * in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run against
  * that scratch in tiles of 6 rows x 16 columns (the classic AVX2 GEMM tile). So each quant is converted once
@@ -48,7 +51,9 @@
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7, Q5_K = 8 };
 #define PLAIN(qtype) ((qtype) == F32 || (qtype) == BF16 || (qtype) == F16)
 #define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K)  /* w = d q + m: x's block sums */
-#define FP32_SCALES(qtype) ((qtype) == Q4_K || (qtype) == Q5_K)  /* per block: the rows' fp32 d, then their m */
+/* The K-types: per block, the 16 rows' 8-bit sub-block scales (Q4_K, Q5_K: then their mins; Q6_K: one for each
+ * 16-value half), their super-block's fp16 d (and dmin) in the panel's header region, one per 256 values. */
+#define K_TYPE(qtype) ((qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q6_K)
 
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
@@ -68,9 +73,9 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q4_0: return 2 * NR + QK * NR / 2;
     case Q4_1: return 4 * NR + QK * NR / 2;
     case Q8_0: return 2 * NR + QK * NR;
-    case Q4_K: return 8 * NR + QK * NR / 2;  /* the 16 rows' fp32 d, their fp32 m, then Q4_1's quants */
-    case Q6_K: return 8 * NR + QK * NR;  /* the 16 rows' fp32 d of each half, then Q8_0's quants */
-    case Q5_K: return 8 * NR + QK * NR;  /* the 16 rows' fp32 d, their fp32 m, then the quants a byte each */
+    case Q4_K: return 2 * NR + QK * NR / 2;  /* the 16 rows' 6-bit scales, their mins, then Q4_1's quants */
+    case Q6_K: return 2 * NR + QK * NR;  /* the 16 rows' int8 scales of each half, then Q8_0's quants */
+    case Q5_K: return 2 * NR + QK * NR;  /* the 16 rows' 6-bit scales, their mins, then the quants a byte each */
     case F32: return QK * NR * (int64_t)sizeof(float);
     case BF16:
     case F16: return QK * NR * 2;
@@ -78,10 +83,23 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     }
 }
 
+/* Bytes of a panel's header for one 256-value super-block of a K-type: the 16 rows' fp16 d (then their dmin), after
+ * all of the panel's blocks; 0 for the other types. */
+int64_t quant_linear_panel_header_bytes(int qtype) {
+    return qtype == Q6_K ? 2 * NR : K_TYPE(qtype) ? 4 * NR : 0;
+}
+
+/* Bytes of one panel of K inputs: its blocks, then (K-types) its super-blocks' headers. */
+int64_t quant_linear_panel_bytes(int qtype, int64_t K) {
+    return K / QK * quant_linear_panel_block_bytes(qtype) + K / 256 * quant_linear_panel_header_bytes(qtype);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 int quant_linear_supported(void) { return 1; }
+
+static inline float half_at(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
 static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
@@ -134,20 +152,30 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
     a##i = _mm512_fmadd_ps(d0, s##i, a##i);                                            \
     if (sx) a##i = _mm512_fmadd_ps(m0, _mm512_set1_ps(sx[(i) * nb + b]), a##i);
 #define ACC_STORE(i) _mm512_storeu_ps(out + (i) * NR, a##i);
-/* A block's 16 scales and mins (rows 0-15): fp16 in GGUF's own types, fp32 in the K-types' (Q6_K's of its second
- * half; `halves16`: of its first), 1 and 0 for plain ones. */
-static inline __m512 scales16(const uint8_t *p, int qtype) {
-    return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : FP32_SCALES(qtype) ? _mm512_loadu_ps((const float *)p)
-         : qtype == Q6_K ? _mm512_loadu_ps((const float *)(p + 4 * NR)) : half16(p);
+/* 16 bytes as floats: unsigned, or (`sign`) int8 */
+static inline __m512 bytes16(const uint8_t *p, int sign) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
-static inline __m512 halves16(const uint8_t *p, int qtype) {
-    return qtype == Q6_K ? _mm512_loadu_ps((const float *)p) : _mm512_setzero_ps();
+static inline __m512 neg16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000)));
 }
-static inline __m512 mins16(const uint8_t *p, int qtype) {
+/* A block's 16 scales and mins (rows 0-15): fp16 in GGUF's own types; in the K-types' the exact fp32 products of the
+ * super-block's d (at hd) and the block's 8-bit scale (Q6_K's of its second half; `halves16`: of its first), and
+ * -(dmin * the 6-bit min); 1 and 0 for plain ones. */
+static inline __m512 scales16(const uint8_t *p, const uint8_t *hd, int qtype) {
+    return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : K_TYPE(qtype)
+         ? _mm512_mul_ps(half16(hd), bytes16(p + (qtype == Q6_K ? NR : 0), qtype == Q6_K)) : half16(p);
+}
+static inline __m512 halves16(const uint8_t *p, const uint8_t *hd, int qtype) {
+    return qtype == Q6_K ? _mm512_mul_ps(half16(hd), bytes16(p, 1)) : _mm512_setzero_ps();
+}
+static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return qtype == Q4_1 ? half16(p + 2 * NR)
-         : FP32_SCALES(qtype) ? _mm512_loadu_ps((const float *)(p + 4 * NR)) : _mm512_setzero_ps();
+         : qtype == Q4_K || qtype == Q5_K ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), bytes16(p + NR, 0)))
+         : _mm512_setzero_ps();
 }
-#define SCALES const __m512 d0 = scales16(p, qtype), m0 = mins16(p, qtype), e0 = halves16(p, qtype);
+#define SCALES const __m512 d0 = scales16(p, hd, qtype), m0 = mins16(p, hd, qtype), e0 = halves16(p, hd, qtype);
 #define HALF_END(i) a##i = _mm512_fmadd_ps(e0, s##i, a##i); s##i = _mm512_setzero_ps();
 /* A k's 16 quants as floats (rows 0-15 in order: Q8_0's bytes; Q4's low nibbles, rows 0-7, then high). */
 #define NIBBLES(k) \
@@ -187,23 +215,30 @@ static inline __m512 mins16(const uint8_t *p, int qtype) {
         a##i##1 = _mm256_fmadd_ps(m1, xs, a##i##1);                                    \
     }
 #define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
-/* Rows 8 h to 8 h + 7 of a block's scales and mins: fp16 in GGUF's own types, fp32 in the K-types' (Q6_K's of its
- * second half; `halves8`: of its first), 1 and 0 for plain ones. */
-static inline __m256 scales8(const uint8_t *p, int qtype, int h) {
-    return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : FP32_SCALES(qtype) ? _mm256_loadu_ps((const float *)p + 8 * h)
-         : qtype == Q6_K ? _mm256_loadu_ps((const float *)(p + 4 * NR) + 8 * h) : half8(p + 16 * h);
+/* 8 bytes as floats: unsigned, or (`sign`) int8 */
+static inline __m256 bytes8(const uint8_t *p, int sign) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
 }
-static inline __m256 halves8(const uint8_t *p, int qtype, int h) {
-    return qtype == Q6_K ? _mm256_loadu_ps((const float *)p + 8 * h) : _mm256_setzero_ps();
+static inline __m256 neg8(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+/* Rows 8 h to 8 h + 7 of a block's scales and mins, as `scales16` and the others form them. */
+static inline __m256 scales8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
+    return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : K_TYPE(qtype)
+         ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + (qtype == Q6_K ? NR : 0) + 8 * h, qtype == Q6_K))
+         : half8(p + 16 * h);
 }
-static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
+static inline __m256 halves8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
+    return qtype == Q6_K ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + 8 * h, 1)) : _mm256_setzero_ps();
+}
+static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
     return qtype == Q4_1 ? half8(p + 2 * NR + 16 * h)
-         : FP32_SCALES(qtype) ? _mm256_loadu_ps((const float *)(p + 4 * NR) + 8 * h) : _mm256_setzero_ps();
+         : qtype == Q4_K || qtype == Q5_K ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h), bytes8(p + NR + 8 * h, 0)))
+         : _mm256_setzero_ps();
 }
 #define SCALES                                                                         \
-    const __m256 d0 = scales8(p, qtype, 0), d1 = scales8(p, qtype, 1);                 \
-    const __m256 m0 = mins8(p, qtype, 0), m1 = mins8(p, qtype, 1);                     \
-    const __m256 e0 = halves8(p, qtype, 0), e1 = halves8(p, qtype, 1);
+    const __m256 d0 = scales8(p, hd, qtype, 0), d1 = scales8(p, hd, qtype, 1);         \
+    const __m256 m0 = mins8(p, hd, qtype, 0), m1 = mins8(p, hd, qtype, 1);             \
+    const __m256 e0 = halves8(p, hd, qtype, 0), e1 = halves8(p, hd, qtype, 1);
 #define HALF_END(i)                                                                    \
     a##i##0 = _mm256_fmadd_ps(e0, s##i##0, a##i##0);                                   \
     a##i##1 = _mm256_fmadd_ps(e1, s##i##1, a##i##1);                                   \
@@ -242,6 +277,9 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
 #define LOAD_QUANTS(k) const __m256 q0 = _mm256_loadu_ps(wt + (k) * NR), q1 = _mm256_loadu_ps(wt + (k) * NR + 8);
 #endif
 
+/* The header of block b's super-block (K-types; unread by the others) */
+#define HEADER const uint8_t *const hd = headers + b / 8 * hbytes;
+
 /* out[0:n][0:16] = x[0:n, :] @ W^T for the first rows of x against a panel still in its blocks (at p): each k's
  * 16 quants are converted in registers, used at once, and stored to wt (K x 16 floats) for the rows that
  * follow, when there are any (one pass over the blocks instead of two). sx: the rows' block sums (`HAS_MIN`). */
@@ -261,20 +299,23 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
     static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, \
                                const float *sx, float *wt, float *out) { \
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
+        const uint8_t *const headers = p + nb * bytes; /* the K-types' super-block d and dmin */ \
+        const int64_t hbytes = quant_linear_panel_header_bytes(qtype); \
         const __m128i low4 = _mm_set1_epi8(0x0F); \
         ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
             prefetch_ahead(p, bytes); \
+            HEADER \
             SCALES \
             ROWS_##n(SUM_INIT) \
             if (qtype == Q8_0 || qtype == Q6_K) { \
-                const uint8_t *q = p + (qtype == Q6_K ? 8 : 2) * NR; \
+                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q5_K) { \
-                const uint8_t *q = p + 8 * NR; \
+                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_U8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (HAS_MIN(qtype)) { \
-                const uint8_t *q = p + (qtype == Q4_K ? 8 : 4) * NR; \
+                const uint8_t *q = p + (qtype == Q4_K ? 2 : 4) * NR; \
                 BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == F32) { \
                 const uint8_t *q = p; \
@@ -299,9 +340,12 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
     static void tile_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, const float *sx, \
                          const float *wt, int stream, float *out) { \
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
+        const uint8_t *const headers = p + nb * bytes; \
+        const int64_t hbytes = quant_linear_panel_header_bytes(qtype); \
         ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
             if (stream) prefetch_ahead(p, bytes); /* wt is this panel, read from memory */ \
+            HEADER \
             SCALES \
             ROWS_##n(SUM_INIT) \
             for (int kk = 0; kk < QK / 2; kk++) { \
@@ -351,12 +395,15 @@ static inline __m256 mins8(const uint8_t *p, int qtype, int h) {
     static void tile_pair_##n(const float *x, int64_t ldx, const uint8_t *p, const uint8_t *p2, int qtype, int64_t K, \
                               const float *sx, const float *wt, const float *wt2, int stream, float *out) { \
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
+        const uint8_t *const headers = p + nb * bytes, *const headers2 = p2 + nb * bytes; \
+        const int64_t hbytes = quant_linear_panel_header_bytes(qtype); \
         ROWS_##n(ACC2_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes, p2 += bytes) { \
             if (stream) { prefetch_ahead(p, bytes); prefetch_ahead(p2, bytes); } \
-            const __m512 d0 = scales16(p, qtype), d1 = scales16(p2, qtype); \
-            const __m512 m0 = mins16(p, qtype), m1 = mins16(p2, qtype); \
-            const __m512 e0 = halves16(p, qtype), e1 = halves16(p2, qtype); \
+            const uint8_t *const hd = headers + b / 8 * hbytes, *const hd2 = headers2 + b / 8 * hbytes; \
+            const __m512 d0 = scales16(p, hd, qtype), d1 = scales16(p2, hd2, qtype); \
+            const __m512 m0 = mins16(p, hd, qtype), m1 = mins16(p2, hd2, qtype); \
+            const __m512 e0 = halves16(p, hd, qtype), e1 = halves16(p2, hd2, qtype); \
             ROWS_##n(SUM2_INIT) \
             for (int kk = 0; kk < QK / 2; kk++) { \
                 const int64_t k = b * QK + kk; \
@@ -413,7 +460,8 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     if (K % QK) return -1;
     const int64_t block_bytes = quant_linear_panel_block_bytes(qtype);
     if (!block_bytes) return -2;
-    const int64_t panel_bytes = K / QK * block_bytes;
+    if (K_TYPE(qtype) && K % 256) return -1;
+    const int64_t panel_bytes = quant_linear_panel_bytes(qtype, K);
     const int64_t n_panels = (N + NR - 1) / NR;
     /* A work item is a group of panels, dequantized once and run against every row of x, 48 rows at a time:
      * each weight is dequantized once per call, and each 48-row block of x is reused across the group
@@ -513,12 +561,12 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     return failed ? -3 : 0;
 }
 
-static inline float half_at(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 static inline float float_at(const uint8_t *p) { float f; memcpy(&f, p, sizeof f); return f; }
 
-/* Row r's weight k (of 32) in the (panel, K block) at p: the fp32 weight the products above are taken with, as
- * gguf's dequantization forms it (d * q, or d * q + m; d * q is exact, so there is one rounding at most). */
-static inline float weight_at(const uint8_t *p, int qtype, int r, int k) {
+/* Row r's weight k (of 32) in the (panel, K block) at p (hd: its super-block's header, K-types): the fp32 weight
+ * the products above are taken with, as gguf's dequantization forms it (d * q, or d * q + m; d * q is exact, and so
+ * is a K-type's d * sc, so there is one rounding at most). */
+static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, int r, int k) {
     const int nibble = r < NR / 2 ? 0 : 4;
     switch (qtype) {
     case Q4_0: return half_at(p + 2 * r) * (float)(((p[2 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15) - 8);
@@ -527,10 +575,13 @@ static inline float weight_at(const uint8_t *p, int qtype, int r, int k) {
              + half_at(p + 2 * NR + 2 * r);
     case Q8_0: return half_at(p + 2 * r) * (float)(int8_t)p[2 * NR + NR * k + r];
     case Q4_K:
-        return float_at(p + 4 * r) * (float)((p[8 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15)
-             + float_at(p + 4 * NR + 4 * r);
-    case Q5_K: return float_at(p + 4 * r) * (float)p[8 * NR + NR * k + r] + float_at(p + 4 * NR + 4 * r);
-    case Q6_K: return float_at(p + (k < QK / 2 ? 0 : 4 * NR) + 4 * r) * (float)(int8_t)p[8 * NR + NR * k + r];
+        return half_at(hd + 2 * r) * (float)p[r] * (float)((p[2 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15)
+             + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
+    case Q5_K:
+        return half_at(hd + 2 * r) * (float)p[r] * (float)p[2 * NR + NR * k + r]
+             + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
+    case Q6_K:
+        return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r] * (float)(int8_t)p[2 * NR + NR * k + r];
     case F32: return float_at(p + 4 * (NR * k + r));
     case BF16: {
         const uint32_t bits = (uint32_t)(p[2 * (NR * k + r)] | (p[2 * (NR * k + r) + 1] << 8)) << 16;
@@ -543,20 +594,20 @@ static inline float weight_at(const uint8_t *p, int qtype, int r, int k) {
 }
 
 /* out [n, K] = rows ids[0 .. n) of W [N, K] from its panels w: an embedding table looked up where it is held,
- * the same floats as the fp32 table. Returns 0, -1 when K is not a multiple of 32, -2 for an unknown type, -4
- * when an id is outside [0, N). */
+ * the same floats as the fp32 table. Returns 0, -1 when K is not a multiple of 32 (of 256 for the K-types), -2 for
+ * an unknown type, -4 when an id is outside [0, N). */
 int quant_linear_rows(const uint8_t *w, int qtype, int64_t N, int64_t K, const int64_t *ids, int64_t n, float *out) {
-    if (K % QK) return -1;
+    if (K % QK || (K_TYPE(qtype) && K % 256)) return -1;
     const int64_t block_bytes = quant_linear_panel_block_bytes(qtype);
     if (!block_bytes) return -2;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -4;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, hbytes = quant_linear_panel_header_bytes(qtype);
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *p = w + ids[i] / NR * nb * block_bytes;
+        const uint8_t *p = w + ids[i] / NR * quant_linear_panel_bytes(qtype, K), *headers = p + nb * block_bytes;
         const int r = (int)(ids[i] % NR);
         for (int64_t b = 0; b < nb; b++, p += block_bytes)
-            for (int k = 0; k < QK; k++) out[i * K + b * QK + k] = weight_at(p, qtype, r, k);
+            for (int k = 0; k < QK; k++) out[i * K + b * QK + k] = weight_at(p, headers + b / 8 * hbytes, qtype, r, k);
     }
     return 0;
 }

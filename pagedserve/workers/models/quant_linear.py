@@ -6,7 +6,7 @@ bf16 or fp16 checkpoint's weights, widened to fp32 on load, are held as the 16-b
 panels): the kernel widens them back to the same floats, so the model computes the same bits from half the bytes.
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
-blocks 4.5 to 10. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
+blocks 4.5 to 8.6. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
 wrote as fp32 (each block's scale factored out of its sum), so it computes the same model. The embedding table
 is looked up in panels too (`QuantLinear.rows`: the same floats as the fp32 table), the tied LM head's where it
 has one, so no fp32 copy of it is held.
@@ -39,10 +39,12 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34)
 KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7, "Q5_K": 8,
                "Q5_0": 2}
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
-# The per-block fields before the quants, in bytes: fp16 d (and m); Q4_K's and Q5_K's fp32 d and m per 32 values,
-# Q6_K's fp32 d of each 16-value half
-_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q4_K": (4, 4), "Q5_K": (4, 4),
-                 "Q6_K": (4, 4)}
+# The per-block fields before the quants, in bytes: fp16 d (and m); Q4_K's and Q5_K's 6-bit scale and min of the
+# 32 values, Q6_K's int8 scales of each 16-value half
+_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q4_K": (1, 1), "Q5_K": (1, 1),
+                 "Q6_K": (1, 1)}
+# The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
+_HEADER_FIELDS = {"Q4_K": (2, 2), "Q5_K": (2, 2), "Q6_K": (2,)}
 _BYTE_QUANTS = ("Q8_0", "Q5_0", "Q5_K", "Q6_K")  # a byte a quant in the panels
 
 
@@ -51,7 +53,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and quant_linear_library() is not None
 
 
-def q5_0_as_q8_0(rows: torch.Tensor) -> torch.Tensor:
+def q5_0_as_q8_0(rows: torch.Tensor) -> tuple[torch.Tensor, None]:
     """Q5_0 rows [N, K / 32 * 22] (uint8) -> Q8_0 blocks [N, K / 32 * 34]: the same fp16 d, the 5-bit quants less
     16 as int8. So w = d * q, as gguf's dequantization computes it."""
     n = rows.shape[0]
@@ -61,54 +63,51 @@ def q5_0_as_q8_0(rows: torch.Tensor) -> torch.Tensor:
     qs = blocks[..., 6:]
     low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]: values 0-15 low nibbles, 16-31 high ones
     values = ((low.to(torch.int32) | (high << 4)) - 16).to(torch.int8)
-    return torch.cat([blocks[..., :2], values.view(torch.uint8)], dim=-1).reshape(n, -1)
+    return torch.cat([blocks[..., :2], values.view(torch.uint8)], dim=-1).reshape(n, -1), None
 
 
 def _k_scales_and_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's and Q5_K's [N, S, bytes] blocks -> each 32 values' fp32 scale d * sc and min -(dmin * m) [N, K / 32,
-    1]: exact products of the fp16 d, dmin and the 6-bit sc, m packed in the block's 12 bytes of scales."""
+    """Q4_K's and Q5_K's [N, S, bytes] blocks -> each 32 values' 6-bit scale and min [N, K / 32, 1] (uint8), unpacked
+    from the block's 12 bytes of scales."""
     n = blocks.shape[0]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
     low6, high6, rest = blocks[..., 4:16].reshape(n, -1, 3, 4).unbind(2)  # [N, S, 4] each
     sc = torch.cat([low6 & 0x3F, (rest & 0x0F) | ((low6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit scales
     mn = torch.cat([high6 & 0x3F, (rest >> 4) | ((high6 >> 2) & 0x30)], dim=-1)  # [N, S, 8] 6-bit mins
-    return (d * sc.float()).reshape(n, -1, 1), (-(dmin * mn.float())).reshape(n, -1, 1)
+    return sc.reshape(n, -1, 1), mn.reshape(n, -1, 1)
 
 
-def q4_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
-    """Q4_K rows [N, K / 256 * 144] (uint8) -> blocks of 32 values [N, K / 32 * 24]: each the fp32 scale d * sc
-    and min -(dmin * m) of its sub-block (exact products of the fp16 d, dmin and 6-bit sc, m), then its 32
-    quants as Q4_1 packs them (value j in byte j's low nibble, j + 16 in its high one). So w = scale * q + min,
-    as gguf's dequantization computes it."""
+def q4_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K rows [N, K / 256 * 144] (uint8) -> blocks of 32 values [N, K / 32 * 18]: each its sub-block's 6-bit
+    scale and min, then its 32 quants as Q4_1 packs them (value j in byte j's low nibble, j + 16 in its high one);
+    and each super-block's fp16 d and dmin [N, K / 256 * 4]. So w = (d * sc) * q - dmin * m, as gguf's
+    dequantization computes it (the kernel forms d * sc and dmin * m, exact products, in registers)."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 144)  # [N, S, 144]: fp16 d, fp16 dmin, 12 bytes of scales, 128 of quants
-    scale, minimum = _k_scales_and_mins(blocks)
+    sc, mn = _k_scales_and_mins(blocks)
     qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 64 values per 32 bytes: low nibbles, then high ones
     values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, -1, QK)  # [N, K / 32, 32]
     packed = values[..., :16] | (values[..., 16:] << 4)  # [N, K / 32, 16]
-    as_bytes = [t.contiguous().view(torch.uint8) for t in (scale, minimum)]  # [N, K / 32, 4] each
-    return torch.cat([*as_bytes, packed], dim=-1).reshape(n, -1)
+    return torch.cat([sc, mn, packed], dim=-1).reshape(n, -1), blocks[..., :4].reshape(n, -1)
 
 
-def q5_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
-    """Q5_K rows [N, K / 256 * 176] (uint8) -> blocks of 32 values [N, K / 32 * 40]: Q4_K's fp32 scale and min,
-    then the 32 5-bit quants a byte each. So w = scale * q + min, as gguf's dequantization computes it."""
+def q5_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_K rows [N, K / 256 * 176] (uint8) -> blocks of 32 values [N, K / 32 * 34]: Q4_K's scale and min, then the
+    32 5-bit quants a byte each; and each super-block's fp16 d and dmin [N, K / 256 * 4]. So w = (d * sc) * q -
+    dmin * m, as gguf's dequantization computes it."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 176)  # [N, S, 176]: as Q4_K's first 16 bytes, 32 of 5th bits, 128 of nibbles
-    scale, minimum = _k_scales_and_mins(blocks)
+    sc, mn = _k_scales_and_mins(blocks)
     qs = blocks[..., 48:].reshape(n, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
     low = (qs & 0x0F).reshape(n, -1, 8, 32)  # [N, S, sub-block, 32]: sub-block 2c the low nibbles, 2c + 1 the high
     high = blocks[..., 16:48].reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
     values = (low | ((high & 1) << 4)).reshape(n, -1, QK)  # [N, K / 32, 32]: sub-block j's 5th bits are bit j
-    as_bytes = [t.contiguous().view(torch.uint8) for t in (scale, minimum)]  # [N, K / 32, 4] each
-    return torch.cat([*as_bytes, values], dim=-1).reshape(n, -1)
+    return torch.cat([sc, mn, values], dim=-1).reshape(n, -1), blocks[..., :4].reshape(n, -1)
 
 
-def q6_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
-    """Q6_K rows [N, K / 256 * 210] (uint8) -> blocks of 32 values [N, K / 32 * 40]: the fp32 scales d * sc of its
-    two 16-value halves (exact products of the fp16 d and 8-bit sc), then its 32 quants less 32, as int8. So
-    w = scale * q, as gguf's dequantization computes it."""
+def q6_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows [N, K / 256 * 210] (uint8) -> blocks of 32 values [N, K / 32 * 34]: the int8 scales of its two
+    16-value halves, then its 32 quants less 32, as int8; and each super-block's fp16 d [N, K / 256 * 2]. So
+    w = (d * sc) * q, as gguf's dequantization computes it."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 210)  # [N, S, 210]: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 sc, fp16 d
     low = blocks[..., :128].reshape(n, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
@@ -116,24 +115,26 @@ def q6_k_as_blocks_of_32(rows: torch.Tensor) -> torch.Tensor:
     high = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
     high = (high & 0x03).reshape(n, -1, 2, 128)
     values = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, -1, QK)  # [N, K / 32, 32]
-    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
-    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
-    scales = (d * sc).reshape(n, -1, 2)  # [N, K / 32, 2]: each 32 values' two halves
-    return torch.cat([scales.contiguous().view(torch.uint8), values.view(torch.uint8)], dim=-1).reshape(n, -1)
+    scales = blocks[..., 192:208].reshape(n, -1, 2)  # [N, K / 32, 2]: each 32 values' two halves, int8
+    return (torch.cat([scales, values.view(torch.uint8)], dim=-1).reshape(n, -1),
+            blocks[..., 208:210].reshape(n, -1))
 
 
-# The types the kernel does not read as they are: their rows as blocks of 32 values it does
+# The types the kernel does not read as they are: their rows as blocks of 32 values it does, and the K-types'
+# super-block headers
 _AS_BLOCKS_OF_32 = {"Q4_K": q4_k_as_blocks_of_32, "Q5_K": q5_k_as_blocks_of_32, "Q6_K": q6_k_as_blocks_of_32,
                     "Q5_0": q5_0_as_q8_0}
 
 
 def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Rows [N, K / values * bytes] (uint8) of `qtype`'s blocks (`BLOCKS`) -> the kernel's panels of 16 rows (see
-    quant_linear.c)."""
+    """Rows [N, K / values * bytes] (uint8) of `qtype`'s blocks (`BLOCKS`) -> the kernel's panels of 16 rows [P,
+    panel bytes] (see quant_linear.c): per 32-value block the 16 rows' scale fields side by side, then their quants;
+    after the blocks, a K-type's super-block headers, the 16 rows' fp16 d (and dmin) side by side."""
     lib = quant_linear_library()
     nr = lib.quant_linear_panel_rows()
+    header = None
     if qtype in _AS_BLOCKS_OF_32:
-        rows = _AS_BLOCKS_OF_32[qtype](rows)
+        rows, header = _AS_BLOCKS_OF_32[qtype](rows)
     n = rows.shape[0]
     bb = lib.quant_linear_panel_block_bytes(KERNEL_TYPE[qtype]) // nr  # a row's bytes of 32 values
     nb = rows.shape[1] // bb
@@ -143,18 +144,33 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     blocks = blocks.view(panels, nr, nb, bb).transpose(1, 2)  # [P, nb, 16 rows, bb]
     if qtype in PLAIN_TYPES:  # [P, nb, 32 k x 16 rows] values, as bytes
         values = blocks.contiguous().view(PLAIN_TYPES[qtype])  # [P, nb, 16 rows, 32 k]
-        return values.transpose(2, 3).contiguous().view(torch.uint8).reshape(panels, nb, bb * nr)
-    scales, start = [], 0  # each field of the 16 rows side by side: their d, then their m
-    for width in _SCALE_FIELDS[qtype]:
-        scales.append(blocks[..., start:start + width].reshape(panels, nb, width * nr))
-        start += width
+        return values.transpose(2, 3).contiguous().view(torch.uint8).reshape(panels, -1)
+    fields = _side_by_side(blocks, _SCALE_FIELDS[qtype])  # each field of the 16 rows side by side: d, then m
+    start = sum(_SCALE_FIELDS[qtype])
     if qtype in _BYTE_QUANTS:
         quants = blocks[..., start:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
     else:
         qs = blocks[..., start:]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
         values = torch.cat([qs & 0xF, qs >> 4], dim=-1).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
         quants = (values[..., : nr // 2] | (values[..., nr // 2:] << 4)).reshape(panels, nb, QK * nr // 2)
-    return torch.cat([*scales, quants], dim=-1).contiguous()  # [P, nb, panel block bytes]
+    parts = [torch.cat([*fields, quants], dim=-1).reshape(panels, -1)]  # [P, nb * panel block bytes]
+    if header is not None:
+        hb = sum(_HEADER_FIELDS[qtype])
+        padded = torch.zeros(panels * nr, header.shape[1] // hb, hb, dtype=torch.uint8)  # [P * 16, S, hb]
+        padded[:n] = header.reshape(n, -1, hb)
+        per_panel = padded.view(panels, nr, -1, hb).transpose(1, 2)  # [P, S, 16 rows, hb]
+        parts.append(torch.cat(_side_by_side(per_panel, _HEADER_FIELDS[qtype]), dim=-1).reshape(panels, -1))
+    return torch.cat(parts, dim=1)
+
+
+def _side_by_side(fields: torch.Tensor, widths: tuple[int, ...]) -> list[torch.Tensor]:
+    """[P, B, 16 rows, bytes] -> each field of `widths` bytes as [P, B, 16 * width]: the 16 rows' values of it side
+    by side."""
+    out, start = [], 0
+    for width in widths:
+        out.append(fields[..., start:start + width].reshape(*fields.shape[:2], width * fields.shape[2]))
+        start += width
+    return out
 
 
 _REPACK_ROWS = 4096  # rows repacked at a time: a multiple of the panels' 16 rows
@@ -165,7 +181,7 @@ def _repacked_in_chunks(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     times a part's bytes, stay those of a chunk (a 1B model's embedding table held them at 0.6 GB at once)."""
     if rows.shape[0] <= _REPACK_ROWS:
         return repack(rows, qtype)
-    first = repack(rows[:_REPACK_ROWS], qtype)  # [P, nb, panel block bytes]
+    first = repack(rows[:_REPACK_ROWS], qtype)  # [P, panel bytes]
     per_panel = _REPACK_ROWS // first.shape[0]
     panels = torch.empty(-(-rows.shape[0] // per_panel), *first.shape[1:], dtype=torch.uint8)
     panels[: first.shape[0]] = first
@@ -187,9 +203,12 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {in_features} values")
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
         self.panels = _repacked_in_chunks(rows, qtype)
+        lib = quant_linear_library()
+        if self.panels.shape[1] != lib.quant_linear_panel_bytes(KERNEL_TYPE[qtype], in_features):
+            raise RuntimeError(f"{qtype} panels of {self.panels.shape[1]} bytes: the kernel reads "
+                                 f"{lib.quant_linear_panel_bytes(KERNEL_TYPE[qtype], in_features)}")
         # A parameter, so that the loader fills it where the layer is made before the checkpoint is read
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
-        lib = quant_linear_library()
         self._kernel, self._lookup = lib.quant_linear, lib.quant_linear_rows  # a step makes a hundred calls
 
     @classmethod
