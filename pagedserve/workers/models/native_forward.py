@@ -92,7 +92,7 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(isinstance(p, QuantLinear | ConcatQuantLinear) for p in projections):
             return "a projection the GGUF-block kernel does not run"
-        if any(isinstance(p, ConcatQuantLinear) and len(p.parts) > _MAX_PARTS for p in projections):
+        if any(len(p.columns()) > _MAX_PARTS for p in projections):
             return f"a projection in more than {_MAX_PARTS} parts"
     norms = [model.model.norm.weight] + [norm.weight for layer in model.model.layers for norm in _norms(layer)]
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
@@ -110,10 +110,9 @@ def _optional_ptr(norm) -> int | None:
 
 
 def _linear(p: QuantLinear | ConcatQuantLinear) -> _Linear:
-    columns = p.columns() if isinstance(p, ConcatQuantLinear) else [(p, 0)]
     bias = None if p.bias is None else p.bias.data_ptr()
     parts = [_Part(part.panels.data_ptr(), None if bias is None else bias + 4 * start, KERNEL_TYPE[part.qtype],
-                   part.out_features) for part, start in columns]
+                   part.out_features) for part, start in p.columns()]
     return _Linear((_Part * _MAX_PARTS)(*parts), len(parts), p.in_features)
 
 

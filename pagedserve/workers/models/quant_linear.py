@@ -191,7 +191,40 @@ def _repacked_in_chunks(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     return panels
 
 
-class QuantLinear(nn.Module):
+class _KernelLinear(nn.Module):
+    """`x @ W.T + bias` on the kernel, x fp32: W's rows in one or more QuantLinears side by side (`columns`), each
+    call writing its own columns of the output."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def columns(self) -> list[tuple[QuantLinear, int]]:
+        """Each QuantLinear holding W's rows and the first output column it writes."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` without the bias (a row-parallel shard adds it after the all-reduce)."""
+        return self._matmul(x, None)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = _input_rows(x, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features)  # [M, N]
+        for part, start in self.columns():
+            part.write(x2, y.data_ptr() + 4 * start, self.out_features,
+                       None if bias is None else bias.data_ptr() + 4 * start)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+
+def _bias_parameter(bias: torch.Tensor | None) -> nn.Parameter | None:
+    """A parameter, so that the loader fills it where the layer is made before the checkpoint is read."""
+    return None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+
+class QuantLinear(_KernelLinear):
     """`x @ W.T + bias` with W [out_features, in_features] held as GGUF blocks; x is fp32."""
 
     def __init__(self, rows: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None) -> None:
@@ -207,8 +240,7 @@ class QuantLinear(nn.Module):
         if self.panels.shape[1] != lib.quant_linear_panel_bytes(KERNEL_TYPE[qtype], in_features):
             raise RuntimeError(f"{qtype} panels of {self.panels.shape[1]} bytes: the kernel reads "
                                  f"{lib.quant_linear_panel_bytes(KERNEL_TYPE[qtype], in_features)}")
-        # A parameter, so that the loader fills it where the layer is made before the checkpoint is read
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.bias = _bias_parameter(bias)
         self._kernel, self._lookup = lib.quant_linear, lib.quant_linear_rows  # a step makes a hundred calls
 
     @classmethod
@@ -220,18 +252,8 @@ class QuantLinear(nn.Module):
         rows = weight.to(PLAIN_TYPES[qtype]).view(torch.uint8)  # [N, K * bytes per value]
         return cls(rows, qtype, weight.shape[1], bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` without the bias (a row-parallel shard adds it after the all-reduce)."""
-        return self._matmul(x, None)
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = _input_rows(x, self.in_features)
-        y = torch.empty(x2.shape[0], self.out_features)  # [M, N]
-        self.write(x2, y.data_ptr(), self.out_features, None if bias is None else bias.data_ptr())
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+    def columns(self) -> list[tuple[QuantLinear, int]]:
+        return [(self, 0)]
 
     def write(self, x2: torch.Tensor, y: int, ldy: int, bias: int | None) -> None:
         """`x2 @ W.T (+ bias)` into the fp32 rows at address `y`, `ldy` floats apart (a part's columns of a wider
@@ -271,7 +293,7 @@ def _input_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-class ConcatQuantLinear(nn.Module):
+class ConcatQuantLinear(_KernelLinear):
     """`x @ W.T + bias` where W's rows are QuantLinears of different types side by side: a fused q/k/v or gate/up
     projection whose parts a GGUF holds in different types (llama-quantize's _M mixes give some layers' v_proj
     Q6_K beside a Q4_K q and k). Each part's kernel call writes its own columns of the output, so each streams
@@ -283,29 +305,13 @@ class ConcatQuantLinear(nn.Module):
             raise ValueError("the parts of a ConcatQuantLinear take the same inputs and have no bias of their own")
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` without the bias (a row-parallel shard adds it after the all-reduce)."""
-        return self._matmul(x, None)
+        self.bias = _bias_parameter(bias)
 
     def columns(self) -> list[tuple[QuantLinear, int]]:
-        """Each part and the first output column it writes."""
         starts = [0]
         for part in self.parts[:-1]:
             starts.append(starts[-1] + part.out_features)
         return list(zip(self.parts, starts, strict=True))
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = _input_rows(x, self.in_features)
-        y = torch.empty(x2.shape[0], self.out_features)  # [M, N]
-        for part, start in self.columns():
-            part.write(x2, y.data_ptr() + 4 * start, self.out_features,
-                       None if bias is None else bias.data_ptr() + 4 * start)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
 def plain_type(weight: torch.Tensor) -> str:
@@ -376,11 +382,7 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> set[str]:
                                            for qtype, rows in runs], bias)
             setattr(owner, attr, layer)
             held.update(parts)
-    embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
-    if config.tie_word_embeddings and isinstance(head, QuantLinear):
-        embed.table = head
-    if embed.table is not None:
-        embed.weight = None
+    _table_in_panels(model)
     return held
 
 
@@ -398,17 +400,24 @@ def hold_embedding(model: CausalLM) -> str:
     (bf16 or fp16 where every value is one). A tied head that reads the table itself keeps it. Returns how the
     table is held."""
     embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
-    if embed.table is None:
-        if model.config.tie_word_embeddings:
-            if not isinstance(head, QuantLinear):
-                return "F32"
-            embed.table = head
-        elif embed.weight.shape[1] % QK:
-            return "F32"
-        else:
-            embed.table = QuantLinear.from_fp32(embed.weight, None)
-    embed.weight = None
+    if not _table_in_panels(model):
+        if model.config.tie_word_embeddings or embed.weight.shape[1] % QK:
+            return "F32"  # a tied head that reads the table itself, or a width the kernel does not take
+        embed.table = QuantLinear.from_fp32(embed.weight, None)
+        embed.weight = None
     return embed.table.qtype + (", the LM head's panels" if embed.table is head else "")
+
+
+def _table_in_panels(model: CausalLM) -> bool:
+    """Where a QuantLinear holds the embedding table's values (the tied LM head, or the table's own blocks), look
+    rows up there and drop the fp32 table; whether one does."""
+    embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+    if embed.table is None and model.config.tie_word_embeddings and isinstance(head, QuantLinear):
+        embed.table = head
+    if embed.table is None:
+        return False
+    embed.weight = None
+    return True
 
 
 def _linear_sources(model: CausalLM):
