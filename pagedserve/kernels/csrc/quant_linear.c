@@ -89,6 +89,13 @@ int64_t quant_linear_panel_header_bytes(int qtype) {
     return qtype == Q6_K ? 2 * NR : K_TYPE(qtype) ? 4 * NR : 0;
 }
 
+/* 0 where the kernel reads panels of `qtype` over K inputs; -1 when K is not a multiple of 32 (of 256 for the
+ * K-types), -2 for an unknown type. */
+static int panel_shape_error(int qtype, int64_t K) {
+    if (K % QK || (K_TYPE(qtype) && K % 256)) return -1;
+    return quant_linear_panel_block_bytes(qtype) ? 0 : -2;
+}
+
 /* Bytes of one panel of K inputs: its blocks, then (K-types) its super-blocks' headers. */
 int64_t quant_linear_panel_bytes(int qtype, int64_t K) {
     return K / QK * quant_linear_panel_block_bytes(qtype) + K / 256 * quant_linear_panel_header_bytes(qtype);
@@ -457,10 +464,8 @@ static inline void store_rows(float *y, int64_t ldy, int64_t i, int mr, int64_t 
  * Returns 0, or -1 when K is not a multiple of 32, -2 for an unknown type, -3 when out of memory. */
 int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int qtype, int64_t N,
                  const float *bias, float *y, int64_t ldy, int num_threads) {
-    if (K % QK) return -1;
-    const int64_t block_bytes = quant_linear_panel_block_bytes(qtype);
-    if (!block_bytes) return -2;
-    if (K_TYPE(qtype) && K % 256) return -1;
+    const int error = panel_shape_error(qtype, K);
+    if (error) return error;
     const int64_t panel_bytes = quant_linear_panel_bytes(qtype, K);
     const int64_t n_panels = (N + NR - 1) / NR;
     /* A work item is a group of panels, dequantized once and run against every row of x, 48 rows at a time:
@@ -566,16 +571,16 @@ static inline float float_at(const uint8_t *p) { float f; memcpy(&f, p, sizeof f
 /* Row r's weight k (of 32) in the (panel, K block) at p (hd: its super-block's header, K-types): the fp32 weight
  * the products above are taken with, as gguf's dequantization forms it (d * q, or d * q + m; d * q is exact, and so
  * is a K-type's d * sc, so there is one rounding at most). */
+static inline int nibble_at(const uint8_t *q, int r, int k) {  /* row r's 4-bit quant k in packed quants q */
+    return (q[NR / 2 * k + r % (NR / 2)] >> (r < NR / 2 ? 0 : 4)) & 15;
+}
 static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, int r, int k) {
-    const int nibble = r < NR / 2 ? 0 : 4;
     switch (qtype) {
-    case Q4_0: return half_at(p + 2 * r) * (float)(((p[2 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15) - 8);
-    case Q4_1:
-        return half_at(p + 2 * r) * (float)((p[4 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15)
-             + half_at(p + 2 * NR + 2 * r);
+    case Q4_0: return half_at(p + 2 * r) * (float)(nibble_at(p + 2 * NR, r, k) - 8);
+    case Q4_1: return half_at(p + 2 * r) * (float)nibble_at(p + 4 * NR, r, k) + half_at(p + 2 * NR + 2 * r);
     case Q8_0: return half_at(p + 2 * r) * (float)(int8_t)p[2 * NR + NR * k + r];
     case Q4_K:
-        return half_at(hd + 2 * r) * (float)p[r] * (float)((p[2 * NR + NR / 2 * k + r % (NR / 2)] >> nibble) & 15)
+        return half_at(hd + 2 * r) * (float)p[r] * (float)nibble_at(p + 2 * NR, r, k)
              + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
     case Q5_K:
         return half_at(hd + 2 * r) * (float)p[r] * (float)p[2 * NR + NR * k + r]
@@ -597,9 +602,9 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
  * the same floats as the fp32 table. Returns 0, -1 when K is not a multiple of 32 (of 256 for the K-types), -2 for
  * an unknown type, -4 when an id is outside [0, N). */
 int quant_linear_rows(const uint8_t *w, int qtype, int64_t N, int64_t K, const int64_t *ids, int64_t n, float *out) {
-    if (K % QK || (K_TYPE(qtype) && K % 256)) return -1;
+    const int error = panel_shape_error(qtype, K);
+    if (error) return error;
     const int64_t block_bytes = quant_linear_panel_block_bytes(qtype);
-    if (!block_bytes) return -2;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -4;
     const int64_t nb = K / QK, hbytes = quant_linear_panel_header_bytes(qtype);
