@@ -42,21 +42,18 @@ cached_gguf_dir(Path(sys.argv[1]), cache_root=Path(sys.argv[2]))
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
+# pagedserve is imported before throughput.py, which puts this checkout first on the path: the child measures the
+# pagedserve that PYTHONPATH (or the install) gives.
 _START = """
 import json, sys, time
-import torch
 from pagedserve import LLM, SamplingParams
+sys.path.insert(0, sys.argv[3])
+from throughput import weight_bytes
 start = time.perf_counter()
 with LLM(sys.argv[1], max_model_len=2048, kv_cache_memory=256 * 2**20) as llm:
     started = time.perf_counter() - start
     out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    held = {}
-    for module in llm.engine.executor.worker.model.modules():
-        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False),
-                  getattr(module, "panels", None), getattr(module, "packed", None)]:
-            if isinstance(t, torch.Tensor):
-                held[id(t)] = t.numel() * t.element_size()
-    print(json.dumps({"seconds_to_start": started, "weights": sum(held.values()),
+    print(json.dumps({"seconds_to_start": started, "weights": weight_bytes(llm.engine.executor.worker.model),
                       "tokens": out[0].outputs[0].token_ids, "status": open("/proc/self/status").read()}))
 """
 
@@ -72,8 +69,8 @@ def child(code: str, *args: str, env: dict | None = None) -> tuple[dict, int]:
     proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, env=env, text=True)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage: its peak resident memory
-    if code := os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"child exited with {code}")
+    if exit_code := os.waitstatus_to_exitcode(status):
+        raise RuntimeError(f"child exited with {exit_code}")
     return json.loads(out.strip().splitlines()[-1]), usage.ru_maxrss * 1024
 
 
@@ -159,7 +156,7 @@ def main() -> None:
         converted, peak = child(_CONVERT, str(path), str(cache))
         print(f"convert: {converted['seconds']:.1f} s, peak {peak / mib:,.0f} MiB")
         env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(cache)}
-        started, _ = child(_START, str(path), PROMPT, env=env)
+        started, _ = child(_START, str(path), PROMPT, str(Path(__file__).resolve().parent), env=env)
         held = memory(started["status"])
         print(f"start: {started['seconds_to_start']:.1f} s, weights {started['weights'] / mib:,.0f} MiB, resident "
               f"{held['VmRSS'] / mib:,.0f} MiB after a request, peak {held['VmHWM'] / mib:,.0f} MiB")
