@@ -137,17 +137,26 @@ def test_a_row_gets_the_same_bits_in_any_batch(qtype):
         assert torch.equal(torch.cat([layer(x[i:i + m]) for i in range(0, 60, m)]), alone), m
 
 
-@pytest.mark.skipif("avx512f" not in native._cpu_flags().split(), reason="this CPU's build is the AVX2 one")
-def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
-    """Built for this CPU the kernel runs 16-wide tiles; built for AVX2 alone, 8-wide ones. Machines differ
-    (CI's among them), and a sequence's tokens must not: both builds give the same bits, row for row."""
+# Other builds of the kernel than this CPU's, each with the CPU features it must do without
+OTHER_BUILDS = {"AVX2": (["-march=x86-64-v3"], "avx512f"),  # 8-wide tiles
+                "AVX-512 without VBMI": (["-march=native", "-mno-avx512vbmi"], "avx512vbmi")}  # no multishift
+
+
+@pytest.mark.parametrize("build", OTHER_BUILDS)
+def test_every_build_gives_this_cpus_bits(build, tmp_path, monkeypatch):
+    """Built for this CPU the kernel runs 16-wide tiles and, with VBMI, reads 4-bit quants by multishift; built for
+    AVX2 alone, 8-wide tiles, and without VBMI, unpacks them by shifts and masks. Machines differ (CI's among
+    them), and a sequence's tokens must not: every build gives the same bits, row for row."""
+    march, lacks = OTHER_BUILDS[build]
+    if lacks not in native._cpu_flags().split():
+        pytest.skip(f"this CPU lacks {lacks}: its own build is the {build} one")
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
-    flags = [f for f in native.QUANT_LINEAR_FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
-    avx2 = ctypes.CDLL(str(native._build(native.compiler(), native.CSRC / "quant_linear.c", flags)))
-    avx2.quant_linear.argtypes = native.quant_linear_library().quant_linear.argtypes
-    avx2.quant_linear.restype = ctypes.c_int
-    avx2.quant_linear_rows.argtypes = native.quant_linear_library().quant_linear_rows.argtypes
-    avx2.quant_linear_rows.restype = ctypes.c_int
+    flags = [f for f in native.QUANT_LINEAR_FLAGS if not f.startswith("-march")] + march
+    other = ctypes.CDLL(str(native._build(native.compiler(), native.CSRC / "quant_linear.c", flags)))
+    other.quant_linear.argtypes = native.quant_linear_library().quant_linear.argtypes
+    other.quant_linear.restype = ctypes.c_int
+    other.quant_linear_rows.argtypes = native.quant_linear_library().quant_linear_rows.argtypes
+    other.quant_linear_rows.restype = ctypes.c_int
     for qtype in QTYPES:
         k = _width(qtype, 128)
         rows, _ = _quantized(40, k, qtype, seed=3)
@@ -156,12 +165,12 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             y = torch.empty(m, 40)
             code = quant_linear.KERNEL_TYPE[qtype]
-            assert avx2.quant_linear(x.data_ptr(), m, k, k, layer.panels.data_ptr(), code, 40, None, y.data_ptr(),
+            assert other.quant_linear(x.data_ptr(), m, k, k, layer.panels.data_ptr(), code, 40, None, y.data_ptr(),
                                      40, 2) == 0
             assert torch.equal(layer.product(x), y), (qtype, m)
         ids = torch.tensor([39, 0, 17, 17])
         rows = torch.empty(4, k)
-        assert avx2.quant_linear_rows(layer.panels.data_ptr(), code, 40, k, ids.data_ptr(), 4, rows.data_ptr()) == 0
+        assert other.quant_linear_rows(layer.panels.data_ptr(), code, 40, k, ids.data_ptr(), 4, rows.data_ptr()) == 0
         assert torch.equal(layer.rows(ids), rows), qtype
 
 

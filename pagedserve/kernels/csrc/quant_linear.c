@@ -185,16 +185,31 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
 #define SCALES const __m512 d0 = scales16(p, hd, qtype), m0 = mins16(p, hd, qtype), e0 = halves16(p, hd, qtype);
 #define HALF_END(i) a##i = _mm512_fmadd_ps(e0, s##i, a##i); s##i = _mm512_setzero_ps();
 /* A k's 16 quants as floats (rows 0-15 in order: Q8_0's bytes; Q4's low nibbles, rows 0-7, then high). */
+#if defined(__AVX512VBMI__)
+/* A k's 4-bit quants are one 8-byte word: each row's nibble moved to the low bits of its lane by one multishift
+ * (a byte from any bit offset of the word), then looked up as a float in a 16-entry table (a permute reads an
+ * index's low 4 bits only, so the bits above it need no masking): two operations where the zero-extend-and-
+ * convert took seven, which left Q4 layers bounded by the arithmetic rather than the memory. */
+#define NIBBLE_SHIFTS _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 4, 12, 20, 28, 36, 44, 52, 60)
+#define NIBBLES_AS(k, first) \
+    const __m512 q0 = _mm512_permutexvar_ps( \
+        _mm512_multishift_epi64_epi8(NIBBLE_SHIFTS, _mm512_set1_epi64(*(const int64_t *)(q + NR / 2 * (k)))), \
+        _mm512_setr_ps(first, first + 1, first + 2, first + 3, first + 4, first + 5, first + 6, first + 7, \
+                       first + 8, first + 9, first + 10, first + 11, first + 12, first + 13, first + 14, first + 15));
+#define QUANTS_Q40(k) NIBBLES_AS(k, -8.0f)
+#define QUANTS_Q41(k) NIBBLES_AS(k, 0.0f)
+#else
 #define NIBBLES(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
     const __m128i n_ = _mm_unpacklo_epi64(_mm_and_si128(v_, low4), _mm_and_si128(_mm_srli_epi16(v_, 4), low4));
+#define QUANTS_Q40(k) NIBBLES(k) \
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
+#define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
+#endif
 #define QUANTS_Q8(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
 #define QUANTS_U8(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
-#define QUANTS_Q40(k) NIBBLES(k) \
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
-#define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
 #define QUANTS_F32(k) const __m512 q0 = _mm512_loadu_ps((const float *)q + NR * (k));
 /* bf16 is the top half of an fp32: widened by a shift, exactly */
 #define QUANTS_BF16(k) const __m512 q0 = _mm512_castsi512_ps(_mm512_slli_epi32( \
