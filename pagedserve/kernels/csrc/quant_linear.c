@@ -3,9 +3,9 @@
  * 256-value super-blocks come as 32-value ones, each with its sub-block's 6-bit scale and min as bytes, and the
  * super-block's fp16 d and dmin in a header region after the panel's blocks; a block's fp32 scale and min are
  * formed in registers (d * scale, -(dmin * min): exact products): 4.6 bits per weight. Q6_K's come as 32-value
- * blocks of int8 quants (q - 32) with the int8 scales of their two 16-value halves and the fp16 d in the header:
- * 8.6 bits. Q5_K's as Q4_K's, with the 5-bit quants a byte each: 8.6 bits. (Q5_0 comes as Q8_0: its quants less
- * 16, a byte each.)
+ * blocks of 6-bit quants (q - 32 in two's complement) with the int8 scales of their two 16-value halves, and the
+ * fp16 d in the header: 6.6 bits. Q5_K's as Q4_K's, with the 5-bit quants a byte each: 8.6 bits. (Q5_0 comes as
+ * Q8_0: its quants less 16, a byte each.)
  * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
@@ -24,7 +24,8 @@
  * Weights are repacked once at load time (workers/models/quant_linear.py) into panels of 16 output rows:
  * per panel and 32-wide K block, the 16 rows' fp16 scales (and mins; the K-types' 8-bit ones), then for each of
  * the 32 k the 16 rows' quants side by side (4-bit: byte j holds row j in its low nibble and row j + 8 in its high
- * one); after a K-type panel's blocks, per 256-value super-block, the 16 rows' fp16 d (and dmin).
+ * one; 6-bit: row r at bits 6r to 6r + 5 of 12 bytes); after a K-type panel's blocks, per 256-value super-block,
+ * the 16 rows' fp16 d (and dmin).
  * The first rows of x (up to 4) run against a panel straight from its blocks, converting each k's 16 quants
  * in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run against
  * that scratch in tiles of 6 rows x 16 columns (the classic AVX2 GEMM tile). So each quant is converted once
@@ -74,7 +75,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q4_1: return 4 * NR + QK * NR / 2;
     case Q8_0: return 2 * NR + QK * NR;
     case Q4_K: return 2 * NR + QK * NR / 2;  /* the 16 rows' 6-bit scales, their mins, then Q4_1's quants */
-    case Q6_K: return 2 * NR + QK * NR;  /* the 16 rows' int8 scales of each half, then Q8_0's quants */
+    case Q6_K: return 2 * NR + QK * NR * 6 / 8;  /* the 16 rows' int8 scales of each half, then 6-bit quants */
     case Q5_K: return 2 * NR + QK * NR;  /* the 16 rows' 6-bit scales, their mins, then the quants a byte each */
     case F32: return QK * NR * (int64_t)sizeof(float);
     case BF16:
@@ -147,6 +148,14 @@ static inline float block_sum(const float *x) {
  * and for Q4_1, Q4_K and Q5_K acc = fma(m, sum(x over the block), acc) (`block_sum`, once per row and block:
  * `sx`). Q6_K's blocks have a d for each half: acc = fma(d of the first half, s, acc) after the 16th k, and s
  * starts again from zero (`HALF_END`). */
+/* Q6_K's quants: a k's 16 rows side by side in 12 bytes, row r's 6-bit two's complement at bits 6r to 6r + 5.
+ * Each lane r picks the two bytes that hold its quant into its top half (Q6_PICK: byte shuffle indices), shifts
+ * it left until its sign bit is the lane's (Q6_SHIFT), and back arithmetically by 26: the signed quant, in four
+ * operations with the conversion to float. */
+#define Q6_RECORD (NR * 6 / 8)
+#define Q6_PICK(r) ((6 * (r) / 8) * 0x00010101 + (6 * (r) / 8 + 1) * 0x01000000)
+#define Q6_SHIFT(r) (10 - 6 * (r) % 8)
+
 #if defined(__AVX512F__)
 /* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
  * 12 rows' sums and accumulators. Each column's arithmetic is the 8-wide build's, so are its bits. */
@@ -206,6 +215,16 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
 #define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
 #endif
+/* A k's Q6_K record in every 128-bit lane (a byte shuffle reads its own lane) */
+#define QUANTS_Q6(k) \
+    const __m512i v_ = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + Q6_RECORD * (k)))); \
+    const __m512i picked_ = _mm512_shuffle_epi8(v_, _mm512_setr_epi32( \
+        Q6_PICK(0), Q6_PICK(1), Q6_PICK(2), Q6_PICK(3), Q6_PICK(4), Q6_PICK(5), Q6_PICK(6), Q6_PICK(7), \
+        Q6_PICK(8), Q6_PICK(9), Q6_PICK(10), Q6_PICK(11), Q6_PICK(12), Q6_PICK(13), Q6_PICK(14), Q6_PICK(15))); \
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(picked_, _mm512_setr_epi32( \
+        Q6_SHIFT(0), Q6_SHIFT(1), Q6_SHIFT(2), Q6_SHIFT(3), Q6_SHIFT(4), Q6_SHIFT(5), Q6_SHIFT(6), Q6_SHIFT(7), \
+        Q6_SHIFT(8), Q6_SHIFT(9), Q6_SHIFT(10), Q6_SHIFT(11), Q6_SHIFT(12), Q6_SHIFT(13), Q6_SHIFT(14), \
+        Q6_SHIFT(15))), 26));
 #define QUANTS_Q8(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
 #define QUANTS_U8(k) \
@@ -285,6 +304,14 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4))); \
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)));
+#define Q6_HALF(v, r) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32( \
+    _mm256_shuffle_epi8(v, _mm256_setr_epi32(Q6_PICK(r), Q6_PICK(r + 1), Q6_PICK(r + 2), Q6_PICK(r + 3), \
+                                             Q6_PICK(r + 4), Q6_PICK(r + 5), Q6_PICK(r + 6), Q6_PICK(r + 7))), \
+    _mm256_setr_epi32(Q6_SHIFT(r), Q6_SHIFT(r + 1), Q6_SHIFT(r + 2), Q6_SHIFT(r + 3), Q6_SHIFT(r + 4), \
+                      Q6_SHIFT(r + 5), Q6_SHIFT(r + 6), Q6_SHIFT(r + 7))), 26))
+#define QUANTS_Q6(k) \
+    const __m256i v_ = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + Q6_RECORD * (k)))); \
+    const __m256 q0 = Q6_HALF(v_, 0), q1 = Q6_HALF(v_, 8);
 #define QUANTS_F32(k) \
     const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)); \
     const __m256 q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
@@ -330,9 +357,12 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
             HEADER \
             SCALES \
             ROWS_##n(SUM_INIT) \
-            if (qtype == Q8_0 || qtype == Q6_K) { \
+            if (qtype == Q8_0) { \
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
+            } else if (qtype == Q6_K) { \
+                const uint8_t *q = p + 2 * NR; \
+                BLOCK_LOOP(QUANTS_Q6, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q5_K) { \
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_U8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
@@ -600,8 +630,11 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
     case Q5_K:
         return half_at(hd + 2 * r) * (float)p[r] * (float)p[2 * NR + NR * k + r]
              + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
-    case Q6_K:
-        return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r] * (float)(int8_t)p[2 * NR + NR * k + r];
+    case Q6_K: {
+        const uint8_t *record = p + 2 * NR + Q6_RECORD * k + 6 * r / 8;
+        const int q6 = ((record[0] | record[1] << 8) >> (6 * r % 8)) & 63;  /* 6-bit two's complement */
+        return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r] * (float)(q6 < 32 ? q6 : q6 - 64);
+    }
     case F32: return float_at(p + 4 * (NR * k + r));
     case BF16: {
         const uint32_t bits = (uint32_t)(p[2 * (NR * k + r)] | (p[2 * (NR * k + r) + 1] << 8)) << 16;

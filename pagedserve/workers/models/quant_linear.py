@@ -45,7 +45,7 @@ _SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q4_K
                  "Q6_K": (1, 1)}
 # The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
 _HEADER_FIELDS = {"Q4_K": (2, 2), "Q5_K": (2, 2), "Q6_K": (2,)}
-_BYTE_QUANTS = ("Q8_0", "Q5_0", "Q5_K", "Q6_K")  # a byte a quant in the panels
+_BYTE_QUANTS = ("Q8_0", "Q5_0", "Q5_K")  # a byte a quant in the panels
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -137,6 +137,8 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
         rows, header = _AS_BLOCKS_OF_32[qtype](rows)
     n = rows.shape[0]
     bb = lib.quant_linear_panel_block_bytes(KERNEL_TYPE[qtype]) // nr  # a row's bytes of 32 values
+    if qtype == "Q6_K":  # its quants a byte each until they are packed to 6 bits below
+        bb = sum(_SCALE_FIELDS[qtype]) + QK
     nb = rows.shape[1] // bb
     panels = -(-n // nr)
     blocks = torch.zeros(panels * nr, nb, bb, dtype=torch.uint8)  # rows past N: d = m = 0, outputs 0
@@ -149,6 +151,10 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     start = sum(_SCALE_FIELDS[qtype])
     if qtype in _BYTE_QUANTS:
         quants = blocks[..., start:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
+    elif qtype == "Q6_K":  # a k's 16 rows as 6-bit two's complement side by side: row r at bits 6r to 6r + 5
+        values = (blocks[..., start:] & 0x3F).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
+        a, b, c, d = values.reshape(panels, nb, QK, nr // 4, 4).unbind(-1)  # 4 rows in 3 bytes (uint8 shifts wrap)
+        quants = torch.stack([a | (b << 6), (b >> 2) | (c << 4), (c >> 4) | (d << 2)], dim=-1).reshape(panels, nb, -1)
     else:
         qs = blocks[..., start:]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
         values = torch.cat([qs & 0xF, qs >> 4], dim=-1).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
