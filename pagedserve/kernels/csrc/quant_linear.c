@@ -1,11 +1,11 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, K-types) and
- * dequantized in the kernel: decode steps stream 4.5 to 8.6 bits per weight instead of fp32's 32. Q4_K's
+ * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32. Q4_K's
  * 256-value super-blocks come as 32-value ones, each with its sub-block's 6-bit scale and min as bytes, and the
  * super-block's fp16 d and dmin in a header region after the panel's blocks; a block's fp32 scale and min are
  * formed in registers (d * scale, -(dmin * min): exact products): 4.6 bits per weight. Q6_K's come as 32-value
  * blocks of 6-bit quants (q - 32 in two's complement) with the int8 scales of their two 16-value halves, and the
- * fp16 d in the header: 6.6 bits. Q5_K's as Q4_K's, with the 5-bit quants a byte each: 8.6 bits. (Q5_0 comes as
- * Q8_0: its quants less 16, a byte each.)
+ * fp16 d in the header: 6.6 bits. Q5_K's as Q4_K's, with 5-bit quants: 5.6 bits. (Q5_0 comes as Q8_0: its quants
+ * less 16, a byte each.)
  * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
@@ -24,7 +24,8 @@
  * Weights are repacked once at load time (workers/models/quant_linear.py) into panels of 16 output rows:
  * per panel and 32-wide K block, the 16 rows' fp16 scales (and mins; the K-types' 8-bit ones), then for each of
  * the 32 k the 16 rows' quants side by side (4-bit: byte j holds row j in its low nibble and row j + 8 in its high
- * one; 6-bit: row r at bits 6r to 6r + 5 of 12 bytes); after a K-type panel's blocks, per 256-value super-block,
+ * one; 6- and 5-bit: row r at bits 6r or 5r on of 12 or 10 bytes); after a K-type panel's blocks, per 256-value
+ * super-block,
  * the 16 rows' fp16 d (and dmin).
  * The first rows of x (up to 4) run against a panel straight from its blocks, converting each k's 16 quants
  * in registers and storing them to a K x 16 fp32 scratch that stays in L1/L2; the other rows run against
@@ -76,7 +77,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q8_0: return 2 * NR + QK * NR;
     case Q4_K: return 2 * NR + QK * NR / 2;  /* the 16 rows' 6-bit scales, their mins, then Q4_1's quants */
     case Q6_K: return 2 * NR + QK * NR * 6 / 8;  /* the 16 rows' int8 scales of each half, then 6-bit quants */
-    case Q5_K: return 2 * NR + QK * NR;  /* the 16 rows' 6-bit scales, their mins, then the quants a byte each */
+    case Q5_K: return 2 * NR + QK * NR * 5 / 8;  /* the 16 rows' 6-bit scales, their mins, then 5-bit quants */
     case F32: return QK * NR * (int64_t)sizeof(float);
     case BF16:
     case F16: return QK * NR * 2;
@@ -148,13 +149,14 @@ static inline float block_sum(const float *x) {
  * and for Q4_1, Q4_K and Q5_K acc = fma(m, sum(x over the block), acc) (`block_sum`, once per row and block:
  * `sx`). Q6_K's blocks have a d for each half: acc = fma(d of the first half, s, acc) after the 16th k, and s
  * starts again from zero (`HALF_END`). */
-/* Q6_K's quants: a k's 16 rows side by side in 12 bytes, row r's 6-bit two's complement at bits 6r to 6r + 5.
- * Each lane r picks the two bytes that hold its quant into its top half (Q6_PICK: byte shuffle indices), shifts
- * it left until its sign bit is the lane's (Q6_SHIFT), and back arithmetically by 26: the signed quant, in four
- * operations with the conversion to float. */
-#define Q6_RECORD (NR * 6 / 8)
-#define Q6_PICK(r) ((6 * (r) / 8) * 0x00010101 + (6 * (r) / 8 + 1) * 0x01000000)
-#define Q6_SHIFT(r) (10 - 6 * (r) % 8)
+/* Q6_K's and Q5_K's quants packed: a k's 16 rows side by side in 12 or 10 bytes, row r's at bits 6r to 6r + 5
+ * (Q6_K: q - 32 in two's complement) or 5r to 5r + 4 (Q5_K: q). Each lane r picks the two bytes that hold its
+ * quant into its top half (PACKED_PICK: byte shuffle indices), shifts it left until its top bit is the lane's
+ * (PACKED_SHIFT), and back by 26 or 27 (arithmetically for Q6_K): the quant, in four operations with the
+ * conversion to float. */
+#define PACKED_RECORD(bits) (NR * (bits) / 8)
+#define PACKED_PICK(bits, r) (((bits) * (r) / 8) * 0x00010101 + ((bits) * (r) / 8 + 1) * 0x01000000)
+#define PACKED_SHIFT(bits, r) (16 - (bits) - (bits) * (r) % 8)
 
 #if defined(__AVX512F__)
 /* With AVX-512 (a build for a CPU that has it): a panel's 16 columns are one register, and 32 registers hold
@@ -215,20 +217,23 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
 #define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
 #endif
-/* A k's Q6_K record in every 128-bit lane (a byte shuffle reads its own lane) */
-#define QUANTS_Q6(k) \
-    const __m512i v_ = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + Q6_RECORD * (k)))); \
+/* A k's record in every 128-bit lane (a byte shuffle reads its own lane) */
+#define PACKED_QUANTS(k, bits, shift_back) \
+    const __m512i v_ = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + PACKED_RECORD(bits) * (k)))); \
     const __m512i picked_ = _mm512_shuffle_epi8(v_, _mm512_setr_epi32( \
-        Q6_PICK(0), Q6_PICK(1), Q6_PICK(2), Q6_PICK(3), Q6_PICK(4), Q6_PICK(5), Q6_PICK(6), Q6_PICK(7), \
-        Q6_PICK(8), Q6_PICK(9), Q6_PICK(10), Q6_PICK(11), Q6_PICK(12), Q6_PICK(13), Q6_PICK(14), Q6_PICK(15))); \
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(picked_, _mm512_setr_epi32( \
-        Q6_SHIFT(0), Q6_SHIFT(1), Q6_SHIFT(2), Q6_SHIFT(3), Q6_SHIFT(4), Q6_SHIFT(5), Q6_SHIFT(6), Q6_SHIFT(7), \
-        Q6_SHIFT(8), Q6_SHIFT(9), Q6_SHIFT(10), Q6_SHIFT(11), Q6_SHIFT(12), Q6_SHIFT(13), Q6_SHIFT(14), \
-        Q6_SHIFT(15))), 26));
+        PACKED_PICK(bits, 0), PACKED_PICK(bits, 1), PACKED_PICK(bits, 2), PACKED_PICK(bits, 3), \
+        PACKED_PICK(bits, 4), PACKED_PICK(bits, 5), PACKED_PICK(bits, 6), PACKED_PICK(bits, 7), \
+        PACKED_PICK(bits, 8), PACKED_PICK(bits, 9), PACKED_PICK(bits, 10), PACKED_PICK(bits, 11), \
+        PACKED_PICK(bits, 12), PACKED_PICK(bits, 13), PACKED_PICK(bits, 14), PACKED_PICK(bits, 15))); \
+    const __m512 q0 = _mm512_cvtepi32_ps(shift_back(_mm512_sllv_epi32(picked_, _mm512_setr_epi32( \
+        PACKED_SHIFT(bits, 0), PACKED_SHIFT(bits, 1), PACKED_SHIFT(bits, 2), PACKED_SHIFT(bits, 3), \
+        PACKED_SHIFT(bits, 4), PACKED_SHIFT(bits, 5), PACKED_SHIFT(bits, 6), PACKED_SHIFT(bits, 7), \
+        PACKED_SHIFT(bits, 8), PACKED_SHIFT(bits, 9), PACKED_SHIFT(bits, 10), PACKED_SHIFT(bits, 11), \
+        PACKED_SHIFT(bits, 12), PACKED_SHIFT(bits, 13), PACKED_SHIFT(bits, 14), PACKED_SHIFT(bits, 15))), 32 - (bits)));
+#define QUANTS_Q6(k) PACKED_QUANTS(k, 6, _mm512_srai_epi32)
+#define QUANTS_Q5(k) PACKED_QUANTS(k, 5, _mm512_srli_epi32)
 #define QUANTS_Q8(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
-#define QUANTS_U8(k) \
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
 #define QUANTS_F32(k) const __m512 q0 = _mm512_loadu_ps((const float *)q + NR * (k));
 /* bf16 is the top half of an fp32: widened by a shift, exactly */
 #define QUANTS_BF16(k) const __m512 q0 = _mm512_castsi512_ps(_mm512_slli_epi32( \
@@ -290,10 +295,6 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
     const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_)); \
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v_, 8)));
-#define QUANTS_U8(k) \
-    const __m128i v_ = _mm_loadu_si128((const __m128i *)(q + NR * (k))); \
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v_)); \
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v_, 8)));
 #define QUANTS_Q40(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4)), \
@@ -304,14 +305,19 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4))); \
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)));
-#define Q6_HALF(v, r) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32( \
-    _mm256_shuffle_epi8(v, _mm256_setr_epi32(Q6_PICK(r), Q6_PICK(r + 1), Q6_PICK(r + 2), Q6_PICK(r + 3), \
-                                             Q6_PICK(r + 4), Q6_PICK(r + 5), Q6_PICK(r + 6), Q6_PICK(r + 7))), \
-    _mm256_setr_epi32(Q6_SHIFT(r), Q6_SHIFT(r + 1), Q6_SHIFT(r + 2), Q6_SHIFT(r + 3), Q6_SHIFT(r + 4), \
-                      Q6_SHIFT(r + 5), Q6_SHIFT(r + 6), Q6_SHIFT(r + 7))), 26))
-#define QUANTS_Q6(k) \
-    const __m256i v_ = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + Q6_RECORD * (k)))); \
-    const __m256 q0 = Q6_HALF(v_, 0), q1 = Q6_HALF(v_, 8);
+#define PACKED_HALF(v, bits, r, shift_back) _mm256_cvtepi32_ps(shift_back(_mm256_sllv_epi32( \
+    _mm256_shuffle_epi8(v, _mm256_setr_epi32(PACKED_PICK(bits, r), PACKED_PICK(bits, r + 1), \
+        PACKED_PICK(bits, r + 2), PACKED_PICK(bits, r + 3), PACKED_PICK(bits, r + 4), PACKED_PICK(bits, r + 5), \
+        PACKED_PICK(bits, r + 6), PACKED_PICK(bits, r + 7))), \
+    _mm256_setr_epi32(PACKED_SHIFT(bits, r), PACKED_SHIFT(bits, r + 1), PACKED_SHIFT(bits, r + 2), \
+        PACKED_SHIFT(bits, r + 3), PACKED_SHIFT(bits, r + 4), PACKED_SHIFT(bits, r + 5), PACKED_SHIFT(bits, r + 6), \
+        PACKED_SHIFT(bits, r + 7))), 32 - (bits)))
+#define PACKED_QUANTS(k, bits, shift_back) \
+    const __m256i v_ = _mm256_broadcastsi128_si256( \
+        _mm_loadu_si128((const __m128i *)(q + PACKED_RECORD(bits) * (k)))); \
+    const __m256 q0 = PACKED_HALF(v_, bits, 0, shift_back), q1 = PACKED_HALF(v_, bits, 8, shift_back);
+#define QUANTS_Q6(k) PACKED_QUANTS(k, 6, _mm256_srai_epi32)
+#define QUANTS_Q5(k) PACKED_QUANTS(k, 5, _mm256_srli_epi32)
 #define QUANTS_F32(k) \
     const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)); \
     const __m256 q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
@@ -365,7 +371,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
                 BLOCK_LOOP(QUANTS_Q6, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q5_K) { \
                 const uint8_t *q = p + 2 * NR; \
-                BLOCK_LOOP(QUANTS_U8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
+                BLOCK_LOOP(QUANTS_Q5, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (HAS_MIN(qtype)) { \
                 const uint8_t *q = p + (qtype == Q4_K ? 2 : 4) * NR; \
                 BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
@@ -627,11 +633,13 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
     case Q4_K:
         return half_at(hd + 2 * r) * (float)p[r] * (float)nibble_at(p + 2 * NR, r, k)
              + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
-    case Q5_K:
-        return half_at(hd + 2 * r) * (float)p[r] * (float)p[2 * NR + NR * k + r]
-             + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
+    case Q5_K: {
+        const uint8_t *record = p + 2 * NR + PACKED_RECORD(5) * k + 5 * r / 8;
+        const int q5 = ((record[0] | record[1] << 8) >> (5 * r % 8)) & 31;
+        return half_at(hd + 2 * r) * (float)p[r] * (float)q5 + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
+    }
     case Q6_K: {
-        const uint8_t *record = p + 2 * NR + Q6_RECORD * k + 6 * r / 8;
+        const uint8_t *record = p + 2 * NR + PACKED_RECORD(6) * k + 6 * r / 8;
         const int q6 = ((record[0] | record[1] << 8) >> (6 * r % 8)) & 63;  /* 6-bit two's complement */
         return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r] * (float)(q6 < 32 ? q6 : q6 - 64);
     }

@@ -45,7 +45,8 @@ _SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q4_K
                  "Q6_K": (1, 1)}
 # The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
 _HEADER_FIELDS = {"Q4_K": (2, 2), "Q5_K": (2, 2), "Q6_K": (2,)}
-_BYTE_QUANTS = ("Q8_0", "Q5_0", "Q5_K")  # a byte a quant in the panels
+_BYTE_QUANTS = ("Q8_0", "Q5_0")  # a byte a quant in the panels
+_PACKED_BITS = {"Q5_K": 5, "Q6_K": 6}  # quants packed side by side in the panels (Q6_K's two's complement)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -137,7 +138,7 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
         rows, header = _AS_BLOCKS_OF_32[qtype](rows)
     n = rows.shape[0]
     bb = lib.quant_linear_panel_block_bytes(KERNEL_TYPE[qtype]) // nr  # a row's bytes of 32 values
-    if qtype == "Q6_K":  # its quants a byte each until they are packed to 6 bits below
+    if qtype in _PACKED_BITS:  # its quants a byte each until they are packed below
         bb = sum(_SCALE_FIELDS[qtype]) + QK
     nb = rows.shape[1] // bb
     panels = -(-n // nr)
@@ -151,10 +152,10 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     start = sum(_SCALE_FIELDS[qtype])
     if qtype in _BYTE_QUANTS:
         quants = blocks[..., start:].transpose(2, 3).reshape(panels, nb, QK * nr)  # [P, nb, 32 k x 16 rows]
-    elif qtype == "Q6_K":  # a k's 16 rows as 6-bit two's complement side by side: row r at bits 6r to 6r + 5
-        values = (blocks[..., start:] & 0x3F).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
-        a, b, c, d = values.reshape(panels, nb, QK, nr // 4, 4).unbind(-1)  # 4 rows in 3 bytes (uint8 shifts wrap)
-        quants = torch.stack([a | (b << 6), (b >> 2) | (c << 4), (c >> 4) | (d << 2)], dim=-1).reshape(panels, nb, -1)
+    elif qtype in _PACKED_BITS:
+        bits = _PACKED_BITS[qtype]
+        values = blocks[..., start:] & ((1 << bits) - 1)  # [P, nb, 16 rows, 32 k]
+        quants = _packed(values.transpose(2, 3), bits).reshape(panels, nb, -1)  # [P, nb, 32 k x 2 bits bytes]
     else:
         qs = blocks[..., start:]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
         values = torch.cat([qs & 0xF, qs >> 4], dim=-1).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
@@ -167,6 +168,21 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
         per_panel = padded.view(panels, nr, -1, hb).transpose(1, 2)  # [P, S, 16 rows, hb]
         parts.append(torch.cat(_side_by_side(per_panel, _HEADER_FIELDS[qtype]), dim=-1).reshape(panels, -1))
     return torch.cat(parts, dim=1)
+
+
+def _packed(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """`bits`-bit values [..., 16 rows] (uint8) -> [..., 2 * bits] bytes: row r at bits r * bits to r * bits + bits - 1
+    (little-endian), each 8 rows in `bits` bytes."""
+    rows = values.reshape(*values.shape[:-1], -1, 8)  # [..., 2, 8]
+    out = []
+    for i in range(bits):  # byte i of 8 rows: their bits 8i to 8i + 7
+        byte = torch.zeros_like(rows[..., 0])
+        for j in range(8):
+            at = bits * j - 8 * i  # where row j's bit 0 falls in byte i (uint8 shifts drop what falls outside)
+            if -bits < at < 8:
+                byte |= rows[..., j] << at if at >= 0 else rows[..., j] >> -at
+        out.append(byte)
+    return torch.stack(out, dim=-1).reshape(*values.shape[:-1], -1)
 
 
 def _side_by_side(fields: torch.Tensor, widths: tuple[int, ...]) -> list[torch.Tensor]:
