@@ -2,9 +2,9 @@
 
 The GGUF is made here: the embedded SmolLM2's fields and tokenizer with a larger body (by default Llama-3.2-1B's:
 16 layers of 2,048, 8,192 in the MLP, 32 query and 8 KV heads; 1.07B weights on SmolLM2's 49,152-token
-vocabulary) whose tensors are random K-type blocks as llama-quantize's Q4_K_M lays them out (Q4_K, Q6_K for the
-MLP's down projections and the tied embedding). Each pagedserve phase runs in a child process of its own, so its
-peak resident memory (VmHWM) is its own:
+vocabulary) whose tensors are random K-type blocks as llama-quantize's Q4_K_M lays them out (Q4_K, Q6_K for v,
+the MLP's down projections and the tied embedding), or with `--mix Q5_K_M` its Q5_K_M (Q5_K where Q4_K_M has
+Q4_K). Each pagedserve phase runs in a child process of its own, so its peak resident memory (VmHWM) is its own:
 
 - convert: the GGUF into the cache directory the engine loads (fresh cache);
 - start: `LLM(gguf)` from that cache, then one greedy request of 16 tokens (the resident memory after it, the
@@ -14,8 +14,10 @@ peak resident memory (VmHWM) is its own:
 The children import the `pagedserve` that PYTHONPATH (or the install) gives, so a checkout of another commit can
 be measured with the same script:
 
-  python benchmarks/gguf_memory.py --llama-server
+  python benchmarks/gguf_memory.py --llama-server [--mix Q5_K_M] [--keep DIR]
   PYTHONPATH=/path/to/other/checkout python benchmarks/gguf_memory.py
+
+`--keep DIR` leaves the GGUF in DIR, for `throughput.py --model DIR/<file>` on the same weights.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ cached_gguf_dir(Path(sys.argv[1]), cache_root=Path(sys.argv[2]))
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
+# Each tensor's type where llama-quantize's mix differs: v, the down projections and the table Q6_K, the rest
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+
 # pagedserve is imported before throughput.py, which puts this checkout first on the path: the child measures the
 # pagedserve that PYTHONPATH (or the install) gives.
 _START = """
@@ -65,8 +70,9 @@ def memory(status: str) -> dict:
 
 
 def child(code: str, *args: str, env: dict | None = None) -> tuple[dict, int]:
-    """Run `code` in a fresh interpreter; its JSON line and its peak resident bytes."""
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, env=env, text=True)
+    """Run `code` in a fresh interpreter; its JSON line and its peak resident bytes. With -P the working directory
+    is not put first on its path, so a checkout run from measures the pagedserve PYTHONPATH names."""
+    proc = subprocess.Popen([sys.executable, "-P", "-c", code, *args], stdout=subprocess.PIPE, env=env, text=True)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage: its peak resident memory
     if exit_code := os.waitstatus_to_exitcode(status):
@@ -74,7 +80,8 @@ def child(code: str, *args: str, env: dict | None = None) -> tuple[dict, int]:
     return json.loads(out.strip().splitlines()[-1]), usage.ru_maxrss * 1024
 
 
-def make_gguf(out: Path, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int) -> Path:
+def make_gguf(out: Path, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+              mix: str = "Q4_K_M") -> Path:
     """The embedded GGUF's fields (tokenizer, chat template) with a body of this shape, random K-type blocks."""
     import gguf
     import torch
@@ -104,9 +111,10 @@ def make_gguf(out: Path, layers: int, hidden: int, intermediate: int, heads: int
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", torch.ones(hidden).numpy())
         writer.add_tensor(p + "ffn_norm.weight", torch.ones(hidden).numpy())
-        for name, n, k, qtype in (("attn_q", hidden, hidden, "Q4_K"), ("attn_k", kv, hidden, "Q4_K"),
-                                  ("attn_v", kv, hidden, "Q6_K"), ("attn_output", hidden, hidden, "Q4_K"),
-                                  ("ffn_gate", intermediate, hidden, "Q4_K"), ("ffn_up", intermediate, hidden, "Q4_K"),
+        main = MIXES[mix]
+        for name, n, k, qtype in (("attn_q", hidden, hidden, main), ("attn_k", kv, hidden, main),
+                                  ("attn_v", kv, hidden, "Q6_K"), ("attn_output", hidden, hidden, main),
+                                  ("ffn_gate", intermediate, hidden, main), ("ffn_up", intermediate, hidden, main),
                                   ("ffn_down", hidden, intermediate, "Q6_K")):
             add(p + name + ".weight", n, k, qtype)
     writer.write_header_to_file()
@@ -145,12 +153,16 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--mix", choices=sorted(MIXES), default="Q4_K_M", help="llama-quantize's type mix to lay out")
+    p.add_argument("--keep", type=Path, help="write the GGUF into this directory and leave it there")
     p.add_argument("--llama-server", action="store_true", help="also llama.cpp's llama-server on the same file")
     args = p.parse_args()
     mib = 2**20
     with tempfile.TemporaryDirectory(prefix="gguf-memory-") as d:
-        path = make_gguf(Path(d) / "body.Q4_K_M.gguf", args.layers, args.hidden, args.intermediate, args.heads,
-                         args.kv_heads)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+        path = make_gguf((args.keep or Path(d)) / f"body.{args.mix}.gguf", args.layers, args.hidden,
+                         args.intermediate, args.heads, args.kv_heads, args.mix)
         print(f"GGUF: {path.stat().st_size / mib:,.0f} MiB")
         cache = Path(d) / "cache"
         converted, peak = child(_CONVERT, str(path), str(cache))

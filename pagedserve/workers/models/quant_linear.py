@@ -6,7 +6,7 @@ bf16 or fp16 checkpoint's weights, widened to fp32 on load, are held as the 16-b
 panels): the kernel widens them back to the same floats, so the model computes the same bits from half the bytes.
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
-blocks 4.5 to 8.6. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
+blocks 4.5 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
 wrote as fp32 (each block's scale factored out of its sum), so it computes the same model. The embedding table
 is looked up in panels too (`QuantLinear.rows`: the same floats as the fp32 table), the tied LM head's where it
 has one, so no fp32 copy of it is held.
