@@ -3,8 +3,9 @@
 The GGUF is made here: the embedded SmolLM2's fields and tokenizer with a larger body (by default Llama-3.2-1B's:
 16 layers of 2,048, 8,192 in the MLP, 32 query and 8 KV heads; 1.07B weights on SmolLM2's 49,152-token
 vocabulary) whose tensors are random K-type blocks as llama-quantize's Q4_K_M lays them out (Q4_K, Q6_K for v,
-the MLP's down projections and the tied embedding), or with `--mix Q5_K_M` its Q5_K_M (Q5_K where Q4_K_M has
-Q4_K). Each pagedserve phase runs in a child process of its own, so its peak resident memory (VmHWM) is its own:
+the MLP's down projections and the tied embedding), or with `--mix` another of its mixes (`MIXES`: Q5_K_M, Q5_K
+where Q4_K_M has Q4_K; Q3_K_M, Q3_K with v and the output and down projections Q4_K; IQ4_XS, IQ4_XS with the
+table Q6_K). Each pagedserve phase runs in a child process of its own, so its peak resident memory (VmHWM) is its own:
 
 - convert: the GGUF into the cache directory the engine loads (fresh cache);
 - start: `LLM(gguf)` from that cache, then one greedy request of 16 tokens (the resident memory after it, the
@@ -14,7 +15,7 @@ Q4_K). Each pagedserve phase runs in a child process of its own, so its peak res
 The children import the `pagedserve` that PYTHONPATH (or the install) gives, so a checkout of another commit can
 be measured with the same script:
 
-  python benchmarks/gguf_memory.py --llama-server [--mix Q5_K_M] [--keep DIR]
+  python benchmarks/gguf_memory.py --llama-server [--mix Q5_K_M|Q3_K_M|IQ4_XS] [--keep DIR]
   PYTHONPATH=/path/to/other/checkout python benchmarks/gguf_memory.py
 
 `--keep DIR` leaves the GGUF in DIR, for `throughput.py --model DIR/<file>` on the same weights.
@@ -44,8 +45,13 @@ cached_gguf_dir(Path(sys.argv[1]), cache_root=Path(sys.argv[2]))
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
-# Each tensor's type where llama-quantize's mix differs: v, the down projections and the table Q6_K, the rest
-MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+# Each layer tensor's type in llama-quantize's mixes (its first layers' extra bits left out); the tied table is Q6_K
+# in every one
+_LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+MIXES = {"Q4_K_M": dict.fromkeys(_LAYER_TENSORS, "Q4_K") | {"attn_v": "Q6_K", "ffn_down": "Q6_K"},
+         "Q5_K_M": dict.fromkeys(_LAYER_TENSORS, "Q5_K") | {"attn_v": "Q6_K", "ffn_down": "Q6_K"},
+         "Q3_K_M": dict.fromkeys(_LAYER_TENSORS, "Q3_K") | dict.fromkeys(("attn_v", "attn_output", "ffn_down"), "Q4_K"),
+         "IQ4_XS": dict.fromkeys(_LAYER_TENSORS, "IQ4_XS")}
 
 # pagedserve is imported before throughput.py, which puts this checkout first on the path: the child measures the
 # pagedserve that PYTHONPATH (or the install) gives.
@@ -111,12 +117,10 @@ def make_gguf(out: Path, layers: int, hidden: int, intermediate: int, heads: int
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", torch.ones(hidden).numpy())
         writer.add_tensor(p + "ffn_norm.weight", torch.ones(hidden).numpy())
-        main = MIXES[mix]
-        for name, n, k, qtype in (("attn_q", hidden, hidden, main), ("attn_k", kv, hidden, main),
-                                  ("attn_v", kv, hidden, "Q6_K"), ("attn_output", hidden, hidden, main),
-                                  ("ffn_gate", intermediate, hidden, main), ("ffn_up", intermediate, hidden, main),
-                                  ("ffn_down", hidden, intermediate, "Q6_K")):
-            add(p + name + ".weight", n, k, qtype)
+        for name, n, k in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                           ("attn_output", hidden, hidden), ("ffn_gate", intermediate, hidden),
+                           ("ffn_up", intermediate, hidden), ("ffn_down", hidden, intermediate)):
+            add(p + name + ".weight", n, k, MIXES[mix][name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -35,8 +35,10 @@ pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), 
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
 # F32: any fp32 checkpoint's weights, through the same kernel; BF16, F16: a 16-bit checkpoint's
-QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "BF16", "F16"]
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F32", "BF16", "F16"]
+K_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+# Types gguf cannot quantize to: random blocks, each one llama.cpp could write
+RANDOM_BLOCKS = (*K_TYPES, "IQ4_NL")
 
 
 def _width(qtype: str, k: int) -> int:
@@ -58,15 +60,21 @@ def _random_q4_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.01, 
 
 def _random_k_type(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
     scaled = {} if scale is None else {"scale": scale}
-    if qtype == "Q6_K":
-        return _random_q6_k(n, k, rng, **scaled)
+    if qtype in _D_AT:
+        return _random_blocks(qtype, n, k, rng, **scaled)
     return _random_q4_k(n, k, rng, size=144 if qtype == "Q4_K" else 176, **scaled)
 
 
-def _random_q6_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
-    """Q6_K rows [n, k / 256 * 210]: random 6-bit quants and int8 scales under a random fp16 d of about `scale`."""
-    blocks = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
-    blocks[..., 208:210] = (rng.standard_normal((n, k // 256, 1)) * scale).astype(np.float16).view(np.uint8)
+# Where the one fp16 d of a block of these types lies: Q6_K's and Q3_K's after their quants and scales
+_D_AT = {"Q6_K": slice(208, 210), "Q3_K": slice(108, 110), "IQ4_XS": slice(0, 2), "IQ4_NL": slice(0, 2)}
+
+
+def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
+    """Rows [n, k / values * bytes] of `qtype` (one fp16 d a block, `_D_AT`): random quants and scales under a random
+    d of about `scale`."""
+    values, size = quant_linear.BLOCKS[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    blocks[..., _D_AT[qtype]] = (rng.standard_normal((n, k // values, 1)) * scale).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -74,7 +82,7 @@ def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, tor
     """GGUF rows [n, k / 32 blocks] of a random matrix, and gguf's own fp32 dequantization of them (plain
     types: the matrix rounded to the type, and its values widened to fp32)."""
     rng = np.random.default_rng(seed)
-    if qtype in K_TYPES:  # gguf cannot quantize to them
+    if qtype in RANDOM_BLOCKS:
         rows = _random_k_type(qtype, n, k, rng)
         return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[qtype]))
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -106,7 +114,8 @@ def test_panels_repacked_in_chunks_are_those_repacked_at_once(qtype, monkeypatch
 
 
 # Bits a weight as held: the scales as bytes beside a fp16 header, the quants packed (Q6_K's the file's own size)
-@pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4.625), ("Q6_K", 6.5625), ("Q5_K", 5.625)])
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4.625), ("Q6_K", 6.5625), ("Q5_K", 5.625), ("Q3_K", 3.5625),
+                                             ("IQ4_XS", 4.3125)])
 def test_k_type_panels_hold_their_bits(qtype, bits):
     n, k = 32, 512
     layer = QuantLinear(_quantized(n, k, qtype, seed=4)[0], qtype, k, None)
@@ -344,11 +353,25 @@ def test_16_bit_panels_give_the_fp32_panels_bits_from_half_the_bytes(qtype):
         assert torch.equal(narrow(x), wide(x)), m
 
 
+def _iq4_nl(values: np.ndarray) -> np.ndarray:
+    """fp32 [n, k] -> IQ4_NL rows [n, k / 32 * 18] (which gguf cannot quantize to): each 32 values' d their largest
+    magnitude over 127, each value the nearest of d times the type's table."""
+    from gguf.quants import IQ4_NL
+
+    table = np.array(IQ4_NL.kvalues, dtype=np.float32)
+    blocks = values.reshape(-1, 32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / 127).astype(np.float16)  # [B, 1]
+    q = np.abs(blocks[..., None] - d.astype(np.float32)[..., None] * table).argmin(axis=-1).astype(np.uint8)
+    packed = q[:, :16] | (q[:, 16:] << 4)  # value j in byte j's low nibble, j + 16 in its high one
+    return np.concatenate([d.view(np.uint8), packed], axis=-1).reshape(values.shape[0], -1)
+
+
 def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path, monkeypatch):
-    """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q4_K, Q5_K and Q6_K
-    (random blocks, in turn), and half its gate and v projections as Q5_0 (requantized: 576 inputs, no K-type
-    fits) beside Q4_1 up, q and k projections: the engine runs them on their blocks, fused parts of two types
-    too, in one native call a step, and its tokens are those of their fp32 dequantization."""
+    """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q3_K, Q4_K, Q5_K,
+    Q6_K and IQ4_XS (random blocks, in turn), a third of its output projections as IQ4_NL, and half its gate and v
+    projections as Q5_0 (both requantized: 576 inputs, no K-type fits) beside Q4_1 up, q and k projections: the
+    engine runs them on their blocks, fused parts of two types too, in one native call a step, and its tokens are
+    those of their fp32 dequantization."""
     from benchmarks.throughput import rewritten_gguf
     from pagedserve.workers.gguf import embedded_model_gguf
 
@@ -358,9 +381,11 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
     def k_types(tensor):
         layer = int(tensor.name.split(".")[1]) if tensor.name.startswith("blk.") else -1
         if tensor.name.endswith("ffn_down.weight"):
-            qtype = K_TYPES[layer % 3]
+            qtype = K_TYPES[layer % len(K_TYPES)]
             n, k = tensor.data.shape[0], int(tensor.n_elements) // tensor.data.shape[0]
             return _random_k_type(qtype, n, k, rng, scale=1e-4), GGMLQuantizationType[qtype]
+        if tensor.name.endswith("attn_output.weight") and layer % 3 == 0:
+            return _iq4_nl(gguf_dequantize(tensor.data, tensor.tensor_type)), GGMLQuantizationType.IQ4_NL
         # Mixed parts, as llama-quantize's _M mixes make them: v beside Q4_1 q and k, gate beside a Q4_1 up
         if (tensor.name.endswith("ffn_gate.weight") and layer % 2 == 0) or (
                 tensor.name.endswith("attn_v.weight") and layer % 2):
@@ -369,7 +394,8 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
         return None
 
     path = rewritten_gguf(embedded_model_gguf(), tmp_path / "k-types.gguf", k_types)
-    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"},
+    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+                                                 "Q8_0"},
                                     ["The capital of France is", "def fibonacci(n):"], 16, mixed_parts=True)
 
 

@@ -32,7 +32,7 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump whenever the produced directory changes meaning (names, dtype, files), so that caches written by an
 # older converter are not silently reused.
-CONVERTER_VERSION = 6
+CONVERTER_VERSION = 7
 
 # Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
 MANIFEST_NAME = "pagedserve_gguf.json"

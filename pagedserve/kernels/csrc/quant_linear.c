@@ -1,11 +1,13 @@
-/* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, K-types) and
- * dequantized in the kernel: decode steps stream 4.5 to 8.5 bits per weight instead of fp32's 32. Q4_K's
+/* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, K-types, IQ4) and
+ * dequantized in the kernel: decode steps stream 3.6 to 8.5 bits per weight instead of fp32's 32. Q4_K's
  * 256-value super-blocks come as 32-value ones, each with its sub-block's 6-bit scale and min as bytes, and the
  * super-block's fp16 d and dmin in a header region after the panel's blocks; a block's fp32 scale and min are
  * formed in registers (d * scale, -(dmin * min): exact products): 4.6 bits per weight. Q6_K's come as 32-value
  * blocks of 6-bit quants (q - 32 in two's complement) with the int8 scales of their two 16-value halves, and the
- * fp16 d in the header: 6.6 bits. Q5_K's as Q4_K's, with 5-bit quants: 5.6 bits. (Q5_0 comes as Q8_0: its quants
- * less 16, a byte each.)
+ * fp16 d in the header: 6.6 bits. Q5_K's as Q4_K's, with 5-bit quants: 5.6 bits. Q3_K's as Q6_K's, with 3-bit
+ * quants (q - 4 where its high bit is clear): 3.6 bits. IQ4_NL's blocks are Q4_0's whose quants index a table of 16
+ * values (`IQ4_VALUES`) instead of being less 8; IQ4_XS's come as IQ4_NL's with an int8 sub-block scale instead of
+ * the fp16 d, which is in the header: 4.3 bits. (Q5_0 comes as Q8_0: its quants less 16, a byte each.)
  * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
@@ -50,12 +52,20 @@
 #include <string.h>
 
 /* F32, BF16, F16: plain weights in the same panels (d = 1), as fp32 or as 16-bit values each exactly is */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7, Q5_K = 8 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7, Q5_K = 8, Q3_K = 9, IQ4_NL = 10,
+       IQ4_XS = 11 };
 #define PLAIN(qtype) ((qtype) == F32 || (qtype) == BF16 || (qtype) == F16)
 #define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K)  /* w = d q + m: x's block sums */
-/* The K-types: per block, the 16 rows' 8-bit sub-block scales (Q4_K, Q5_K: then their mins; Q6_K: one for each
- * 16-value half), their super-block's fp16 d (and dmin) in the panel's header region, one per 256 values. */
-#define K_TYPE(qtype) ((qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q6_K)
+/* The K-types: per block, the 16 rows' 8-bit sub-block scales (Q4_K, Q5_K: then their mins; Q6_K, Q3_K: one for each
+ * 16-value half, `HALVES`; IQ4_XS: a signed one), their super-block's fp16 d (and dmin) in the panel's header region,
+ * one per 256 values. */
+#define K_TYPE(qtype) \
+    ((qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q6_K || (qtype) == Q3_K || (qtype) == IQ4_XS)
+#define HALVES(qtype) ((qtype) == Q6_K || (qtype) == Q3_K)
+#define SIGNED_SCALES(qtype) (HALVES(qtype) || (qtype) == IQ4_XS)  /* int8 sub-block scales; Q4_K's, Q5_K's unsigned */
+/* IQ4_NL's and IQ4_XS's 4-bit quants index this table of values (llama.cpp's kvalues_iq4nl) */
+#define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+#define LOOKUP(qtype) ((qtype) == IQ4_NL || (qtype) == IQ4_XS)
 
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
@@ -78,6 +88,9 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q4_K: return 2 * NR + QK * NR / 2;  /* the 16 rows' 6-bit scales, their mins, then Q4_1's quants */
     case Q6_K: return 2 * NR + QK * NR * 6 / 8;  /* the 16 rows' int8 scales of each half, then 6-bit quants */
     case Q5_K: return 2 * NR + QK * NR * 5 / 8;  /* the 16 rows' 6-bit scales, their mins, then 5-bit quants */
+    case Q3_K: return 2 * NR + QK * NR * 3 / 8;  /* Q6_K's with 3-bit quants */
+    case IQ4_NL: return 2 * NR + QK * NR / 2;  /* Q4_0's, the quants indexing `iq4_values` */
+    case IQ4_XS: return NR + QK * NR / 2;  /* the 16 rows' int8 scales, then IQ4_NL's quants */
     case F32: return QK * NR * (int64_t)sizeof(float);
     case BF16:
     case F16: return QK * NR * 2;
@@ -88,7 +101,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
 /* Bytes of a panel's header for one 256-value super-block of a K-type: the 16 rows' fp16 d (then their dmin), after
  * all of the panel's blocks; 0 for the other types. */
 int64_t quant_linear_panel_header_bytes(int qtype) {
-    return qtype == Q6_K ? 2 * NR : K_TYPE(qtype) ? 4 * NR : 0;
+    return HAS_MIN(qtype) && K_TYPE(qtype) ? 4 * NR : K_TYPE(qtype) ? 2 * NR : 0;
 }
 
 /* 0 where the kernel reads panels of `qtype` over K inputs; -1 when K is not a multiple of 32 (of 256 for the
@@ -145,15 +158,16 @@ static inline float block_sum(const float *x) {
 #define ROWS_12(X) ROWS_11(X) X(11)
 
 /* Every tile, for each row and each of its 16 columns: per K block, s = sum of x[k] * q[k] over the block's 32 k
- * in order from zero (q the quant as a float; Q4_0: q - 8; plain types: the weight, d = 1), then acc = fma(d, s, acc),
- * and for Q4_1, Q4_K and Q5_K acc = fma(m, sum(x over the block), acc) (`block_sum`, once per row and block:
- * `sx`). Q6_K's blocks have a d for each half: acc = fma(d of the first half, s, acc) after the 16th k, and s
+ * in order from zero (q the quant as a float; Q4_0: q - 8; IQ4: the table's value; plain types: the weight, d = 1),
+ * then acc = fma(d, s, acc), and for Q4_1, Q4_K and Q5_K acc = fma(m, sum(x over the block), acc) (`block_sum`, once
+ * per row and block: `sx`). Q6_K's and Q3_K's blocks have a d for each half: acc = fma(d of the first half, s, acc) after the 16th k, and s
  * starts again from zero (`HALF_END`). */
-/* Q6_K's and Q5_K's quants packed: a k's 16 rows side by side in 12 or 10 bytes, row r's at bits 6r to 6r + 5
- * (Q6_K: q - 32 in two's complement) or 5r to 5r + 4 (Q5_K: q). Each lane r picks the two bytes that hold its
- * quant into its top half (PACKED_PICK: byte shuffle indices), shifts it left until its top bit is the lane's
- * (PACKED_SHIFT), and back by 26 or 27 (arithmetically for Q6_K): the quant, in four operations with the
- * conversion to float. */
+/* Q6_K's, Q5_K's and Q3_K's quants packed: a k's 16 rows side by side in 12, 10 or 6 bytes, row r's at bits 6r to
+ * 6r + 5 (Q6_K: q - 32 in two's complement), 5r to 5r + 4 (Q5_K: q) or 3r to 3r + 2 (Q3_K: two's complement). Each
+ * lane r picks the two bytes that hold its quant into its top half (PACKED_PICK: byte shuffle indices), shifts it
+ * left until its top bit is the lane's (PACKED_SHIFT), and back by 32 less the bits (arithmetically for the signed
+ * ones): the quant, in four operations with the conversion to float. A k's record is read 16 bytes at a time: past
+ * the last k's lie the panel's header region (K-types) or the next block. */
 #define PACKED_RECORD(bits) (NR * (bits) / 8)
 #define PACKED_PICK(bits, r) (((bits) * (r) / 8) * 0x00010101 + ((bits) * (r) / 8 + 1) * 0x01000000)
 #define PACKED_SHIFT(bits, r) (16 - (bits) - (bits) * (r) % 8)
@@ -179,14 +193,14 @@ static inline __m512 neg16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000)));
 }
 /* A block's 16 scales and mins (rows 0-15): fp16 in GGUF's own types; in the K-types' the exact fp32 products of the
- * super-block's d (at hd) and the block's 8-bit scale (Q6_K's of its second half; `halves16`: of its first), and
+ * super-block's d (at hd) and the block's 8-bit scale (`HALVES`: of its second half; `halves16`: of its first), and
  * -(dmin * the 6-bit min); 1 and 0 for plain ones. */
 static inline __m512 scales16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : K_TYPE(qtype)
-         ? _mm512_mul_ps(half16(hd), bytes16(p + (qtype == Q6_K ? NR : 0), qtype == Q6_K)) : half16(p);
+         ? _mm512_mul_ps(half16(hd), bytes16(p + (HALVES(qtype) ? NR : 0), SIGNED_SCALES(qtype))) : half16(p);
 }
 static inline __m512 halves16(const uint8_t *p, const uint8_t *hd, int qtype) {
-    return qtype == Q6_K ? _mm512_mul_ps(half16(hd), bytes16(p, 1)) : _mm512_setzero_ps();
+    return HALVES(qtype) ? _mm512_mul_ps(half16(hd), bytes16(p, 1)) : _mm512_setzero_ps();
 }
 static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return qtype == Q4_1 ? half16(p + 2 * NR)
@@ -202,13 +216,13 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
  * index's low 4 bits only, so the bits above it need no masking): two operations where the zero-extend-and-
  * convert took seven, which left Q4 layers bounded by the arithmetic rather than the memory. */
 #define NIBBLE_SHIFTS _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 4, 12, 20, 28, 36, 44, 52, 60)
-#define NIBBLES_AS(k, first) \
+#define NIBBLES_AS(k, ...) \
     const __m512 q0 = _mm512_permutexvar_ps( \
         _mm512_multishift_epi64_epi8(NIBBLE_SHIFTS, _mm512_set1_epi64(*(const int64_t *)(q + NR / 2 * (k)))), \
-        _mm512_setr_ps(first, first + 1, first + 2, first + 3, first + 4, first + 5, first + 6, first + 7, \
-                       first + 8, first + 9, first + 10, first + 11, first + 12, first + 13, first + 14, first + 15));
-#define QUANTS_Q40(k) NIBBLES_AS(k, -8.0f)
-#define QUANTS_Q41(k) NIBBLES_AS(k, 0.0f)
+        _mm512_setr_ps(__VA_ARGS__));
+#define QUANTS_Q40(k) NIBBLES_AS(k, -8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+#define QUANTS_Q41(k) NIBBLES_AS(k, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define QUANTS_IQ4(k) NIBBLES_AS(k, IQ4_VALUES)
 #else
 #define NIBBLES(k) \
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
@@ -216,6 +230,9 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
 #define QUANTS_Q40(k) NIBBLES(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(n_), _mm512_set1_epi32(8)));
 #define QUANTS_Q41(k) NIBBLES(k) const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n_));
+/* IQ4's values looked up by a byte shuffle */
+#define QUANTS_IQ4(k) NIBBLES(k) \
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_setr_epi8(IQ4_VALUES), n_)));
 #endif
 /* A k's record in every 128-bit lane (a byte shuffle reads its own lane) */
 #define PACKED_QUANTS(k, bits, shift_back) \
@@ -232,6 +249,7 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
         PACKED_SHIFT(bits, 12), PACKED_SHIFT(bits, 13), PACKED_SHIFT(bits, 14), PACKED_SHIFT(bits, 15))), 32 - (bits)));
 #define QUANTS_Q6(k) PACKED_QUANTS(k, 6, _mm512_srai_epi32)
 #define QUANTS_Q5(k) PACKED_QUANTS(k, 5, _mm512_srli_epi32)
+#define QUANTS_Q3(k) PACKED_QUANTS(k, 3, _mm512_srai_epi32)
 #define QUANTS_Q8(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
 #define QUANTS_F32(k) const __m512 q0 = _mm512_loadu_ps((const float *)q + NR * (k));
@@ -270,11 +288,11 @@ static inline __m256 neg8(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.
 /* Rows 8 h to 8 h + 7 of a block's scales and mins, as `scales16` and the others form them. */
 static inline __m256 scales8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
     return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : K_TYPE(qtype)
-         ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + (qtype == Q6_K ? NR : 0) + 8 * h, qtype == Q6_K))
+         ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + (HALVES(qtype) ? NR : 0) + 8 * h, SIGNED_SCALES(qtype)))
          : half8(p + 16 * h);
 }
 static inline __m256 halves8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
-    return qtype == Q6_K ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + 8 * h, 1)) : _mm256_setzero_ps();
+    return HALVES(qtype) ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + 8 * h, 1)) : _mm256_setzero_ps();
 }
 static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
     return qtype == Q4_1 ? half8(p + 2 * NR + 16 * h)
@@ -305,6 +323,14 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
     const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v_, low4))); \
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v_, 4), low4)));
+/* IQ4's values looked up by a byte shuffle */
+#define QUANTS_IQ4(k) \
+    const __m128i v_ = _mm_loadl_epi64((const __m128i *)(q + NR / 2 * (k))); \
+    const __m128i i_ = _mm_shuffle_epi8(_mm_setr_epi8(IQ4_VALUES), \
+                                        _mm_unpacklo_epi64(_mm_and_si128(v_, low4), \
+                                                           _mm_and_si128(_mm_srli_epi16(v_, 4), low4))); \
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i_)); \
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(i_, 8)));
 #define PACKED_HALF(v, bits, r, shift_back) _mm256_cvtepi32_ps(shift_back(_mm256_sllv_epi32( \
     _mm256_shuffle_epi8(v, _mm256_setr_epi32(PACKED_PICK(bits, r), PACKED_PICK(bits, r + 1), \
         PACKED_PICK(bits, r + 2), PACKED_PICK(bits, r + 3), PACKED_PICK(bits, r + 4), PACKED_PICK(bits, r + 5), \
@@ -318,6 +344,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
     const __m256 q0 = PACKED_HALF(v_, bits, 0, shift_back), q1 = PACKED_HALF(v_, bits, 8, shift_back);
 #define QUANTS_Q6(k) PACKED_QUANTS(k, 6, _mm256_srai_epi32)
 #define QUANTS_Q5(k) PACKED_QUANTS(k, 5, _mm256_srli_epi32)
+#define QUANTS_Q3(k) PACKED_QUANTS(k, 3, _mm256_srai_epi32)
 #define QUANTS_F32(k) \
     const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)); \
     const __m256 q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
@@ -345,10 +372,10 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
         if (wt) { STORE_QUANTS(k) } \
         STEP \
     }
-/* Two loops over a block's halves, so that Q6_K's step between them leaves the others' loops whole. */
+/* Two loops over a block's halves, so that Q6_K's and Q3_K's step between them leaves the others' loops whole. */
 #define BLOCK_LOOP(QUANTS, STEP, HALF) \
     HALF_LOOP(QUANTS, STEP, 0) \
-    if (qtype == Q6_K) { HALF } \
+    if (HALVES(qtype)) { HALF } \
     HALF_LOOP(QUANTS, STEP, QK / 2)
 #define TILE_FUSED(n) \
     static void tile_fused_##n(const float *x, int64_t ldx, const uint8_t *p, int qtype, int64_t K, \
@@ -372,6 +399,12 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
             } else if (qtype == Q5_K) { \
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q5, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
+            } else if (qtype == Q3_K) { \
+                const uint8_t *q = p + 2 * NR; \
+                BLOCK_LOOP(QUANTS_Q3, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
+            } else if (LOOKUP(qtype)) { \
+                const uint8_t *q = p + (qtype == IQ4_XS ? 1 : 2) * NR; \
+                BLOCK_LOOP(QUANTS_IQ4, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (HAS_MIN(qtype)) { \
                 const uint8_t *q = p + (qtype == Q4_K ? 2 : 4) * NR; \
                 BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
@@ -411,7 +444,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
                 LOAD_QUANTS(k) \
                 ROWS_##n(SUM_STEP) \
             } \
-            if (qtype == Q6_K) { ROWS_##n(HALF_END) } \
+            if (HALVES(qtype)) { ROWS_##n(HALF_END) } \
             for (int kk = QK / 2; kk < QK; kk++) { \
                 const int64_t k = b * QK + kk; \
                 LOAD_QUANTS(k) \
@@ -468,7 +501,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
                 const __m512 q0 = _mm512_loadu_ps(wt + k * NR), q1 = _mm512_loadu_ps(wt2 + k * NR); \
                 ROWS_##n(SUM2_STEP) \
             } \
-            if (qtype == Q6_K) { ROWS_##n(HALF2_END) } \
+            if (HALVES(qtype)) { ROWS_##n(HALF2_END) } \
             for (int kk = QK / 2; kk < QK; kk++) { \
                 const int64_t k = b * QK + kk; \
                 const __m512 q0 = _mm512_loadu_ps(wt + k * NR), q1 = _mm512_loadu_ps(wt2 + k * NR); \
@@ -622,6 +655,7 @@ static inline float float_at(const uint8_t *p) { float f; memcpy(&f, p, sizeof f
 /* Row r's weight k (of 32) in the (panel, K block) at p (hd: its super-block's header, K-types): the fp32 weight
  * the products above are taken with, as gguf's dequantization forms it (d * q, or d * q + m; d * q is exact, and so
  * is a K-type's d * sc, so there is one rounding at most). */
+static const int8_t iq4_values[16] = {IQ4_VALUES};
 static inline int nibble_at(const uint8_t *q, int r, int k) {  /* row r's 4-bit quant k in packed quants q */
     return (q[NR / 2 * k + r % (NR / 2)] >> (r < NR / 2 ? 0 : 4)) & 15;
 }
@@ -638,11 +672,16 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
         const int q5 = ((record[0] | record[1] << 8) >> (5 * r % 8)) & 31;
         return half_at(hd + 2 * r) * (float)p[r] * (float)q5 + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
     }
-    case Q6_K: {
-        const uint8_t *record = p + 2 * NR + PACKED_RECORD(6) * k + 6 * r / 8;
-        const int q6 = ((record[0] | record[1] << 8) >> (6 * r % 8)) & 63;  /* 6-bit two's complement */
-        return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r] * (float)(q6 < 32 ? q6 : q6 - 64);
+    case Q6_K:
+    case Q3_K: {
+        const int bits = qtype == Q6_K ? 6 : 3;
+        const uint8_t *record = p + 2 * NR + PACKED_RECORD(bits) * k + bits * r / 8;
+        const int qb = ((record[0] | record[1] << 8) >> (bits * r % 8)) & ((1 << bits) - 1);  /* two's complement */
+        return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r]
+             * (float)(qb < 1 << (bits - 1) ? qb : qb - (1 << bits));
     }
+    case IQ4_NL: return half_at(p + 2 * r) * (float)iq4_values[nibble_at(p + 2 * NR, r, k)];
+    case IQ4_XS: return half_at(hd + 2 * r) * (float)(int8_t)p[r] * (float)iq4_values[nibble_at(p + NR, r, k)];
     case F32: return float_at(p + 4 * (NR * k + r));
     case BF16: {
         const uint32_t bits = (uint32_t)(p[2 * (NR * k + r)] | (p[2 * (NR * k + r) + 1] << 8)) << 16;
