@@ -10,7 +10,7 @@ it replaced, one run:
   weight, weights packed into oneDNN's layout, the GGUF-block kernel on Q4_1 layers and a Q8_0 LM head
   (the embedded GGUF's types), and the same kernel on the fp32 weights (what a checkpoint without GGUF
   blocks runs) and on them rounded to bf16 (what a bf16 checkpoint runs: its weights kept 16-bit); where every
-  layer's inputs are a multiple of 256 (Llama-3.2-1B's, not SmolLM2's), on Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS blocks too.
+  layer's inputs are a multiple of 256 (Llama-3.2-1B's, not SmolLM2's), on the K-types' and IQ4_XS blocks too.
 
   .venv/bin/python benchmarks/cpu_ops.py [--rows 16] [--context 400] [--prefill 1024] [--shape llama-3.2-1b]
                                         [--layers N]
@@ -121,7 +121,7 @@ def main() -> None:
         runs.append(("GGUF blocks (Q4_1, Q8_0 head)", step(blocks)))
         if all(w.shape[1] % 256 == 0 for w in weights):  # the K-types' blocks are 256 values: random ones (gguf
             # cannot quantize to them), timed as the kernel reads any
-            for qtype in ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
+            for qtype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
                 layers_k = [quant_linear.QuantLinear(random_k_blocks(*w.shape, qtype, gen), qtype, w.shape[1], None)
                             for w in weights]
                 runs.append((f"GGUF {qtype} blocks", step(layers_k)))
@@ -138,10 +138,10 @@ def main() -> None:
 
 
 def random_k_blocks(n: int, k: int, qtype: str, gen: torch.Generator, d: float = 0.01) -> torch.Tensor:
-    """Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS rows [n, k / 256 * block bytes]: random bytes under a small fp16 d (and
-    dmin): every such block is a valid one."""
-    size, scales = {"Q3_K": (110, slice(108, 110)), "Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)),
-                    "Q6_K": (210, slice(208, 210)), "IQ4_XS": (136, slice(0, 2))}[qtype]
+    """Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS rows [n, k / 256 * block bytes]: random bytes under a small fp16 d
+    (and dmin): every such block is a valid one."""
+    size, scales = {"Q2_K": (84, slice(80, 84)), "Q3_K": (110, slice(108, 110)), "Q4_K": (144, slice(0, 4)),
+                    "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210)), "IQ4_XS": (136, slice(0, 2))}[qtype]
     blocks = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen)
     count = (scales.stop - scales.start) // 2
     blocks[..., scales] = torch.full((n, k // 256, count), d, dtype=torch.float16).view(torch.uint8)

@@ -4,8 +4,9 @@ The GGUF is made here: the embedded SmolLM2's fields and tokenizer with a larger
 16 layers of 2,048, 8,192 in the MLP, 32 query and 8 KV heads; 1.07B weights on SmolLM2's 49,152-token
 vocabulary) whose tensors are random K-type blocks as llama-quantize's Q4_K_M lays them out (Q4_K, Q6_K for v,
 the MLP's down projections and the tied embedding), or with `--mix` another of its mixes (`MIXES`: Q5_K_M, Q5_K
-where Q4_K_M has Q4_K; Q3_K_M, Q3_K with v and the output and down projections Q4_K; IQ4_XS, IQ4_XS with the
-table Q6_K). Each pagedserve phase runs in a child process of its own, so its peak resident memory (VmHWM) is its own:
+where Q4_K_M has Q4_K; Q3_K_M, Q3_K with v and the output and down projections Q4_K; Q2_K, Q2_K with v and the
+down projections Q3_K; IQ4_XS, IQ4_XS with the table Q6_K). Each pagedserve phase runs in a child process of its
+own, so its peak resident memory (VmHWM) is its own:
 
 - convert: the GGUF into the cache directory the engine loads (fresh cache);
 - start: `LLM(gguf)` from that cache, then one greedy request of 16 tokens (the resident memory after it, the
@@ -15,7 +16,7 @@ table Q6_K). Each pagedserve phase runs in a child process of its own, so its pe
 The children import the `pagedserve` that PYTHONPATH (or the install) gives, so a checkout of another commit can
 be measured with the same script:
 
-  python benchmarks/gguf_memory.py --llama-server [--mix Q5_K_M|Q3_K_M|IQ4_XS] [--keep DIR]
+  python benchmarks/gguf_memory.py --llama-server [--mix Q5_K_M|Q3_K_M|Q2_K|IQ4_XS] [--keep DIR]
   PYTHONPATH=/path/to/other/checkout python benchmarks/gguf_memory.py
 
 `--keep DIR` leaves the GGUF in DIR, for `throughput.py --model DIR/<file>` on the same weights.
@@ -51,6 +52,7 @@ _LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_
 MIXES = {"Q4_K_M": dict.fromkeys(_LAYER_TENSORS, "Q4_K") | {"attn_v": "Q6_K", "ffn_down": "Q6_K"},
          "Q5_K_M": dict.fromkeys(_LAYER_TENSORS, "Q5_K") | {"attn_v": "Q6_K", "ffn_down": "Q6_K"},
          "Q3_K_M": dict.fromkeys(_LAYER_TENSORS, "Q3_K") | dict.fromkeys(("attn_v", "attn_output", "ffn_down"), "Q4_K"),
+         "Q2_K": dict.fromkeys(_LAYER_TENSORS, "Q2_K") | {"attn_v": "Q3_K", "ffn_down": "Q3_K"},
          "IQ4_XS": dict.fromkeys(_LAYER_TENSORS, "IQ4_XS")}
 
 # pagedserve is imported before throughput.py, which puts this checkout first on the path: the child measures the

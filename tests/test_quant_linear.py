@@ -35,8 +35,9 @@ pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), 
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
 # F32: any fp32 checkpoint's weights, through the same kernel; BF16, F16: a 16-bit checkpoint's
-QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F32", "BF16", "F16"]
-K_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F32", "BF16",
+          "F16"]
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # Types gguf cannot quantize to: random blocks, each one llama.cpp could write
 RANDOM_BLOCKS = (*K_TYPES, "IQ4_NL")
 
@@ -46,35 +47,21 @@ def _width(qtype: str, k: int) -> int:
     return -(-k // 256) * 256 if qtype in K_TYPES else k
 
 
-def _random_q4_k(n: int, k: int, rng: np.random.Generator, scale: float = 0.01, size: int = 144) -> np.ndarray:
-    """Q4_K rows [n, k / 256 * 144] (or Q5_K's, `size` 176): random 6-bit scales, mins and quants under random
-    fp16 d and dmin of about `scale` (gguf cannot quantize to the K-types; every such block is one llama.cpp
+# Where a block's fp16 fields lie: its d, or its d and dmin (the types with mins)
+_D_AT = {"Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
+         "Q6_K": slice(208, 210), "IQ4_XS": slice(0, 2), "IQ4_NL": slice(0, 2)}
+
+
+def _random_k_type(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
+    """Rows [n, k / values * bytes] of `qtype` (`_D_AT`): random quants, scales and mins under a random fp16 d (and
+    dmin, not negative) of about `scale` (gguf cannot quantize to these types; every such block is one llama.cpp
     could write)."""
-    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
-    scales = np.stack([rng.standard_normal((n, k // 256)), np.abs(rng.standard_normal((n, k // 256)))],
-                      axis=-1) * scale  # [n, blocks, (d, dmin)]
-    scales = scales.astype(np.float16)
-    blocks[..., 0:4] = scales.view(np.uint8)
-    return blocks.reshape(n, -1)
-
-
-def _random_k_type(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
-    scaled = {} if scale is None else {"scale": scale}
-    if qtype in _D_AT:
-        return _random_blocks(qtype, n, k, rng, **scaled)
-    return _random_q4_k(n, k, rng, size=144 if qtype == "Q4_K" else 176, **scaled)
-
-
-# Where the one fp16 d of a block of these types lies: Q6_K's and Q3_K's after their quants and scales
-_D_AT = {"Q6_K": slice(208, 210), "Q3_K": slice(108, 110), "IQ4_XS": slice(0, 2), "IQ4_NL": slice(0, 2)}
-
-
-def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
-    """Rows [n, k / values * bytes] of `qtype` (one fp16 d a block, `_D_AT`): random quants and scales under a random
-    d of about `scale`."""
     values, size = quant_linear.BLOCKS[qtype]
+    at = _D_AT[qtype]
     blocks = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
-    blocks[..., _D_AT[qtype]] = (rng.standard_normal((n, k // values, 1)) * scale).astype(np.float16).view(np.uint8)
+    fields = rng.standard_normal((n, k // values, (at.stop - at.start) // 2)) * scale  # [n, blocks, d (and dmin)]
+    fields[..., 1:] = np.abs(fields[..., 1:])
+    blocks[..., at] = fields.astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -115,7 +102,7 @@ def test_panels_repacked_in_chunks_are_those_repacked_at_once(qtype, monkeypatch
 
 # Bits a weight as held: the scales as bytes beside a fp16 header, the quants packed (Q6_K's the file's own size)
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4.625), ("Q6_K", 6.5625), ("Q5_K", 5.625), ("Q3_K", 3.5625),
-                                             ("IQ4_XS", 4.3125)])
+                                             ("Q2_K", 3.125), ("IQ4_XS", 4.3125)])
 def test_k_type_panels_hold_their_bits(qtype, bits):
     n, k = 32, 512
     layer = QuantLinear(_quantized(n, k, qtype, seed=4)[0], qtype, k, None)
@@ -218,7 +205,7 @@ def test_bad_inputs_are_named():
         QuantLinear(rows, "Q5_K", 64, None)
     with pytest.raises(ValueError, match="do not hold 96 values"):
         QuantLinear(rows, "Q4_1", 96, None)
-    q4_k = torch.from_numpy(_random_q4_k(16, 256, np.random.default_rng(0)))
+    q4_k = torch.from_numpy(_random_k_type("Q4_K", 16, 256, np.random.default_rng(0)))
     with pytest.raises(ValueError, match="do not hold 288 values"):  # Q4_K blocks are 256 values
         QuantLinear(torch.cat([q4_k, q4_k[:, :18]], dim=1), "Q4_K", 288, None)
     with pytest.raises(ValueError, match="fp32 CPU inputs"):
@@ -367,8 +354,8 @@ def _iq4_nl(values: np.ndarray) -> np.ndarray:
 
 
 def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path, monkeypatch):
-    """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q3_K, Q4_K, Q5_K,
-    Q6_K and IQ4_XS (random blocks, in turn), a third of its output projections as IQ4_NL, and half its gate and v
+    """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q2_K, Q3_K, Q4_K,
+    Q5_K, Q6_K and IQ4_XS (random blocks, in turn), a third of its output projections as IQ4_NL, and half its gate and v
     projections as Q5_0 (both requantized: 576 inputs, no K-type fits) beside Q4_1 up, q and k projections: the
     engine runs them on their blocks, fused parts of two types too, in one native call a step, and its tokens are
     those of their fp32 dequantization."""
@@ -394,8 +381,8 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
         return None
 
     path = rewritten_gguf(embedded_model_gguf(), tmp_path / "k-types.gguf", k_types)
-    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-                                                 "Q8_0"},
+    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                                                 "IQ4_XS", "Q8_0"},
                                     ["The capital of France is", "def fibonacci(n):"], 16, mixed_parts=True)
 
 

@@ -7,7 +7,8 @@
  * fp16 d in the header: 6.6 bits. Q5_K's as Q4_K's, with 5-bit quants: 5.6 bits. Q3_K's as Q6_K's, with 3-bit
  * quants (q - 4 where its high bit is clear): 3.6 bits. IQ4_NL's blocks are Q4_0's whose quants index a table of 16
  * values (`IQ4_VALUES`) instead of being less 8; IQ4_XS's come as IQ4_NL's with an int8 sub-block scale instead of
- * the fp16 d, which is in the header: 4.3 bits. (Q5_0 comes as Q8_0: its quants less 16, a byte each.)
+ * the fp16 d, which is in the header: 4.3 bits. Q2_K's as Q3_K's with 2-bit quants, unsigned scales and a min for
+ * each half: 3.1 bits. (Q5_0 comes as Q8_0: its quants less 16, a byte each.)
  * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
@@ -53,16 +54,19 @@
 
 /* F32, BF16, F16: plain weights in the same panels (d = 1), as fp32 or as 16-bit values each exactly is */
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7, Q5_K = 8, Q3_K = 9, IQ4_NL = 10,
-       IQ4_XS = 11 };
+       IQ4_XS = 11, Q2_K = 12 };
 #define PLAIN(qtype) ((qtype) == F32 || (qtype) == BF16 || (qtype) == F16)
-#define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K)  /* w = d q + m: x's block sums */
+/* w = d q + m: x's block sums (Q2_K: its two halves' sums, for a min each: `SUMS`) */
+#define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q2_K)
+#define SUMS(qtype) ((qtype) == Q2_K ? 2 : 1)  /* x's sums per block and row */
 /* The K-types: per block, the 16 rows' 8-bit sub-block scales (Q4_K, Q5_K: then their mins; Q6_K, Q3_K: one for each
- * 16-value half, `HALVES`; IQ4_XS: a signed one), their super-block's fp16 d (and dmin) in the panel's header region,
- * one per 256 values. */
+ * 16-value half, `HALVES`; Q2_K: one for each half, then a min for each; IQ4_XS: a signed one), their super-block's
+ * fp16 d (and dmin) in the panel's header region, one per 256 values. */
 #define K_TYPE(qtype) \
-    ((qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q6_K || (qtype) == Q3_K || (qtype) == IQ4_XS)
-#define HALVES(qtype) ((qtype) == Q6_K || (qtype) == Q3_K)
-#define SIGNED_SCALES(qtype) (HALVES(qtype) || (qtype) == IQ4_XS)  /* int8 sub-block scales; Q4_K's, Q5_K's unsigned */
+    ((qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q6_K || (qtype) == Q3_K || (qtype) == IQ4_XS || (qtype) == Q2_K)
+#define HALVES(qtype) ((qtype) == Q6_K || (qtype) == Q3_K || (qtype) == Q2_K)
+/* int8 sub-block scales; Q4_K's, Q5_K's and Q2_K's unsigned */
+#define SIGNED_SCALES(qtype) ((qtype) == Q6_K || (qtype) == Q3_K || (qtype) == IQ4_XS)
 /* IQ4_NL's and IQ4_XS's 4-bit quants index this table of values (llama.cpp's kvalues_iq4nl) */
 #define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
 #define LOOKUP(qtype) ((qtype) == IQ4_NL || (qtype) == IQ4_XS)
@@ -89,6 +93,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q6_K: return 2 * NR + QK * NR * 6 / 8;  /* the 16 rows' int8 scales of each half, then 6-bit quants */
     case Q5_K: return 2 * NR + QK * NR * 5 / 8;  /* the 16 rows' 6-bit scales, their mins, then 5-bit quants */
     case Q3_K: return 2 * NR + QK * NR * 3 / 8;  /* Q6_K's with 3-bit quants */
+    case Q2_K: return 4 * NR + QK * NR * 2 / 8;  /* the 16 rows' 4-bit scales of each half, their mins, 2-bit quants */
     case IQ4_NL: return 2 * NR + QK * NR / 2;  /* Q4_0's, the quants indexing `iq4_values` */
     case IQ4_XS: return NR + QK * NR / 2;  /* the 16 rows' int8 scales, then IQ4_NL's quants */
     case F32: return QK * NR * (int64_t)sizeof(float);
@@ -132,14 +137,18 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + ahead + c, _MM_HINT_T0);
 }
 
-/* The sum of 32 values (a block's x) in one fixed order, on every build: the same wherever a row is summed. */
-static inline float block_sum(const float *x) {
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                                   _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+/* The sum of 32 values (a block's x), or of 16 (a half's), in one fixed order, on every build: the same wherever a
+ * row is summed. */
+static inline float sum8(__m256 s) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
+static inline float block_sum(const float *x) {
+    return sum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                              _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24))));
+}
+static inline float half_sum(const float *x) { return sum8(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8))); }
 
 /* ROWS_n(X): X(0) ... X(n - 1), so each tile below is written once for every row count. One function per row
  * count keeps the sums in named variables the compiler holds in registers (an indexed array of them gets
@@ -160,10 +169,12 @@ static inline float block_sum(const float *x) {
 /* Every tile, for each row and each of its 16 columns: per K block, s = sum of x[k] * q[k] over the block's 32 k
  * in order from zero (q the quant as a float; Q4_0: q - 8; IQ4: the table's value; plain types: the weight, d = 1),
  * then acc = fma(d, s, acc), and for Q4_1, Q4_K and Q5_K acc = fma(m, sum(x over the block), acc) (`block_sum`, once
- * per row and block: `sx`). Q6_K's and Q3_K's blocks have a d for each half: acc = fma(d of the first half, s, acc) after the 16th k, and s
- * starts again from zero (`HALF_END`). */
-/* Q6_K's, Q5_K's and Q3_K's quants packed: a k's 16 rows side by side in 12, 10 or 6 bytes, row r's at bits 6r to
- * 6r + 5 (Q6_K: q - 32 in two's complement), 5r to 5r + 4 (Q5_K: q) or 3r to 3r + 2 (Q3_K: two's complement). Each
+ * per row and block: `sx`). Q6_K's, Q3_K's and Q2_K's blocks have a d for each half: acc = fma(d of the first half, s,
+ * acc) after the 16th k, and s starts again from zero (`HALF_END`); Q2_K's a min for each half too: after the d term,
+ * acc = fma(m of the first half, its sum of x, acc), then the same for the second (`half_sum`, `half_mins16`). */
+/* Q6_K's, Q5_K's, Q3_K's and Q2_K's quants packed: a k's 16 rows side by side in 12, 10, 6 or 4 bytes, row r's at bits
+ * 6r to 6r + 5 (Q6_K: q - 32 in two's complement), 5r to 5r + 4 (Q5_K: q), 3r to 3r + 2 (Q3_K: two's complement) or
+ * 2r and 2r + 1 (Q2_K: q). Each
  * lane r picks the two bytes that hold its quant into its top half (PACKED_PICK: byte shuffle indices), shifts it
  * left until its top bit is the lane's (PACKED_SHIFT), and back by 32 less the bits (arithmetically for the signed
  * ones): the quant, in four operations with the conversion to float. A k's record is read 16 bytes at a time: past
@@ -182,7 +193,8 @@ static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_lo
 #define SUM_STEP(i) s##i = _mm512_fmadd_ps(_mm512_set1_ps(x[(i) * ldx + k]), q0, s##i);
 #define BLOCK_END(i)                                                                   \
     a##i = _mm512_fmadd_ps(d0, s##i, a##i);                                            \
-    if (sx) a##i = _mm512_fmadd_ps(m0, _mm512_set1_ps(sx[(i) * nb + b]), a##i);
+    if (sx) a##i = _mm512_fmadd_ps(m0, _mm512_set1_ps(sx[((i) * nb + b) * ns]), a##i);  \
+    if (ns == 2) a##i = _mm512_fmadd_ps(n0, _mm512_set1_ps(sx[((i) * nb + b) * 2 + 1]), a##i);
 #define ACC_STORE(i) _mm512_storeu_ps(out + (i) * NR, a##i);
 /* 16 bytes as floats: unsigned, or (`sign`) int8 */
 static inline __m512 bytes16(const uint8_t *p, int sign) {
@@ -200,14 +212,19 @@ static inline __m512 scales16(const uint8_t *p, const uint8_t *hd, int qtype) {
          ? _mm512_mul_ps(half16(hd), bytes16(p + (HALVES(qtype) ? NR : 0), SIGNED_SCALES(qtype))) : half16(p);
 }
 static inline __m512 halves16(const uint8_t *p, const uint8_t *hd, int qtype) {
-    return HALVES(qtype) ? _mm512_mul_ps(half16(hd), bytes16(p, 1)) : _mm512_setzero_ps();
+    return HALVES(qtype) ? _mm512_mul_ps(half16(hd), bytes16(p, SIGNED_SCALES(qtype))) : _mm512_setzero_ps();
 }
+/* (Q2_K: its first half's min; `half_mins16`: its second's) */
 static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return qtype == Q4_1 ? half16(p + 2 * NR)
-         : qtype == Q4_K || qtype == Q5_K ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), bytes16(p + NR, 0)))
+         : HAS_MIN(qtype) ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), bytes16(p + (qtype == Q2_K ? 2 : 1) * NR, 0)))
          : _mm512_setzero_ps();
 }
-#define SCALES const __m512 d0 = scales16(p, hd, qtype), m0 = mins16(p, hd, qtype), e0 = halves16(p, hd, qtype);
+static inline __m512 half_mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
+    return qtype == Q2_K ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), bytes16(p + 3 * NR, 0))) : _mm512_setzero_ps();
+}
+#define SCALES const __m512 d0 = scales16(p, hd, qtype), m0 = mins16(p, hd, qtype), e0 = halves16(p, hd, qtype), \
+                            n0 = half_mins16(p, hd, qtype);
 #define HALF_END(i) a##i = _mm512_fmadd_ps(e0, s##i, a##i); s##i = _mm512_setzero_ps();
 /* A k's 16 quants as floats (rows 0-15 in order: Q8_0's bytes; Q4's low nibbles, rows 0-7, then high). */
 #if defined(__AVX512VBMI__)
@@ -250,6 +267,7 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
 #define QUANTS_Q6(k) PACKED_QUANTS(k, 6, _mm512_srai_epi32)
 #define QUANTS_Q5(k) PACKED_QUANTS(k, 5, _mm512_srli_epi32)
 #define QUANTS_Q3(k) PACKED_QUANTS(k, 3, _mm512_srai_epi32)
+#define QUANTS_Q2(k) PACKED_QUANTS(k, 2, _mm512_srli_epi32)
 #define QUANTS_Q8(k) \
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NR * (k)))));
 #define QUANTS_F32(k) const __m512 q0 = _mm512_loadu_ps((const float *)q + NR * (k));
@@ -274,9 +292,14 @@ static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
     a##i##0 = _mm256_fmadd_ps(d0, s##i##0, a##i##0);                                   \
     a##i##1 = _mm256_fmadd_ps(d1, s##i##1, a##i##1);                                   \
     if (sx) {                                                                          \
-        const __m256 xs = _mm256_broadcast_ss(sx + (i) * nb + b);                      \
+        const __m256 xs = _mm256_broadcast_ss(sx + ((i) * nb + b) * ns);               \
         a##i##0 = _mm256_fmadd_ps(m0, xs, a##i##0);                                    \
         a##i##1 = _mm256_fmadd_ps(m1, xs, a##i##1);                                    \
+    }                                                                                  \
+    if (ns == 2) {                                                                     \
+        const __m256 xs = _mm256_broadcast_ss(sx + ((i) * nb + b) * 2 + 1);            \
+        a##i##0 = _mm256_fmadd_ps(n0, xs, a##i##0);                                    \
+        a##i##1 = _mm256_fmadd_ps(n1, xs, a##i##1);                                    \
     }
 #define ACC_STORE(i) _mm256_storeu_ps(out + (i) * NR, a##i##0); _mm256_storeu_ps(out + (i) * NR + 8, a##i##1);
 /* 8 bytes as floats: unsigned, or (`sign`) int8 */
@@ -292,17 +315,24 @@ static inline __m256 scales8(const uint8_t *p, const uint8_t *hd, int qtype, int
          : half8(p + 16 * h);
 }
 static inline __m256 halves8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
-    return HALVES(qtype) ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + 8 * h, 1)) : _mm256_setzero_ps();
+    return HALVES(qtype) ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + 8 * h, SIGNED_SCALES(qtype)))
+                         : _mm256_setzero_ps();
 }
 static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
     return qtype == Q4_1 ? half8(p + 2 * NR + 16 * h)
-         : qtype == Q4_K || qtype == Q5_K ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h), bytes8(p + NR + 8 * h, 0)))
+         : HAS_MIN(qtype) ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h),
+                                               bytes8(p + (qtype == Q2_K ? 2 : 1) * NR + 8 * h, 0)))
          : _mm256_setzero_ps();
+}
+static inline __m256 half_mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
+    return qtype == Q2_K ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h), bytes8(p + 3 * NR + 8 * h, 0)))
+                         : _mm256_setzero_ps();
 }
 #define SCALES                                                                         \
     const __m256 d0 = scales8(p, hd, qtype, 0), d1 = scales8(p, hd, qtype, 1);         \
     const __m256 m0 = mins8(p, hd, qtype, 0), m1 = mins8(p, hd, qtype, 1);             \
-    const __m256 e0 = halves8(p, hd, qtype, 0), e1 = halves8(p, hd, qtype, 1);
+    const __m256 e0 = halves8(p, hd, qtype, 0), e1 = halves8(p, hd, qtype, 1);         \
+    const __m256 n0 = half_mins8(p, hd, qtype, 0), n1 = half_mins8(p, hd, qtype, 1);
 #define HALF_END(i)                                                                    \
     a##i##0 = _mm256_fmadd_ps(e0, s##i##0, a##i##0);                                   \
     a##i##1 = _mm256_fmadd_ps(e1, s##i##1, a##i##1);                                   \
@@ -345,6 +375,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
 #define QUANTS_Q6(k) PACKED_QUANTS(k, 6, _mm256_srai_epi32)
 #define QUANTS_Q5(k) PACKED_QUANTS(k, 5, _mm256_srli_epi32)
 #define QUANTS_Q3(k) PACKED_QUANTS(k, 3, _mm256_srai_epi32)
+#define QUANTS_Q2(k) PACKED_QUANTS(k, 2, _mm256_srli_epi32)
 #define QUANTS_F32(k) \
     const __m256 q0 = _mm256_loadu_ps((const float *)q + NR * (k)); \
     const __m256 q1 = _mm256_loadu_ps((const float *)q + NR * (k) + 8);
@@ -384,6 +415,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
         const uint8_t *const headers = p + nb * bytes; /* the K-types' super-block d and dmin */ \
         const int64_t hbytes = quant_linear_panel_header_bytes(qtype); \
         const __m128i low4 = _mm_set1_epi8(0x0F); \
+        const int ns = SUMS(qtype); \
         ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
             prefetch_ahead(p, bytes); \
@@ -402,6 +434,9 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
             } else if (qtype == Q3_K) { \
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q3, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
+            } else if (qtype == Q2_K) { \
+                const uint8_t *q = p + 4 * NR; \
+                BLOCK_LOOP(QUANTS_Q2, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (LOOKUP(qtype)) { \
                 const uint8_t *q = p + (qtype == IQ4_XS ? 1 : 2) * NR; \
                 BLOCK_LOOP(QUANTS_IQ4, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
@@ -433,6 +468,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
         const uint8_t *const headers = p + nb * bytes; \
         const int64_t hbytes = quant_linear_panel_header_bytes(qtype); \
+        const int ns = SUMS(qtype); \
         ROWS_##n(ACC_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes) { \
             if (stream) prefetch_ahead(p, bytes); /* wt is this panel, read from memory */ \
@@ -472,9 +508,14 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
     a##i = _mm512_fmadd_ps(d0, s##i, a##i);                                            \
     c##i = _mm512_fmadd_ps(d1, t##i, c##i);                                            \
     if (sx) {                                                                          \
-        const __m512 xs = _mm512_set1_ps(sx[(i) * nb + b]);                            \
+        const __m512 xs = _mm512_set1_ps(sx[((i) * nb + b) * ns]);                     \
         a##i = _mm512_fmadd_ps(m0, xs, a##i);                                          \
         c##i = _mm512_fmadd_ps(m1, xs, c##i);                                          \
+    }                                                                                  \
+    if (ns == 2) {                                                                     \
+        const __m512 xs = _mm512_set1_ps(sx[((i) * nb + b) * 2 + 1]);                  \
+        a##i = _mm512_fmadd_ps(n0, xs, a##i);                                          \
+        c##i = _mm512_fmadd_ps(n1, xs, c##i);                                          \
     }
 #define HALF2_END(i)                                                                   \
     a##i = _mm512_fmadd_ps(e0, s##i, a##i);                                            \
@@ -488,6 +529,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
         const int64_t nb = K / QK, bytes = quant_linear_panel_block_bytes(qtype); \
         const uint8_t *const headers = p + nb * bytes, *const headers2 = p2 + nb * bytes; \
         const int64_t hbytes = quant_linear_panel_header_bytes(qtype); \
+        const int ns = SUMS(qtype); \
         ROWS_##n(ACC2_INIT) \
         for (int64_t b = 0; b < nb; b++, p += bytes, p2 += bytes) { \
             if (stream) { prefetch_ahead(p, bytes); prefetch_ahead(p2, bytes); } \
@@ -495,6 +537,7 @@ static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h
             const __m512 d0 = scales16(p, hd, qtype), d1 = scales16(p2, hd2, qtype); \
             const __m512 m0 = mins16(p, hd, qtype), m1 = mins16(p2, hd2, qtype); \
             const __m512 e0 = halves16(p, hd, qtype), e1 = halves16(p2, hd2, qtype); \
+            const __m512 n0 = half_mins16(p, hd, qtype), n1 = half_mins16(p2, hd2, qtype); \
             ROWS_##n(SUM2_INIT) \
             for (int kk = 0; kk < QK / 2; kk++) { \
                 const int64_t k = b * QK + kk; \
@@ -563,9 +606,9 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         int64_t per_thread = (n_panels + num_threads - 1) / num_threads;  /* keep every thread busy */
         if (group > per_thread) group = per_thread;
     }
-    const int64_t n_groups = (n_panels + group - 1) / group, nb = K / QK;
-    /* The m term (`HAS_MIN`): each row's block sums, once per call. */
-    float *sx = HAS_MIN(qtype) ? malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1)) : NULL;
+    const int64_t n_groups = (n_panels + group - 1) / group, nb = K / QK, ns = SUMS(qtype);
+    /* The m term (`HAS_MIN`): each row's block sums (or its halves'), once per call. */
+    float *sx = HAS_MIN(qtype) ? malloc(sizeof(float) * (size_t)(M * nb * ns > 0 ? M * nb * ns : 1)) : NULL;
     if (HAS_MIN(qtype) && !sx) return -3;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
@@ -573,7 +616,15 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         if (sx) {
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++)
-                for (int64_t b = 0; b < nb; b++) sx[r * nb + b] = block_sum(x + r * ldx + b * QK);
+                for (int64_t b = 0; b < nb; b++) {
+                    const float *xb = x + r * ldx + b * QK;
+                    if (ns == 2) {
+                        sx[(r * nb + b) * 2] = half_sum(xb);
+                        sx[(r * nb + b) * 2 + 1] = half_sum(xb + QK / 2);
+                    } else {
+                        sx[r * nb + b] = block_sum(xb);
+                    }
+                }
         }
         /* The converted quants' scratch: calls of up to MR_FUSED rows read the blocks alone, and F32 panels
          * are laid out as the scratch is (K x 16 floats), so the later rows read them in place. */
@@ -627,7 +678,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                         if (pair) {
                             mr = (int)(iend - i < MR_PAIR ? iend - i : MR_PAIR);
                             PAIRS[mr](x + i * ldx, ldx, w + p * panel_bytes, w + (p + 1) * panel_bytes, qtype, K,
-                                      sx ? sx + i * nb : NULL, later, later2, first && i == 0, out);
+                                      sx ? sx + i * nb * ns : NULL, later, later2, first && i == 0, out);
                             store_rows(y, ldy, i, mr, n0, nr, out, 2 * NR, bias);
                             store_rows(y, ldy, i, mr, n0 + NR, nr2, out + NR, 2 * NR, bias);
                             i += mr;
@@ -635,7 +686,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                         }
 #endif
                         mr = (int)(iend - i < MR_TILE ? iend - i : MR_TILE);
-                        TILES[mr](x + i * ldx, ldx, w + p * panel_bytes, qtype, K, sx ? sx + i * nb : NULL, later,
+                        TILES[mr](x + i * ldx, ldx, w + p * panel_bytes, qtype, K, sx ? sx + i * nb * ns : NULL, later,
                                   first && i == 0, out);
                         store_rows(y, ldy, i, mr, n0, nr, out, NR, bias);
                         i += mr;
@@ -679,6 +730,11 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
         const int qb = ((record[0] | record[1] << 8) >> (bits * r % 8)) & ((1 << bits) - 1);  /* two's complement */
         return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r]
              * (float)(qb < 1 << (bits - 1) ? qb : qb - (1 << bits));
+    }
+    case Q2_K: {
+        const int h = k < QK / 2 ? 0 : 1, q2 = (p[4 * NR + PACKED_RECORD(2) * k + r / 4] >> (2 * (r % 4))) & 3;
+        return half_at(hd + 2 * r) * (float)p[h * NR + r] * (float)q2
+             + -(half_at(hd + 2 * NR + 2 * r) * (float)p[(2 + h) * NR + r]);
     }
     case IQ4_NL: return half_at(p + 2 * r) * (float)iq4_values[nibble_at(p + 2 * NR, r, k)];
     case IQ4_XS: return half_at(hd + 2 * r) * (float)(int8_t)p[r] * (float)iq4_values[nibble_at(p + NR, r, k)];

@@ -1,12 +1,12 @@
 """Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0, the
-K-types Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS), and the fp32 layers of any other checkpoint through the same
+K-types Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS), and the fp32 layers of any other checkpoint through the same
 kernel (plain panels: every row computed the same way in any batch, which oneDNN's GEMM does not; and the model's
 layers in one native call, models/native_forward.py). A bf16 or fp16 checkpoint's weights, widened to fp32 on
 load, are held as the 16-bit values they are (BF16, F16 panels): the kernel widens them back to the same floats, so
 the model computes the same bits from half the bytes.
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
-blocks 3.6 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
+blocks 3.1 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
 wrote as fp32 (each block's scale factored out of its sum), so it computes the same model. The embedding table
 is looked up in panels too (`QuantLinear.rows`: the same floats as the fp32 table), the tied LM head's where it
 has one, so no fp32 copy of it is held.
@@ -33,23 +33,25 @@ QK = 32  # values per block of the kernel (and of GGUF's Q4_0, Q4_1, Q8_0)
 # (values, bytes) of a block of each type the kernel reads: GGUF's types (rows are cut only at their blocks'
 # bounds), and plain weights of any checkpoint (read by the same kernel so that every fp32 CPU model computes a
 # row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110),
-          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
-          "F32": (32, 128), "BF16": (32, 64), "F16": (32, 64)}
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q2_K": (256, 84),
+          "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
+          "IQ4_XS": (256, 136), "F32": (32, 128), "BF16": (32, 64), "F16": (32, 64)}
 # quant_linear.c's enum; Q5_0 runs as Q8_0 (`q5_0_as_q8_0`)
 KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7, "Q5_K": 8,
-               "Q3_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "Q5_0": 2}
+               "Q3_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "Q2_K": 12, "Q5_0": 2}
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
 # The per-block fields before the quants, in bytes: fp16 d (and m); Q4_K's and Q5_K's 6-bit scale and min of the
-# 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, IQ4_XS's int8 scale
-_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q3_K": (1, 1), "Q4_K": (1, 1),
+# 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, Q2_K's 4-bit scale of each half then their mins,
+# IQ4_XS's int8 scale
+_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q2_K": (1, 1, 1, 1), "Q3_K": (1, 1),
+                 "Q4_K": (1, 1),
                  "Q5_K": (1, 1), "Q6_K": (1, 1), "IQ4_NL": (2,), "IQ4_XS": (1,)}
 # The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
-_HEADER_FIELDS = {"Q3_K": (2,), "Q4_K": (2, 2), "Q5_K": (2, 2), "Q6_K": (2,), "IQ4_XS": (2,)}
+_HEADER_FIELDS = {"Q2_K": (2, 2), "Q3_K": (2,), "Q4_K": (2, 2), "Q5_K": (2, 2), "Q6_K": (2,), "IQ4_XS": (2,)}
 _BYTE_QUANTS = ("Q8_0", "Q5_0")  # a byte a quant in the panels
 # Quants packed side by side in the panels (Q6_K's and Q3_K's two's complement); the other types' 4-bit quants
 # two to a byte
-_PACKED_BITS = {"Q3_K": 3, "Q5_K": 5, "Q6_K": 6}
+_PACKED_BITS = {"Q2_K": 2, "Q3_K": 3, "Q5_K": 5, "Q6_K": 6}
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -142,6 +144,19 @@ def q3_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             blocks[..., 108:110].reshape(n, -1))
 
 
+def q2_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q2_K rows [N, K / 256 * 84] (uint8) -> blocks of 32 values [N, K / 32 * 36]: the 4-bit scales of its two
+    16-value halves, their 4-bit mins, then its 32 2-bit quants a byte each; and each super-block's fp16 d and dmin
+    [N, K / 256 * 4]. So w = (d * sc) * q - dmin * m, as gguf's dequantization computes it."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 84)  # [N, S, 84]: 16 bytes of scales and mins, 64 of quants, fp16 d and dmin
+    qs = blocks[..., 16:80].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    values = (qs & 3).reshape(n, -1, QK)  # [N, K / 32, 32]: value 32 i + l is (byte l of half i / 4) >> 2 (i % 4)
+    sc = blocks[..., :16].reshape(n, -1, 2)  # [N, K / 32, 2]: each half's scale (low nibble) and min (high one)
+    return (torch.cat([sc & 0x0F, sc >> 4, values], dim=-1).reshape(n, -1),
+            blocks[..., 80:84].reshape(n, -1))
+
+
 def iq4_xs_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """IQ4_XS rows [N, K / 256 * 136] (uint8) -> blocks of 32 values [N, K / 32 * 17]: the int8 scale (less 32) of
     the 32 values, then their 4-bit quants as IQ4_NL packs them; and each super-block's fp16 d [N, K / 256 * 2].
@@ -159,8 +174,9 @@ def iq4_xs_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 # The types the kernel does not read as they are: their rows as blocks of 32 values it does, and the K-types'
 # super-block headers
-_AS_BLOCKS_OF_32 = {"Q3_K": q3_k_as_blocks_of_32, "Q4_K": q4_k_as_blocks_of_32, "Q5_K": q5_k_as_blocks_of_32,
-                    "Q6_K": q6_k_as_blocks_of_32, "IQ4_XS": iq4_xs_as_blocks_of_32, "Q5_0": q5_0_as_q8_0}
+_AS_BLOCKS_OF_32 = {"Q2_K": q2_k_as_blocks_of_32, "Q3_K": q3_k_as_blocks_of_32, "Q4_K": q4_k_as_blocks_of_32,
+                    "Q5_K": q5_k_as_blocks_of_32, "Q6_K": q6_k_as_blocks_of_32, "IQ4_XS": iq4_xs_as_blocks_of_32,
+                    "Q5_0": q5_0_as_q8_0}
 
 
 def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
