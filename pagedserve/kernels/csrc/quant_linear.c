@@ -1,5 +1,5 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, K-types, IQ4) and
- * dequantized in the kernel: decode steps stream 3.6 to 8.5 bits per weight instead of fp32's 32. Q4_K's
+ * dequantized in the kernel: decode steps stream 3.1 to 8.5 bits per weight instead of fp32's 32. Q4_K's
  * 256-value super-blocks come as 32-value ones, each with its sub-block's 6-bit scale and min as bytes, and the
  * super-block's fp16 d and dmin in a header region after the panel's blocks; a block's fp32 scale and min are
  * formed in registers (d * scale, -(dmin * min): exact products): 4.6 bits per weight. Q6_K's come as 32-value
@@ -148,7 +148,9 @@ static inline float block_sum(const float *x) {
     return sum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
                               _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24))));
 }
-static inline float half_sum(const float *x) { return sum8(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8))); }
+static inline float half_sum(const float *x) {
+    return sum8(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)));
+}
 
 /* ROWS_n(X): X(0) ... X(n - 1), so each tile below is written once for every row count. One function per row
  * count keeps the sums in named variables the compiler holds in registers (an indexed array of them gets
@@ -174,11 +176,10 @@ static inline float half_sum(const float *x) { return sum8(_mm256_add_ps(_mm256_
  * acc = fma(m of the first half, its sum of x, acc), then the same for the second (`half_sum`, `half_mins16`). */
 /* Q6_K's, Q5_K's, Q3_K's and Q2_K's quants packed: a k's 16 rows side by side in 12, 10, 6 or 4 bytes, row r's at bits
  * 6r to 6r + 5 (Q6_K: q - 32 in two's complement), 5r to 5r + 4 (Q5_K: q), 3r to 3r + 2 (Q3_K: two's complement) or
- * 2r and 2r + 1 (Q2_K: q). Each
- * lane r picks the two bytes that hold its quant into its top half (PACKED_PICK: byte shuffle indices), shifts it
- * left until its top bit is the lane's (PACKED_SHIFT), and back by 32 less the bits (arithmetically for the signed
- * ones): the quant, in four operations with the conversion to float. A k's record is read 16 bytes at a time: past
- * the last k's lie the panel's header region (K-types) or the next block. */
+ * 2r and 2r + 1 (Q2_K: q). Each lane r picks the two bytes that hold its quant into its top half (PACKED_PICK: byte
+ * shuffle indices), shifts it left until its top bit is the lane's (PACKED_SHIFT), and back by 32 less the bits
+ * (arithmetically for the signed ones): the quant, in four operations with the conversion to float. A k's record is
+ * read 16 bytes at a time: past the last k's lie the next block or the panel's header region (these are K-types). */
 #define PACKED_RECORD(bits) (NR * (bits) / 8)
 #define PACKED_PICK(bits, r) (((bits) * (r) / 8) * 0x00010101 + ((bits) * (r) / 8 + 1) * 0x01000000)
 #define PACKED_SHIFT(bits, r) (16 - (bits) - (bits) * (r) % 8)
@@ -403,7 +404,7 @@ static inline __m256 half_mins8(const uint8_t *p, const uint8_t *hd, int qtype, 
         if (wt) { STORE_QUANTS(k) } \
         STEP \
     }
-/* Two loops over a block's halves, so that Q6_K's and Q3_K's step between them leaves the others' loops whole. */
+/* Two loops over a block's halves, so that the `HALVES` types' step between them leaves the others' loops whole. */
 #define BLOCK_LOOP(QUANTS, STEP, HALF) \
     HALF_LOOP(QUANTS, STEP, 0) \
     if (HALVES(qtype)) { HALF } \
