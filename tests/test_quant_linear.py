@@ -300,6 +300,43 @@ def test_layers_held_as_blocks_are_never_loaded_as_fp32(tmp_path, tp_rank):
                                    + attn.bias, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_type_layers_split_over_ranks_hold_their_shards(qtype, tmp_path):
+    """Tensor parallel over K-type layers: the column-parallel ones (q/k/v, gate/up, the LM head and the table) take
+    their rows, the row-parallel ones (o, down) their columns, cut at the 256-value super-blocks; each rank's layer
+    multiplies by exactly its part of the fp32 weights the loader reads for it."""
+    import transformers
+    from safetensors.torch import save_file
+
+    transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                             num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
+                             ).save_pretrained(tmp_path)
+    config = ModelConfig.from_file(tmp_path / "config.json")
+    rng = np.random.default_rng(0)
+    state, blocks = {}, {}
+    for name, shape in hf_tensor_shapes(config).items():
+        if len(shape) == 2:
+            blocks[name] = _random_k_type(qtype, *shape, rng)
+            state[name] = torch.from_numpy(gguf_dequantize(blocks[name], GGMLQuantizationType[qtype]))
+        else:
+            state[name] = torch.ones(shape)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    save_file({n: torch.from_numpy(b) for n, b in blocks.items()}, str(tmp_path / GGUF_BLOCKS_NAME),
+              metadata=dict.fromkeys(blocks, qtype))
+    source = resolve_model(str(tmp_path))
+    for rank in range(2):  # o's 512 inputs and down's 1,024 split into 256 and 512 a rank
+        tp = TPLayout.make(config, rank, 2)
+        plain = build_model(source, config, torch.float32, torch.device("cpu"), 64, tp=tp)
+        held = build_model(source, config, torch.float32, torch.device("cpu"), 64, tp=tp,
+                           held_by=functools.partial(load_gguf_linears, blocks_path=tmp_path / GGUF_BLOCKS_NAME))
+        layers = {n: m for n, m in held.named_modules() if isinstance(m, QuantLinear)}
+        assert len(layers) == 6 and {m.qtype for m in layers.values()} == {qtype}, layers
+        for name, module in layers.items():
+            weight = plain.model.embed_tokens.weight if name == "model.embed_tokens.table" else (
+                plain.get_submodule(name).weight)
+            assert torch.equal(dequantize(module), weight), (rank, name)
+
+
 def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: list[str], max_tokens: int,
                                     mixed_parts: bool = False) -> None:
     """The engine on `model` computes with the GGUF's blocks, of `block_types`, and with their fp32 dequantization
