@@ -100,9 +100,10 @@ def test_panels_repacked_in_chunks_are_those_repacked_at_once(qtype, monkeypatch
     assert torch.equal(QuantLinear(rows, qtype, _width(qtype, 64), None).panels, quant_linear.repack(rows, qtype))
 
 
-# Bits a weight as held: the scales as bytes beside a fp16 header, the quants packed (Q6_K's the file's own size)
+# Bits a weight as held: the scales as bytes beside a fp16 header, the quants packed (Q6_K's and Q2_K's the file's own
+# size)
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4.625), ("Q6_K", 6.5625), ("Q5_K", 5.625), ("Q3_K", 3.5625),
-                                             ("Q2_K", 3.125), ("IQ4_XS", 4.3125)])
+                                             ("Q2_K", 2.625), ("IQ4_XS", 4.3125)])
 def test_k_type_panels_hold_their_bits(qtype, bits):
     n, k = 32, 512
     layer = QuantLinear(_quantized(n, k, qtype, seed=4)[0], qtype, k, None)

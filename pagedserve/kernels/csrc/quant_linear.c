@@ -1,5 +1,5 @@
 /* y = x @ W^T (+ bias) on the CPU, with W kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q8_0, K-types, IQ4) and
- * dequantized in the kernel: decode steps stream 3.1 to 8.5 bits per weight instead of fp32's 32. Q4_K's
+ * dequantized in the kernel: decode steps stream 2.6 to 8.5 bits per weight instead of fp32's 32. Q4_K's
  * 256-value super-blocks come as 32-value ones, each with its sub-block's 6-bit scale and min as bytes, and the
  * super-block's fp16 d and dmin in a header region after the panel's blocks; a block's fp32 scale and min are
  * formed in registers (d * scale, -(dmin * min): exact products): 4.6 bits per weight. Q6_K's come as 32-value
@@ -7,8 +7,9 @@
  * fp16 d in the header: 6.6 bits. Q5_K's as Q4_K's, with 5-bit quants: 5.6 bits. Q3_K's as Q6_K's, with 3-bit
  * quants (q - 4 where its high bit is clear): 3.6 bits. IQ4_NL's blocks are Q4_0's whose quants index a table of 16
  * values (`IQ4_VALUES`) instead of being less 8; IQ4_XS's come as IQ4_NL's with an int8 sub-block scale instead of
- * the fp16 d, which is in the header: 4.3 bits. Q2_K's as Q3_K's with 2-bit quants, unsigned scales and a min for
- * each half: 3.1 bits. (Q5_0 comes as Q8_0: its quants less 16, a byte each.)
+ * the fp16 d, which is in the header: 4.3 bits. Q2_K's as Q3_K's with 2-bit quants and, for each half, a byte of
+ * a 4-bit scale and a 4-bit min, as the file holds them: 2.6 bits, the file's own size. (Q5_0 comes as Q8_0: its
+ * quants less 16, a byte each.)
  * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
  * bf16 or fp16 values they hold when each weight is one exactly (BF16, F16: a 16-bit checkpoint's weights,
@@ -60,12 +61,12 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K 
 #define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q2_K)
 #define SUMS(qtype) ((qtype) == Q2_K ? 2 : 1)  /* x's sums per block and row */
 /* The K-types: per block, the 16 rows' 8-bit sub-block scales (Q4_K, Q5_K: then their mins; Q6_K, Q3_K: one for each
- * 16-value half, `HALVES`; Q2_K: one for each half, then a min for each; IQ4_XS: a signed one), their super-block's
- * fp16 d (and dmin) in the panel's header region, one per 256 values. */
+ * 16-value half, `HALVES`; Q2_K: for each half a 4-bit scale and, in the byte's high nibble, a 4-bit min; IQ4_XS: a
+ * signed one), their super-block's fp16 d (and dmin) in the panel's header region, one per 256 values. */
 #define K_TYPE(qtype) \
     ((qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q6_K || (qtype) == Q3_K || (qtype) == IQ4_XS || (qtype) == Q2_K)
 #define HALVES(qtype) ((qtype) == Q6_K || (qtype) == Q3_K || (qtype) == Q2_K)
-/* int8 sub-block scales; Q4_K's, Q5_K's and Q2_K's unsigned */
+/* int8 sub-block scales; Q4_K's and Q5_K's unsigned bytes, Q2_K's nibbles */
 #define SIGNED_SCALES(qtype) ((qtype) == Q6_K || (qtype) == Q3_K || (qtype) == IQ4_XS)
 /* IQ4_NL's and IQ4_XS's 4-bit quants index this table of values (llama.cpp's kvalues_iq4nl) */
 #define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
@@ -93,7 +94,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     case Q6_K: return 2 * NR + QK * NR * 6 / 8;  /* the 16 rows' int8 scales of each half, then 6-bit quants */
     case Q5_K: return 2 * NR + QK * NR * 5 / 8;  /* the 16 rows' 6-bit scales, their mins, then 5-bit quants */
     case Q3_K: return 2 * NR + QK * NR * 3 / 8;  /* Q6_K's with 3-bit quants */
-    case Q2_K: return 4 * NR + QK * NR * 2 / 8;  /* the 16 rows' 4-bit scales of each half, their mins, 2-bit quants */
+    case Q2_K: return 2 * NR + QK * NR * 2 / 8;  /* the 16 rows' scale and min of each half, then 2-bit quants */
     case IQ4_NL: return 2 * NR + QK * NR / 2;  /* Q4_0's, the quants indexing `iq4_values` */
     case IQ4_XS: return NR + QK * NR / 2;  /* the 16 rows' int8 scales, then IQ4_NL's quants */
     case F32: return QK * NR * (int64_t)sizeof(float);
@@ -202,6 +203,11 @@ static inline __m512 bytes16(const uint8_t *p, int sign) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
     return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
+/* The low (or `high`) nibbles of 16 bytes as floats */
+static inline __m512 nibbles16(const uint8_t *p, int high) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15)));
+}
 static inline __m512 neg16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000)));
 }
@@ -210,19 +216,23 @@ static inline __m512 neg16(__m512 v) {
  * -(dmin * the 6-bit min); 1 and 0 for plain ones. */
 static inline __m512 scales16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : K_TYPE(qtype)
-         ? _mm512_mul_ps(half16(hd), bytes16(p + (HALVES(qtype) ? NR : 0), SIGNED_SCALES(qtype))) : half16(p);
+         ? _mm512_mul_ps(half16(hd), qtype == Q2_K ? nibbles16(p + NR, 0)
+                                     : bytes16(p + (HALVES(qtype) ? NR : 0), SIGNED_SCALES(qtype)))
+         : half16(p);
 }
 static inline __m512 halves16(const uint8_t *p, const uint8_t *hd, int qtype) {
-    return HALVES(qtype) ? _mm512_mul_ps(half16(hd), bytes16(p, SIGNED_SCALES(qtype))) : _mm512_setzero_ps();
+    return HALVES(qtype) ? _mm512_mul_ps(half16(hd), qtype == Q2_K ? nibbles16(p, 0) : bytes16(p, 1))
+                         : _mm512_setzero_ps();
 }
 /* (Q2_K: its first half's min; `half_mins16`: its second's) */
 static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return qtype == Q4_1 ? half16(p + 2 * NR)
-         : HAS_MIN(qtype) ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), bytes16(p + (qtype == Q2_K ? 2 : 1) * NR, 0)))
+         : HAS_MIN(qtype)
+         ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), qtype == Q2_K ? nibbles16(p, 1) : bytes16(p + NR, 0)))
          : _mm512_setzero_ps();
 }
 static inline __m512 half_mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
-    return qtype == Q2_K ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), bytes16(p + 3 * NR, 0))) : _mm512_setzero_ps();
+    return qtype == Q2_K ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), nibbles16(p + NR, 1))) : _mm512_setzero_ps();
 }
 #define SCALES const __m512 d0 = scales16(p, hd, qtype), m0 = mins16(p, hd, qtype), e0 = halves16(p, hd, qtype), \
                             n0 = half_mins16(p, hd, qtype);
@@ -308,25 +318,32 @@ static inline __m256 bytes8(const uint8_t *p, int sign) {
     const __m128i v = _mm_loadl_epi64((const __m128i *)p);
     return _mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
 }
+/* The low (or `high`) nibbles of 8 bytes as floats */
+static inline __m256 nibbles8(const uint8_t *p, int high) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
+}
 static inline __m256 neg8(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
 /* Rows 8 h to 8 h + 7 of a block's scales and mins, as `scales16` and the others form them. */
 static inline __m256 scales8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
     return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : K_TYPE(qtype)
-         ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + (HALVES(qtype) ? NR : 0) + 8 * h, SIGNED_SCALES(qtype)))
+         ? _mm256_mul_ps(half8(hd + 16 * h), qtype == Q2_K ? nibbles8(p + NR + 8 * h, 0)
+                                             : bytes8(p + (HALVES(qtype) ? NR : 0) + 8 * h, SIGNED_SCALES(qtype)))
          : half8(p + 16 * h);
 }
 static inline __m256 halves8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
-    return HALVES(qtype) ? _mm256_mul_ps(half8(hd + 16 * h), bytes8(p + 8 * h, SIGNED_SCALES(qtype)))
-                         : _mm256_setzero_ps();
+    return HALVES(qtype)
+         ? _mm256_mul_ps(half8(hd + 16 * h), qtype == Q2_K ? nibbles8(p + 8 * h, 0) : bytes8(p + 8 * h, 1))
+         : _mm256_setzero_ps();
 }
 static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
     return qtype == Q4_1 ? half8(p + 2 * NR + 16 * h)
          : HAS_MIN(qtype) ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h),
-                                               bytes8(p + (qtype == Q2_K ? 2 : 1) * NR + 8 * h, 0)))
+                                               qtype == Q2_K ? nibbles8(p + 8 * h, 1) : bytes8(p + NR + 8 * h, 0)))
          : _mm256_setzero_ps();
 }
 static inline __m256 half_mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
-    return qtype == Q2_K ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h), bytes8(p + 3 * NR + 8 * h, 0)))
+    return qtype == Q2_K ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h), nibbles8(p + NR + 8 * h, 1)))
                          : _mm256_setzero_ps();
 }
 #define SCALES                                                                         \
@@ -436,7 +453,7 @@ static inline __m256 half_mins8(const uint8_t *p, const uint8_t *hd, int qtype, 
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q3, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q2_K) { \
-                const uint8_t *q = p + 4 * NR; \
+                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q2, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (LOOKUP(qtype)) { \
                 const uint8_t *q = p + (qtype == IQ4_XS ? 1 : 2) * NR; \
@@ -733,9 +750,9 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
              * (float)(qb < 1 << (bits - 1) ? qb : qb - (1 << bits));
     }
     case Q2_K: {
-        const int h = k < QK / 2 ? 0 : 1, q2 = (p[4 * NR + PACKED_RECORD(2) * k + r / 4] >> (2 * (r % 4))) & 3;
-        return half_at(hd + 2 * r) * (float)p[h * NR + r] * (float)q2
-             + -(half_at(hd + 2 * NR + 2 * r) * (float)p[(2 + h) * NR + r]);
+        const int h = k < QK / 2 ? 0 : 1, q2 = (p[2 * NR + PACKED_RECORD(2) * k + r / 4] >> (2 * (r % 4))) & 3;
+        return half_at(hd + 2 * r) * (float)(p[h * NR + r] & 15) * (float)q2
+             + -(half_at(hd + 2 * NR + 2 * r) * (float)(p[h * NR + r] >> 4));
     }
     case IQ4_NL: return half_at(p + 2 * r) * (float)iq4_values[nibble_at(p + 2 * NR, r, k)];
     case IQ4_XS: return half_at(hd + 2 * r) * (float)(int8_t)p[r] * (float)iq4_values[nibble_at(p + NR, r, k)];

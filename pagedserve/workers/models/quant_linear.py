@@ -6,7 +6,7 @@ load, are held as the 16-bit values they are (BF16, F16 panels): the kernel wide
 the model computes the same bits from half the bytes.
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
-blocks 3.1 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
+blocks 2.6 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
 wrote as fp32 (each block's scale factored out of its sum), so it computes the same model. The embedding table
 is looked up in panels too (`QuantLinear.rows`: the same floats as the fp32 table), the tied LM head's where it
 has one, so no fp32 copy of it is held.
@@ -41,9 +41,9 @@ KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "
                "Q3_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "Q2_K": 12, "Q5_0": 2}
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
 # The per-block fields before the quants, in bytes: fp16 d (and m); Q4_K's and Q5_K's 6-bit scale and min of the
-# 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, Q2_K's 4-bit scale of each half then their mins,
+# 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, Q2_K's 4-bit scale and min of each half (a byte),
 # IQ4_XS's int8 scale
-_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q2_K": (1, 1, 1, 1), "Q3_K": (1, 1),
+_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q2_K": (1, 1), "Q3_K": (1, 1),
                  "Q4_K": (1, 1),
                  "Q5_K": (1, 1), "Q6_K": (1, 1), "IQ4_NL": (2,), "IQ4_XS": (1,)}
 # The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
@@ -145,15 +145,16 @@ def q3_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def q2_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q2_K rows [N, K / 256 * 84] (uint8) -> blocks of 32 values [N, K / 32 * 36]: the 4-bit scales of its two
-    16-value halves, their 4-bit mins, then its 32 2-bit quants a byte each; and each super-block's fp16 d and dmin
-    [N, K / 256 * 4]. So w = (d * sc) * q - dmin * m, as gguf's dequantization computes it."""
+    """Q2_K rows [N, K / 256 * 84] (uint8) -> blocks of 32 values [N, K / 32 * 34]: for each of its two 16-value
+    halves the file's byte of a 4-bit scale (low nibble) and a 4-bit min (high), then its 32 2-bit quants a byte
+    each; and each super-block's fp16 d and dmin [N, K / 256 * 4]. So w = (d * sc) * q - dmin * m, as gguf's
+    dequantization computes it."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 84)  # [N, S, 84]: 16 bytes of scales and mins, 64 of quants, fp16 d and dmin
     qs = blocks[..., 16:80].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
     values = (qs & 3).reshape(n, -1, QK)  # [N, K / 32, 32]: value 32 i + l is (byte l of half i / 4) >> 2 (i % 4)
     sc = blocks[..., :16].reshape(n, -1, 2)  # [N, K / 32, 2]: each half's scale (low nibble) and min (high one)
-    return (torch.cat([sc & 0x0F, sc >> 4, values], dim=-1).reshape(n, -1),
+    return (torch.cat([sc, values], dim=-1).reshape(n, -1),
             blocks[..., 80:84].reshape(n, -1))
 
 
