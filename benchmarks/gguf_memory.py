@@ -10,7 +10,8 @@ own, so its peak resident memory (VmHWM) is its own:
 
 - convert: the GGUF into the cache directory the engine loads (fresh cache);
 - start: `LLM(gguf)` from that cache, then one greedy request of 16 tokens (the resident memory after it, the
-  peak, the weights as held, the seconds to start);
+  peak, and apart the peak of anonymous memory: the peak counts the checkpoint's pages while they are mapped, which
+  the kernel can drop; the weights as held, the seconds to start);
 - llama-server: started on the same file, the same request, its resident memory after it and its peak.
 
 The children import the `pagedserve` that PYTHONPATH (or the install) gives, so a checkout of another commit can
@@ -58,16 +59,29 @@ MIXES = {"Q4_K_M": dict.fromkeys(_LAYER_TENSORS, "Q4_K") | {"attn_v": "Q6_K", "f
 # pagedserve is imported before throughput.py, which puts this checkout first on the path: the child measures the
 # pagedserve that PYTHONPATH (or the install) gives.
 _START = """
-import json, sys, time
+import json, re, sys, threading, time
 from pagedserve import LLM, SamplingParams
 sys.path.insert(0, sys.argv[3])
 from throughput import weight_bytes
+peak_anon = 0
+
+
+def sample_anon():  # VmHWM counts the checkpoint's mapped pages too (clean, reclaimable): the anonymous peak apart
+    global peak_anon
+    while True:
+        kib = int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+        peak_anon = max(peak_anon, kib * 1024)
+        time.sleep(0.005)
+
+
+threading.Thread(target=sample_anon, daemon=True).start()
 start = time.perf_counter()
 with LLM(sys.argv[1], max_model_len=2048, kv_cache_memory=256 * 2**20) as llm:
     started = time.perf_counter() - start
     out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     print(json.dumps({"seconds_to_start": started, "weights": weight_bytes(llm.engine.executor.worker.model),
-                      "tokens": out[0].outputs[0].token_ids, "status": open("/proc/self/status").read()}))
+                      "tokens": out[0].outputs[0].token_ids, "status": open("/proc/self/status").read(),
+                      "peak_anon": peak_anon}))
 """
 
 
@@ -177,7 +191,8 @@ def main() -> None:
         started, _ = child(_START, str(path), PROMPT, str(Path(__file__).resolve().parent), env=env)
         held = memory(started["status"])
         print(f"start: {started['seconds_to_start']:.1f} s, weights {started['weights'] / mib:,.0f} MiB, resident "
-              f"{held['VmRSS'] / mib:,.0f} MiB after a request, peak {held['VmHWM'] / mib:,.0f} MiB")
+              f"{held['VmRSS'] / mib:,.0f} MiB after a request, peak {held['VmHWM'] / mib:,.0f} MiB (anonymous memory "
+              f"at most {started['peak_anon'] / mib:,.0f} MiB, sampled every 5 ms)")
         print(f"tokens: {started['tokens']}")
         if args.llama_server:
             theirs = bench_llama_server(path)
