@@ -44,8 +44,7 @@ PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float1
 # 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, Q2_K's 4-bit scale and min of each half (a byte),
 # IQ4_XS's int8 scale
 _SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q2_K": (1, 1), "Q3_K": (1, 1),
-                 "Q4_K": (1, 1),
-                 "Q5_K": (1, 1), "Q6_K": (1, 1), "IQ4_NL": (2,), "IQ4_XS": (1,)}
+                 "Q4_K": (1, 1), "Q5_K": (1, 1), "Q6_K": (1, 1), "IQ4_NL": (2,), "IQ4_XS": (1,)}
 # The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
 _HEADER_FIELDS = {"Q2_K": (2, 2), "Q3_K": (2,), "Q4_K": (2, 2), "Q5_K": (2, 2), "Q6_K": (2,), "IQ4_XS": (2,)}
 _BYTE_QUANTS = ("Q8_0", "Q5_0")  # a byte a quant in the panels
@@ -154,8 +153,7 @@ def q2_k_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     qs = blocks[..., 16:80].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
     values = (qs & 3).reshape(n, -1, QK)  # [N, K / 32, 32]: value 32 i + l is (byte l of half i / 4) >> 2 (i % 4)
     sc = blocks[..., :16].reshape(n, -1, 2)  # [N, K / 32, 2]: each half's scale (low nibble) and min (high one)
-    return (torch.cat([sc, values], dim=-1).reshape(n, -1),
-            blocks[..., 80:84].reshape(n, -1))
+    return torch.cat([sc, values], dim=-1).reshape(n, -1), blocks[..., 80:84].reshape(n, -1)
 
 
 def iq4_xs_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
