@@ -35,8 +35,8 @@ pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), 
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")
 
 # F32: any fp32 checkpoint's weights, through the same kernel; BF16, F16: a 16-bit checkpoint's
-QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F32", "BF16",
-          "F16"]
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F32",
+          "BF16", "F16"]
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # Types gguf cannot quantize to: random blocks, each one llama.cpp could write
 RANDOM_BLOCKS = (*K_TYPES, "IQ4_NL")
@@ -100,11 +100,11 @@ def test_panels_repacked_in_chunks_are_those_repacked_at_once(qtype, monkeypatch
     assert torch.equal(QuantLinear(rows, qtype, _width(qtype, 64), None).panels, quant_linear.repack(rows, qtype))
 
 
-# Bits a weight as held: the scales as bytes beside a fp16 header, the quants packed (Q6_K's and Q2_K's the file's own
-# size)
+# Bits a weight as held: the K-types' scales as bytes beside a fp16 header, the quants packed (Q6_K's, Q2_K's and Q5_1's
+# the file's own size)
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4.625), ("Q6_K", 6.5625), ("Q5_K", 5.625), ("Q3_K", 3.5625),
-                                             ("Q2_K", 2.625), ("IQ4_XS", 4.3125)])
-def test_k_type_panels_hold_their_bits(qtype, bits):
+                                             ("Q2_K", 2.625), ("IQ4_XS", 4.3125), ("Q5_1", 6.0)])
+def test_panels_hold_their_bits(qtype, bits):
     n, k = 32, 512
     layer = QuantLinear(_quantized(n, k, qtype, seed=4)[0], qtype, k, None)
     assert layer.panels.numel() * 8 / (n * k) == bits
@@ -393,8 +393,9 @@ def _iq4_nl(values: np.ndarray) -> np.ndarray:
 
 def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path, monkeypatch):
     """The embedded GGUF with its MLP down projections (1,536 inputs: six 256-value blocks) as Q2_K, Q3_K, Q4_K,
-    Q5_K, Q6_K and IQ4_XS (random blocks, in turn), a third of its output projections as IQ4_NL, and half its gate and v
-    projections as Q5_0 (both requantized: 576 inputs, no K-type fits) beside Q4_1 up, q and k projections: the
+    Q5_K, Q6_K and IQ4_XS (random blocks, in turn), a third of its output projections as IQ4_NL and of its up
+    projections as Q5_1, and half its gate and v projections as Q5_0 (all requantized: 576 inputs, no K-type fits)
+    beside Q4_1 up, q and k projections: the
     engine runs them on their blocks, fused parts of two types too, in one native call a step, and its tokens are
     those of their fp32 dequantization."""
     from benchmarks.throughput import rewritten_gguf
@@ -411,6 +412,9 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
             return _random_k_type(qtype, n, k, rng, scale=1e-4), GGMLQuantizationType[qtype]
         if tensor.name.endswith("attn_output.weight") and layer % 3 == 0:
             return _iq4_nl(gguf_dequantize(tensor.data, tensor.tensor_type)), GGMLQuantizationType.IQ4_NL
+        if tensor.name.endswith("ffn_up.weight") and layer % 3 == 1:
+            values = gguf_dequantize(tensor.data, tensor.tensor_type)
+            return gguf_quantize(values, GGMLQuantizationType.Q5_1), GGMLQuantizationType.Q5_1
         # Mixed parts, as llama-quantize's _M mixes make them: v beside Q4_1 q and k, gate beside a Q4_1 up
         if (tensor.name.endswith("ffn_gate.weight") and layer % 2 == 0) or (
                 tensor.name.endswith("attn_v.weight") and layer % 2):
@@ -419,8 +423,8 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
         return None
 
     path = rewritten_gguf(embedded_model_gguf(), tmp_path / "k-types.gguf", k_types)
-    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-                                                 "IQ4_XS", "Q8_0"},
+    _same_tokens_on_blocks_and_fp32(str(path), {"Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                                 "IQ4_NL", "IQ4_XS", "Q8_0"},
                                     ["The capital of France is", "def fibonacci(n):"], 16, mixed_parts=True)
 
 

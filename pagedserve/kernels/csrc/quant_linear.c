@@ -8,7 +8,8 @@
  * quants (q - 4 where its high bit is clear): 3.6 bits. IQ4_NL's blocks are Q4_0's whose quants index a table of 16
  * values (`IQ4_VALUES`) instead of being less 8; IQ4_XS's come as IQ4_NL's with an int8 sub-block scale instead of
  * the fp16 d, which is in the header: 4.3 bits. Q2_K's as Q3_K's with 2-bit quants and, for each half, a byte of
- * a 4-bit scale and a 4-bit min, as the file holds them: 2.6 bits, the file's own size. (Q5_0 comes as Q8_0: its
+ * a 4-bit scale and a 4-bit min, as the file holds them: 2.6 bits, the file's own size. Q5_1's as Q4_1's with 5-bit
+ * quants packed, its fp16 d and m after them (`FIELDS_AT`): 6 bits, the file's own size. (Q5_0 comes as Q8_0: its
  * quants less 16, a byte each.)
  * Plain weights (any other checkpoint's) go through the same panels and tiles with d = 1, so that every fp32 layer on
  * the CPU computes a row the same way in any batch, which oneDNN's GEMM does not: as fp32 (F32), or as the
@@ -55,10 +56,10 @@
 
 /* F32, BF16, F16: plain weights in the same panels (d = 1), as fp32 or as 16-bit values each exactly is */
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K = 7, Q5_K = 8, Q3_K = 9, IQ4_NL = 10,
-       IQ4_XS = 11, Q2_K = 12 };
+       IQ4_XS = 11, Q2_K = 12, Q5_1 = 13 };
 #define PLAIN(qtype) ((qtype) == F32 || (qtype) == BF16 || (qtype) == F16)
 /* w = d q + m: x's block sums (Q2_K: its two halves' sums, for a min each: `SUMS`) */
-#define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q2_K)
+#define HAS_MIN(qtype) ((qtype) == Q4_1 || (qtype) == Q4_K || (qtype) == Q5_K || (qtype) == Q2_K || (qtype) == Q5_1)
 #define SUMS(qtype) ((qtype) == Q2_K ? 2 : 1)  /* x's sums per block and row */
 /* The K-types: per block, the 16 rows' 8-bit sub-block scales (Q4_K, Q5_K: then their mins; Q6_K, Q3_K: one for each
  * 16-value half, `HALVES`; Q2_K: for each half a 4-bit scale and, in the byte's high nibble, a 4-bit min; IQ4_XS: a
@@ -71,6 +72,9 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K 
 /* IQ4_NL's and IQ4_XS's 4-bit quants index this table of values (llama.cpp's kvalues_iq4nl) */
 #define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
 #define LOOKUP(qtype) ((qtype) == IQ4_NL || (qtype) == IQ4_XS)
+/* Where a block's fp16 d (and m) lie: first, but Q5_1's after its packed quants, so that the 16-byte read of its last
+ * k's record (`PACKED_QUANTS`) stays inside the block (the K-types' reads end in the panel's header region) */
+#define FIELDS_AT(qtype) ((qtype) == Q5_1 ? QK * NR * 5 / 8 : 0)
 
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
@@ -89,6 +93,7 @@ int64_t quant_linear_panel_block_bytes(int qtype) {
     switch (qtype) {
     case Q4_0: return 2 * NR + QK * NR / 2;
     case Q4_1: return 4 * NR + QK * NR / 2;
+    case Q5_1: return 4 * NR + QK * NR * 5 / 8;  /* 5-bit quants, then the 16 rows' d and m */
     case Q8_0: return 2 * NR + QK * NR;
     case Q4_K: return 2 * NR + QK * NR / 2;  /* the 16 rows' 6-bit scales, their mins, then Q4_1's quants */
     case Q6_K: return 2 * NR + QK * NR * 6 / 8;  /* the 16 rows' int8 scales of each half, then 6-bit quants */
@@ -180,7 +185,8 @@ static inline float half_sum(const float *x) {
  * 2r and 2r + 1 (Q2_K: q). Each lane r picks the two bytes that hold its quant into its top half (PACKED_PICK: byte
  * shuffle indices), shifts it left until its top bit is the lane's (PACKED_SHIFT), and back by 32 less the bits
  * (arithmetically for the signed ones): the quant, in four operations with the conversion to float. A k's record is
- * read 16 bytes at a time: past the last k's lie the next block or the panel's header region (these are K-types). */
+ * read 16 bytes at a time: past the last k's lie the next block or the panel's header region (K-types), or the
+ * block's own d and m (Q5_1, `FIELDS_AT`). Q5_1's quants are 5r to 5r + 4 as Q5_K's. */
 #define PACKED_RECORD(bits) (NR * (bits) / 8)
 #define PACKED_PICK(bits, r) (((bits) * (r) / 8) * 0x00010101 + ((bits) * (r) / 8 + 1) * 0x01000000)
 #define PACKED_SHIFT(bits, r) (16 - (bits) - (bits) * (r) % 8)
@@ -218,7 +224,7 @@ static inline __m512 scales16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return PLAIN(qtype) ? _mm512_set1_ps(1.0f) : K_TYPE(qtype)
          ? _mm512_mul_ps(half16(hd), qtype == Q2_K ? nibbles16(p + NR, 0)
                                      : bytes16(p + (HALVES(qtype) ? NR : 0), SIGNED_SCALES(qtype)))
-         : half16(p);
+         : half16(p + FIELDS_AT(qtype));
 }
 static inline __m512 halves16(const uint8_t *p, const uint8_t *hd, int qtype) {
     return HALVES(qtype) ? _mm512_mul_ps(half16(hd), qtype == Q2_K ? nibbles16(p, 0) : bytes16(p, 1))
@@ -226,7 +232,7 @@ static inline __m512 halves16(const uint8_t *p, const uint8_t *hd, int qtype) {
 }
 /* (Q2_K: its first half's min; `half_mins16`: its second's) */
 static inline __m512 mins16(const uint8_t *p, const uint8_t *hd, int qtype) {
-    return qtype == Q4_1 ? half16(p + 2 * NR)
+    return qtype == Q4_1 || qtype == Q5_1 ? half16(p + FIELDS_AT(qtype) + 2 * NR)
          : HAS_MIN(qtype)
          ? neg16(_mm512_mul_ps(half16(hd + 2 * NR), qtype == Q2_K ? nibbles16(p, 1) : bytes16(p + NR, 0)))
          : _mm512_setzero_ps();
@@ -329,7 +335,7 @@ static inline __m256 scales8(const uint8_t *p, const uint8_t *hd, int qtype, int
     return PLAIN(qtype) ? _mm256_set1_ps(1.0f) : K_TYPE(qtype)
          ? _mm256_mul_ps(half8(hd + 16 * h), qtype == Q2_K ? nibbles8(p + NR + 8 * h, 0)
                                              : bytes8(p + (HALVES(qtype) ? NR : 0) + 8 * h, SIGNED_SCALES(qtype)))
-         : half8(p + 16 * h);
+         : half8(p + FIELDS_AT(qtype) + 16 * h);
 }
 static inline __m256 halves8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
     return HALVES(qtype)
@@ -337,7 +343,7 @@ static inline __m256 halves8(const uint8_t *p, const uint8_t *hd, int qtype, int
          : _mm256_setzero_ps();
 }
 static inline __m256 mins8(const uint8_t *p, const uint8_t *hd, int qtype, int h) {
-    return qtype == Q4_1 ? half8(p + 2 * NR + 16 * h)
+    return qtype == Q4_1 || qtype == Q5_1 ? half8(p + FIELDS_AT(qtype) + 2 * NR + 16 * h)
          : HAS_MIN(qtype) ? neg8(_mm256_mul_ps(half8(hd + 2 * NR + 16 * h),
                                                qtype == Q2_K ? nibbles8(p + 8 * h, 1) : bytes8(p + NR + 8 * h, 0)))
          : _mm256_setzero_ps();
@@ -446,8 +452,8 @@ static inline __m256 half_mins8(const uint8_t *p, const uint8_t *hd, int qtype, 
             } else if (qtype == Q6_K) { \
                 const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q6, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
-            } else if (qtype == Q5_K) { \
-                const uint8_t *q = p + 2 * NR; \
+            } else if (qtype == Q5_K || qtype == Q5_1) { \
+                const uint8_t *q = qtype == Q5_1 ? p : p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q5, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q3_K) { \
                 const uint8_t *q = p + 2 * NR; \
@@ -736,9 +742,12 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
     case Q4_K:
         return half_at(hd + 2 * r) * (float)p[r] * (float)nibble_at(p + 2 * NR, r, k)
              + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
-    case Q5_K: {
-        const uint8_t *record = p + 2 * NR + PACKED_RECORD(5) * k + 5 * r / 8;
+    case Q5_K:
+    case Q5_1: {
+        const uint8_t *record = p + (qtype == Q5_1 ? 0 : 2 * NR) + PACKED_RECORD(5) * k + 5 * r / 8;
         const int q5 = ((record[0] | record[1] << 8) >> (5 * r % 8)) & 31;
+        if (qtype == Q5_1)
+            return half_at(p + FIELDS_AT(Q5_1) + 2 * r) * (float)q5 + half_at(p + FIELDS_AT(Q5_1) + 2 * NR + 2 * r);
         return half_at(hd + 2 * r) * (float)p[r] * (float)q5 + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
     }
     case Q6_K:

@@ -1,4 +1,4 @@
-"""Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0, the
+"""Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
 K-types Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS), and the fp32 layers of any other checkpoint through the same
 kernel (plain panels: every row computed the same way in any batch, which oneDNN's GEMM does not; and the model's
 layers in one native call, models/native_forward.py). A bf16 or fp16 checkpoint's weights, widened to fp32 on
@@ -33,24 +33,26 @@ QK = 32  # values per block of the kernel (and of GGUF's Q4_0, Q4_1, Q8_0)
 # (values, bytes) of a block of each type the kernel reads: GGUF's types (rows are cut only at their blocks'
 # bounds), and plain weights of any checkpoint (read by the same kernel so that every fp32 CPU model computes a
 # row the same way in any batch): fp32, or the 16-bit type each weight exactly is.
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q2_K": (256, 84),
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q2_K": (256, 84),
           "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
           "IQ4_XS": (256, 136), "F32": (32, 128), "BF16": (32, 64), "F16": (32, 64)}
 # quant_linear.c's enum; Q5_0 runs as Q8_0 (`q5_0_as_q8_0`)
 KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7, "Q5_K": 8,
-               "Q3_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "Q2_K": 12, "Q5_0": 2}
+               "Q3_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "Q2_K": 12, "Q5_1": 13, "Q5_0": 2}
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
 # The per-block fields before the quants, in bytes: fp16 d (and m); Q4_K's and Q5_K's 6-bit scale and min of the
 # 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, Q2_K's 4-bit scale and min of each half (a byte),
 # IQ4_XS's int8 scale
-_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q8_0": (2,), "Q2_K": (1, 1), "Q3_K": (1, 1),
-                 "Q4_K": (1, 1), "Q5_K": (1, 1), "Q6_K": (1, 1), "IQ4_NL": (2,), "IQ4_XS": (1,)}
+_SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q5_1": (2, 2), "Q8_0": (2,), "Q2_K": (1, 1),
+                 "Q3_K": (1, 1), "Q4_K": (1, 1), "Q5_K": (1, 1), "Q6_K": (1, 1), "IQ4_NL": (2,), "IQ4_XS": (1,)}
 # The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
 _HEADER_FIELDS = {"Q2_K": (2, 2), "Q3_K": (2,), "Q4_K": (2, 2), "Q5_K": (2, 2), "Q6_K": (2,), "IQ4_XS": (2,)}
 _BYTE_QUANTS = ("Q8_0", "Q5_0")  # a byte a quant in the panels
 # Quants packed side by side in the panels (Q6_K's and Q3_K's two's complement); the other types' 4-bit quants
 # two to a byte
-_PACKED_BITS = {"Q2_K": 2, "Q3_K": 3, "Q5_K": 5, "Q6_K": 6}
+_PACKED_BITS = {"Q2_K": 2, "Q3_K": 3, "Q5_K": 5, "Q5_1": 5, "Q6_K": 6}
+# The types whose scale fields follow their quants in a panel's block (quant_linear.c's FIELDS_AT)
+_FIELDS_AFTER = ("Q5_1",)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -69,6 +71,19 @@ def q5_0_as_q8_0(rows: torch.Tensor) -> tuple[torch.Tensor, None]:
     low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]: values 0-15 low nibbles, 16-31 high ones
     values = ((low.to(torch.int32) | (high << 4)) - 16).to(torch.int8)
     return torch.cat([blocks[..., :2], values.view(torch.uint8)], dim=-1).reshape(n, -1), None
+
+
+def q5_1_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """Q5_1 rows [N, K / 32 * 24] (uint8) -> blocks [N, K / 32 * 36]: the same fp16 d and m, then the 32 5-bit quants
+    a byte each. So w = d * q + m, as gguf's dequantization computes it."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 24)  # [N, nb, 24]: fp16 d, fp16 m, 32 high bits, 16 bytes of low nibbles
+    high = blocks[..., 4:8].contiguous().view(torch.int32)  # [N, nb, 1]: value j's 5th bit is bit j
+    high = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [N, nb, 32]
+    qs = blocks[..., 8:]
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]: values 0-15 low nibbles, 16-31 high ones
+    values = (low.to(torch.int32) | (high << 4)).to(torch.uint8)
+    return torch.cat([blocks[..., :4], values], dim=-1).reshape(n, -1), None
 
 
 def _k_scales_and_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +190,7 @@ def iq4_xs_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 # super-block headers
 _AS_BLOCKS_OF_32 = {"Q2_K": q2_k_as_blocks_of_32, "Q3_K": q3_k_as_blocks_of_32, "Q4_K": q4_k_as_blocks_of_32,
                     "Q5_K": q5_k_as_blocks_of_32, "Q6_K": q6_k_as_blocks_of_32, "IQ4_XS": iq4_xs_as_blocks_of_32,
-                    "Q5_0": q5_0_as_q8_0}
+                    "Q5_0": q5_0_as_q8_0, "Q5_1": q5_1_as_blocks_of_32}
 
 
 def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -211,7 +226,8 @@ def repack(rows: torch.Tensor, qtype: str) -> torch.Tensor:
         qs = blocks[..., start:]  # [P, nb, 16 rows, 16 bytes]: value j low nibble, j + 16 high
         values = torch.cat([qs & 0xF, qs >> 4], dim=-1).transpose(2, 3)  # [P, nb, 32 k, 16 rows]
         quants = (values[..., : nr // 2] | (values[..., nr // 2:] << 4)).reshape(panels, nb, QK * nr // 2)
-    parts = [torch.cat([*fields, quants], dim=-1).reshape(panels, -1)]  # [P, nb * panel block bytes]
+    block = [quants, *fields] if qtype in _FIELDS_AFTER else [*fields, quants]
+    parts = [torch.cat(block, dim=-1).reshape(panels, -1)]  # [P, nb * panel block bytes]
     if header is not None:
         hb = sum(_HEADER_FIELDS[qtype])
         padded = torch.zeros(panels * nr, header.shape[1] // hb, hb, dtype=torch.uint8)  # [P * 16, S, hb]
