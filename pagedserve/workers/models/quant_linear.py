@@ -40,9 +40,9 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 KERNEL_TYPE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5, "Q4_K": 6, "Q6_K": 7, "Q5_K": 8,
                "Q3_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "Q2_K": 12, "Q5_1": 13, "Q5_0": 2}
 PLAIN_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # d = 1: the values themselves
-# The per-block fields before the quants, in bytes: fp16 d (and m); Q4_K's and Q5_K's 6-bit scale and min of the
-# 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, Q2_K's 4-bit scale and min of each half (a byte),
-# IQ4_XS's int8 scale
+# The per-block fields before the quants (Q5_1's after them), in bytes: fp16 d (and m); Q4_K's and Q5_K's 6-bit
+# scale and min of the 32 values, Q6_K's and Q3_K's int8 scales of each 16-value half, Q2_K's 4-bit scale and min of
+# each half (a byte), IQ4_XS's int8 scale
 _SCALE_FIELDS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2,), "Q5_1": (2, 2), "Q8_0": (2,), "Q2_K": (1, 1),
                  "Q3_K": (1, 1), "Q4_K": (1, 1), "Q5_K": (1, 1), "Q6_K": (1, 1), "IQ4_NL": (2,), "IQ4_XS": (1,)}
 # The K-types' fields per 256-value super-block, in the panel's header region: fp16 d (and dmin)
