@@ -52,7 +52,7 @@ _D_AT = {"Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "Q4_K": slice(0, 4), "Q
          "Q6_K": slice(208, 210), "IQ4_XS": slice(0, 2), "IQ4_NL": slice(0, 2)}
 
 
-def _random_k_type(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
+def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.001) -> np.ndarray:
     """Rows [n, k / values * bytes] of `qtype` (`_D_AT`): random quants, scales and mins under a random fp16 d (and
     dmin, not negative) of about `scale` (gguf cannot quantize to these types; every such block is one llama.cpp
     could write)."""
@@ -70,7 +70,7 @@ def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, tor
     types: the matrix rounded to the type, and its values widened to fp32)."""
     rng = np.random.default_rng(seed)
     if qtype in RANDOM_BLOCKS:
-        rows = _random_k_type(qtype, n, k, rng)
+        rows = _random_blocks(qtype, n, k, rng)
         return torch.from_numpy(rows), torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[qtype]))
     w = rng.standard_normal((n, k)).astype(np.float32)
     if qtype in quant_linear.PLAIN_TYPES:
@@ -206,7 +206,7 @@ def test_bad_inputs_are_named():
         QuantLinear(rows, "Q5_K", 64, None)
     with pytest.raises(ValueError, match="do not hold 96 values"):
         QuantLinear(rows, "Q4_1", 96, None)
-    q4_k = torch.from_numpy(_random_k_type("Q4_K", 16, 256, np.random.default_rng(0)))
+    q4_k = torch.from_numpy(_random_blocks("Q4_K", 16, 256, np.random.default_rng(0)))
     with pytest.raises(ValueError, match="do not hold 288 values"):  # Q4_K blocks are 256 values
         QuantLinear(torch.cat([q4_k, q4_k[:, :18]], dim=1), "Q4_K", 288, None)
     with pytest.raises(ValueError, match="fp32 CPU inputs"):
@@ -317,7 +317,7 @@ def test_k_type_layers_split_over_ranks_hold_their_shards(qtype, tmp_path):
     state, blocks = {}, {}
     for name, shape in hf_tensor_shapes(config).items():
         if len(shape) == 2:
-            blocks[name] = _random_k_type(qtype, *shape, rng)
+            blocks[name] = _random_blocks(qtype, *shape, rng)
             state[name] = torch.from_numpy(gguf_dequantize(blocks[name], GGMLQuantizationType[qtype]))
         else:
             state[name] = torch.ones(shape)
@@ -409,7 +409,7 @@ def test_a_gguf_with_k_type_layers_computes_what_their_fp32_weights_do(tmp_path,
         if tensor.name.endswith("ffn_down.weight"):
             qtype = K_TYPES[layer % len(K_TYPES)]
             n, k = tensor.data.shape[0], int(tensor.n_elements) // tensor.data.shape[0]
-            return _random_k_type(qtype, n, k, rng, scale=1e-4), GGMLQuantizationType[qtype]
+            return _random_blocks(qtype, n, k, rng, scale=1e-4), GGMLQuantizationType[qtype]
         if tensor.name.endswith("attn_output.weight") and layer % 3 == 0:
             return _iq4_nl(gguf_dequantize(tensor.data, tensor.tensor_type)), GGMLQuantizationType.IQ4_NL
         if tensor.name.endswith("ffn_up.weight") and layer % 3 == 1:

@@ -60,16 +60,22 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and quant_linear_library() is not None
 
 
+def _five_bit_quants(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0's or Q5_1's blocks [N, nb, bytes] (uint8) -> their 32 5-bit quants [N, nb, 32] (int32), from the 4 bytes
+    of 5th bits at byte `at` and the 16 bytes of low nibbles after them."""
+    high = blocks[..., at:at + 4].contiguous().view(torch.int32)  # [N, nb, 1]: value j's 5th bit is bit j
+    high = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [N, nb, 32]
+    qs = blocks[..., at + 4:]
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]: values 0-15 low nibbles, 16-31 high ones
+    return low.to(torch.int32) | (high << 4)
+
+
 def q5_0_as_q8_0(rows: torch.Tensor) -> tuple[torch.Tensor, None]:
     """Q5_0 rows [N, K / 32 * 22] (uint8) -> Q8_0 blocks [N, K / 32 * 34]: the same fp16 d, the 5-bit quants less
     16 as int8. So w = d * q, as gguf's dequantization computes it."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 22)  # [N, nb, 22]: fp16 d, 32 high bits, 16 bytes of low nibbles
-    high = blocks[..., 2:6].contiguous().view(torch.int32)  # [N, nb, 1]: value j's 5th bit is bit j
-    high = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [N, nb, 32]
-    qs = blocks[..., 6:]
-    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]: values 0-15 low nibbles, 16-31 high ones
-    values = ((low.to(torch.int32) | (high << 4)) - 16).to(torch.int8)
+    values = (_five_bit_quants(blocks, 2) - 16).to(torch.int8)
     return torch.cat([blocks[..., :2], values.view(torch.uint8)], dim=-1).reshape(n, -1), None
 
 
@@ -78,11 +84,7 @@ def q5_1_as_blocks_of_32(rows: torch.Tensor) -> tuple[torch.Tensor, None]:
     a byte each. So w = d * q + m, as gguf's dequantization computes it."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 24)  # [N, nb, 24]: fp16 d, fp16 m, 32 high bits, 16 bytes of low nibbles
-    high = blocks[..., 4:8].contiguous().view(torch.int32)  # [N, nb, 1]: value j's 5th bit is bit j
-    high = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [N, nb, 32]
-    qs = blocks[..., 8:]
-    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]: values 0-15 low nibbles, 16-31 high ones
-    values = (low.to(torch.int32) | (high << 4)).to(torch.uint8)
+    values = _five_bit_quants(blocks, 4).to(torch.uint8)
     return torch.cat([blocks[..., :4], values], dim=-1).reshape(n, -1), None
 
 
