@@ -75,6 +75,10 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, Q6_K 
 /* Where a block's fp16 d (and m) lie: first, but Q5_1's after its packed quants, so that the 16-byte read of its last
  * k's record (`PACKED_QUANTS`) stays inside the block (the K-types' reads end in the panel's header region) */
 #define FIELDS_AT(qtype) ((qtype) == Q5_1 ? QK * NR * 5 / 8 : 0)
+/* Where a block's quants start: after its scale fields (the 16 rows' fp16 d, Q4_1's m too, or the K-types' 8-bit
+ * fields: IQ4_XS's one, the others' two), at its start for plain types and for Q5_1 */
+#define QUANTS_AT(qtype) \
+    (PLAIN(qtype) || (qtype) == Q5_1 ? 0 : (qtype) == IQ4_XS ? NR : (qtype) == Q4_1 ? 4 * NR : 2 * NR)
 
 #define QK 32  /* values per GGUF block */
 #define NR 16  /* output rows per panel */
@@ -446,38 +450,28 @@ static inline __m256 half_mins8(const uint8_t *p, const uint8_t *hd, int qtype, 
             HEADER \
             SCALES \
             ROWS_##n(SUM_INIT) \
+            const uint8_t *const q = p + QUANTS_AT(qtype); \
             if (qtype == Q8_0) { \
-                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q8, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q6_K) { \
-                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q6, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q5_K || qtype == Q5_1) { \
-                const uint8_t *q = qtype == Q5_1 ? p : p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q5, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q3_K) { \
-                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q3, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == Q2_K) { \
-                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q2, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (LOOKUP(qtype)) { \
-                const uint8_t *q = p + (qtype == IQ4_XS ? 1 : 2) * NR; \
                 BLOCK_LOOP(QUANTS_IQ4, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (HAS_MIN(qtype)) { \
-                const uint8_t *q = p + (qtype == Q4_K ? 2 : 4) * NR; \
                 BLOCK_LOOP(QUANTS_Q41, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == F32) { \
-                const uint8_t *q = p; \
                 BLOCK_LOOP(QUANTS_F32, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == BF16) { \
-                const uint8_t *q = p; \
                 BLOCK_LOOP(QUANTS_BF16, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else if (qtype == F16) { \
-                const uint8_t *q = p; \
                 BLOCK_LOOP(QUANTS_F16, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } else { \
-                const uint8_t *q = p + 2 * NR; \
                 BLOCK_LOOP(QUANTS_Q40, ROWS_##n(SUM_STEP), ROWS_##n(HALF_END)) \
             } \
             ROWS_##n(BLOCK_END) \
@@ -735,16 +729,17 @@ static inline int nibble_at(const uint8_t *q, int r, int k) {  /* row r's 4-bit 
     return (q[NR / 2 * k + r % (NR / 2)] >> (r < NR / 2 ? 0 : 4)) & 15;
 }
 static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, int r, int k) {
+    const uint8_t *const q = p + QUANTS_AT(qtype);
     switch (qtype) {
-    case Q4_0: return half_at(p + 2 * r) * (float)(nibble_at(p + 2 * NR, r, k) - 8);
-    case Q4_1: return half_at(p + 2 * r) * (float)nibble_at(p + 4 * NR, r, k) + half_at(p + 2 * NR + 2 * r);
-    case Q8_0: return half_at(p + 2 * r) * (float)(int8_t)p[2 * NR + NR * k + r];
+    case Q4_0: return half_at(p + 2 * r) * (float)(nibble_at(q, r, k) - 8);
+    case Q4_1: return half_at(p + 2 * r) * (float)nibble_at(q, r, k) + half_at(p + 2 * NR + 2 * r);
+    case Q8_0: return half_at(p + 2 * r) * (float)(int8_t)q[NR * k + r];
     case Q4_K:
-        return half_at(hd + 2 * r) * (float)p[r] * (float)nibble_at(p + 2 * NR, r, k)
+        return half_at(hd + 2 * r) * (float)p[r] * (float)nibble_at(q, r, k)
              + -(half_at(hd + 2 * NR + 2 * r) * (float)p[NR + r]);
     case Q5_K:
     case Q5_1: {
-        const uint8_t *record = p + (qtype == Q5_1 ? 0 : 2 * NR) + PACKED_RECORD(5) * k + 5 * r / 8;
+        const uint8_t *record = q + PACKED_RECORD(5) * k + 5 * r / 8;
         const int q5 = ((record[0] | record[1] << 8) >> (5 * r % 8)) & 31;
         if (qtype == Q5_1)
             return half_at(p + FIELDS_AT(Q5_1) + 2 * r) * (float)q5 + half_at(p + FIELDS_AT(Q5_1) + 2 * NR + 2 * r);
@@ -753,18 +748,18 @@ static inline float weight_at(const uint8_t *p, const uint8_t *hd, int qtype, in
     case Q6_K:
     case Q3_K: {
         const int bits = qtype == Q6_K ? 6 : 3;
-        const uint8_t *record = p + 2 * NR + PACKED_RECORD(bits) * k + bits * r / 8;
+        const uint8_t *record = q + PACKED_RECORD(bits) * k + bits * r / 8;
         const int qb = ((record[0] | record[1] << 8) >> (bits * r % 8)) & ((1 << bits) - 1);  /* two's complement */
         return half_at(hd + 2 * r) * (float)(int8_t)p[(k < QK / 2 ? 0 : NR) + r]
              * (float)(qb < 1 << (bits - 1) ? qb : qb - (1 << bits));
     }
     case Q2_K: {
-        const int h = k < QK / 2 ? 0 : 1, q2 = (p[2 * NR + PACKED_RECORD(2) * k + r / 4] >> (2 * (r % 4))) & 3;
+        const int h = k < QK / 2 ? 0 : 1, q2 = (q[PACKED_RECORD(2) * k + r / 4] >> (2 * (r % 4))) & 3;
         return half_at(hd + 2 * r) * (float)(p[h * NR + r] & 15) * (float)q2
              + -(half_at(hd + 2 * NR + 2 * r) * (float)(p[h * NR + r] >> 4));
     }
-    case IQ4_NL: return half_at(p + 2 * r) * (float)iq4_values[nibble_at(p + 2 * NR, r, k)];
-    case IQ4_XS: return half_at(hd + 2 * r) * (float)(int8_t)p[r] * (float)iq4_values[nibble_at(p + NR, r, k)];
+    case IQ4_NL: return half_at(p + 2 * r) * (float)iq4_values[nibble_at(q, r, k)];
+    case IQ4_XS: return half_at(hd + 2 * r) * (float)(int8_t)p[r] * (float)iq4_values[nibble_at(q, r, k)];
     case F32: return float_at(p + 4 * (NR * k + r));
     case BF16: {
         const uint32_t bits = (uint32_t)(p[2 * (NR * k + r)] | (p[2 * (NR * k + r) + 1] << 8)) << 16;
