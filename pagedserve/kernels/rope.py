@@ -64,4 +64,8 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
+        # No fused multiply-adds: they would round a product once with the sum, where transformers rounds
+        # each on its own. (LLVM also narrows 16-bit arithmetic done in fp32 to the 16-bit type, where a
+        # fused multiply-add again drops the product's rounding.)
+        enable_fp_fusion=False,
     )
