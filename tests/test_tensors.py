@@ -31,6 +31,16 @@ def test_packed_segments_come_back_in_order():
     assert all(t.untyped_storage().data_ptr() == storage for t in out)
 
 
+def test_packed_segments_each_start_16_bytes_aligned():
+    """Triton specializes kernels on their pointers' 16-byte alignment: a view whose alignment followed the
+    lengths before it would compile new kernel variants mid-run."""
+    for lengths in [(1, 1, 1), (3, 5, 2, 7), (0, 1, 0, 3), (257, 256, 255)]:
+        segments = [list(range(n)) if i % 2 else torch.arange(n) for i, n in enumerate(lengths)]
+        out = on_device_packed(CPU, segments)
+        assert [t.tolist() for t in out] == [list(range(n)) for n in lengths]
+        assert all(t.data_ptr() % 16 == 0 for t in out), [t.data_ptr() % 16 for t in out]
+
+
 def test_grown_keeps_what_it_held():
     t = torch.tensor([[1, 2], [3, 4]])
     assert grown(t, (1, 2)) is t

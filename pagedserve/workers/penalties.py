@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.scheduler.batch import SampleSpec
-from pagedserve.workers.tensors import grown, on_device
+from pagedserve.workers.tensors import fill_at, grown, on_device
 
 
 def _penalized(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition, frequency,
@@ -100,10 +100,10 @@ class PenaltyCounts:
         if not fresh:
             return
         slot_index = on_device(dev, list(fresh))
-        self.in_prompt[slot_index] = False
-        self.output_counts[slot_index] = 0
-        self.in_prompt[on_device(dev, [slot for slot, spec in fresh.items() for _ in spec.prompt_token_ids]),
-                       on_device(dev, [t for spec in fresh.values() for t in spec.prompt_token_ids])] = True
+        fill_at(self.in_prompt, (slot_index,), False)
+        fill_at(self.output_counts, (slot_index,), 0)
+        fill_at(self.in_prompt, (on_device(dev, [slot for slot, spec in fresh.items() for _ in spec.prompt_token_ids]),
+                                 on_device(dev, [t for spec in fresh.values() for t in spec.prompt_token_ids])), True)
         outputs = [(slot, t) for slot, spec in fresh.items() for t in spec.output_token_ids or ()]
         if outputs:
             self._count(*(on_device(dev, list(column)) for column in zip(*outputs, strict=True)))

@@ -10,7 +10,7 @@ import xxhash
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
 from pagedserve.workers.penalties import PenaltyCounts
-from pagedserve.workers.tensors import on_device, on_device_packed, to_device
+from pagedserve.workers.tensors import fill_at, on_device, on_device_packed, to_device
 
 
 def draw_uniform(seed: int, sample_index: int, output_len: int) -> float:
@@ -203,7 +203,7 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]
             rows_index = on_device(dev, part)
             logits[rows_index] = logits[rows_index].masked_fill(banned, float("-inf"))
     if ban_rows:
-        logits[tuple(on_device_packed(dev, [ban_rows, ban_ids]))] = float("-inf")
+        fill_at(logits, tuple(on_device_packed(dev, [ban_rows, ban_ids])), float("-inf"))
     return logits
 
 
@@ -217,7 +217,7 @@ def _allowed_rows(masks: list[bytes | list[int]], vocab: int, device: torch.devi
         bitmasked = [i for i, m in enumerate(masks) if isinstance(m, bytes)]
         allowed[on_device(device, bitmasked)] = _allowed([masks[i] for i in bitmasked], vocab, device)
     pairs = [(i, t) for i in listed for t in masks[i]]
-    allowed[tuple(on_device_packed(device, [[i for i, _ in pairs], [t for _, t in pairs]]))] = True
+    fill_at(allowed, tuple(on_device_packed(device, [[i for i, _ in pairs], [t for _, t in pairs]])), True)
     return allowed
 
 

@@ -6,6 +6,7 @@ import array
 
 import torch
 
+_INT64_PER_16_BYTES = 2
 # array.array type codes of the dtypes that step lists become.
 _ARRAY_CODES = {torch.long: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d", torch.bool: "b"}
 
@@ -34,6 +35,13 @@ def on_device(device: torch.device, values: list, dtype: torch.dtype = torch.lon
     return to_device(host_tensor(values, dtype), device)
 
 
+def fill_at(t: torch.Tensor, index: tuple[torch.Tensor, ...], value: float) -> None:
+    """`t[index] = value` for index tensors, without making the host wait for the device: assigned so, a
+    Python number becomes a host tensor that is copied to a CUDA `t` from pageable memory (see `to_device`).
+    Here the value is made on `t`'s device."""
+    t.index_put_(index, t.new_full((), value))
+
+
 def grown(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """`t` if it covers `shape`; else zeros with `t` in its corner, each dimension that falls short at least
     doubled, so that a table grown a row at a time is copied only a logarithmic number of times."""
@@ -47,18 +55,26 @@ def grown(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def on_device_packed(device: torch.device, segments: list[list[int] | torch.Tensor]) -> list[torch.Tensor]:
     """Host int64 segments (lists or tensors) on `device` in one copy (one launch, one pinned staging block):
-    views, in order, into one buffer."""
+    views, in order, into one buffer, each starting 16 bytes aligned. Triton compiles a kernel variant for
+    each combination of its pointers' 16-byte alignment: unaligned views, where the lengths before them
+    decide the alignment, would bring new variants mid-run (a second or more each)."""
     parts: list[torch.Tensor] = []
+    sizes: list[int] = []  # each segment's length, then its padding
     run: list[int] = []  # neighbouring lists become one tensor: a tensor per list costs more than the copy
     for segment in segments:
+        pad = -len(segment) % _INT64_PER_16_BYTES
         if isinstance(segment, torch.Tensor):
             if run:
                 parts.append(host_tensor(run))
                 run = []
             parts.append(segment)
+            if pad:
+                parts.append(torch.zeros(pad, dtype=torch.long))
         else:
             run += segment
+            run += [0] * pad
+        sizes += [len(segment), pad]
     if run:
         parts.append(host_tensor(run))
-    host = torch.cat(parts)  # [sum of lengths]
-    return list(to_device(host, device).split([len(s) for s in segments]))
+    host = torch.cat(parts)  # [sum of lengths and padding]
+    return list(to_device(host, device).split(sizes)[::2])
