@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in six parts meant to take under ten minutes each (no ray, no gguf needed). Timed
-# on an H100: correctness about 6 minutes (its tests 4, on a cold Triton cache); throughput's 256-request run 5,
-# the steps after it not yet; tune 3 (the whole grid); large under 5; host and profile not yet.
+# on an H100: correctness about 6 minutes with its parts one after another (the tests 4, on a cold Triton
+# cache); throughput's 256-request run 5, the steps after it not yet; tune 3 (the whole grid); large under 5;
+# host and profile not yet.
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch, async scheduling on
@@ -34,6 +35,19 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember a failure, go 
     [ "$rc" -eq 0 ] || status=1
 }
 
+pids=()
+background() {  # background NAME CMD...: step, in its own process; wait_all collects its status
+    (
+        step "$@"
+        exit $status
+    ) &
+    pids+=($!)
+}
+wait_all() {
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    pids=()
+}
+
 case "${1:-}" in
 correctness | throughput | host | tune | large | profile) ;;
 *)
@@ -47,11 +61,16 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 case "${1:-}" in
 correctness)
-    step tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_norm_kernel.py \
-        tests/test_rope_kernel.py tests/test_cuda_graph.py
-    step kernels python3 benchmarks/kernels.py
-    step parity python3 benchmarks/gpu_parity.py
-    step parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs
+    # The tests and both parity runs at once: compiling Triton kernels takes most of their time, one core
+    # each. Each engine gets a KV pool of its own size, so that none takes 0.9 of the card from the others.
+    xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+    # shellcheck disable=SC2086
+    background tests python3 -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
+        tests/test_norm_kernel.py tests/test_rope_kernel.py tests/test_cuda_graph.py
+    background parity python3 benchmarks/gpu_parity.py --kv-cache-memory 16GiB
+    background parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs --kv-cache-memory 16GiB
+    wait_all
+    step kernels python3 benchmarks/kernels.py  # timed alone
     ;;
 throughput)
     # The headline run first (about 5 minutes): a part cut short by its caller's time limit still has it.
@@ -82,16 +101,16 @@ large)
     ;;
 profile)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-    sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    ncu_args="--clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
     # The first shape's second launch: the first is its check against the reference, the rest are timed.
     # shellcheck disable=SC2086
-    step prefill_ncu "$ncu" --kernel-name regex:_prefill_kernel --launch-skip 1 --launch-count 1 $sections \
+    step prefill_ncu "$ncu" --kernel-name regex:_prefill_kernel --launch-skip 1 --launch-count 1 $ncu_args \
         python3 benchmarks/kernels.py --only prefill
     # SDPA's bf16 kernel on the same shape (flash, cuDNN or memory-efficient: whichever torch picks; the fp32
     # reference's kernels do not match), for what the same work costs there.
     # shellcheck disable=SC2086
-    step sdpa_ncu "$ncu" --kernel-name "regex:flash|cudnn|fmha_cutlassF_bf16" --launch-skip 1 --launch-count 1 $sections \
+    step sdpa_ncu "$ncu" --kernel-name "regex:flash|cudnn|fmha_cutlassF_bf16" --launch-skip 1 --launch-count 1 $ncu_args \
         python3 benchmarks/kernels.py --only prefill
     ;;
 esac

@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(5, 300))
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--kv-cache-memory", default=None, help="the KV pool's size (default: gpu_memory_utilization's)")
     p.add_argument("--tie-gap", type=float, default=1e-3, help="logit gap under which a parting is a tie")
     p.add_argument("--smoke", action="store_true", help="qwen2-tiny on CPU, 4 prompts")
     args = p.parse_args()
@@ -56,7 +57,7 @@ def main() -> int:
     from pagedserve import LLM, SamplingParams
 
     with LLM(str(model_dir), dtype=args.dtype, device=device, attention_backend="triton",
-             cuda_graphs=args.cuda_graphs, max_num_seqs=args.num_prompts) as llm:
+             cuda_graphs=args.cuda_graphs, max_num_seqs=args.num_prompts, kv_cache_memory=args.kv_cache_memory) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
         ours = [o.outputs[0].token_ids for o in outs]
 

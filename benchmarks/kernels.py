@@ -391,9 +391,9 @@ def print_sweep(title: str, rows: list[dict], unit: str, top: int = 5) -> dict |
     return pick[0]
 
 
-def run_sweep(device: torch.device, smoke: bool, budget_s: float, json_path: str | None) -> None:
+def run_sweep(device: torch.device, smoke: bool, budget_s: float, json_path: str | None, decode_shapes: list,
+              prefill_shapes: list) -> None:
     deadline = time.monotonic() + budget_s
-    decode_shapes, prefill_shapes = (SMOKE_DECODE, SMOKE_PREFILL) if smoke else (GPU_DECODE, GPU_PREFILL)
     decode_points, prefill_points, splits = ((SMOKE_DECODE_SWEEP, SMOKE_PREFILL_SWEEP, SMOKE_SPLIT_SWEEP) if smoke
                                              else (GPU_DECODE_SWEEP, GPU_PREFILL_SWEEP, GPU_SPLIT_SWEEP))
     decode = sweep(decode_shapes, device, smoke, decode_points, splits, deadline)
@@ -433,7 +433,7 @@ def main() -> None:
         decode_shapes, prefill_shapes = ((decode_shapes, []) if args.only == "decode" else ([], prefill_shapes))
     torch.manual_seed(0)
     if args.sweep:
-        run_sweep(device, args.smoke, args.budget_s, args.json)
+        run_sweep(device, args.smoke, args.budget_s, args.json, decode_shapes, prefill_shapes)
         return
 
     decode = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -149,6 +150,29 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     return prompts, outputs
 
 
+@contextlib.contextmanager
+def triton_compilations():
+    """The Triton kernels compiled (or read from Triton's disk cache) inside the block, by name. A timed run
+    should see none: a variant first needed mid-run costs about a second of it."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton, or one without hooks: nothing to count
+        yield names
+        return
+    before = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs) -> bool:
+        names.append(str(kwargs.get("repr", "?")).split("[", 1)[0])
+        return False  # compile as usual
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -185,10 +209,11 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
               for n in outputs]
     sync(args.device)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(args.device)
-    elapsed = time.perf_counter() - t0
+    with triton_compilations() as compiled:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync(args.device)
+        elapsed = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), "every request must produce exactly max_tokens tokens"
     stats = llm.stats()
@@ -201,6 +226,8 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
         "" if async_scheduling else " (async_scheduling=False)")
     note = (f"weights {weights / 2**20:,.0f} MiB, {stats['num_total_blocks']} KV blocks, "
             f"{stats['num_preemptions']} preemptions")
+    if args.device == "cuda":
+        note += f", {len(compiled)} Triton compilations while timed" + (f" ({', '.join(compiled)})" if compiled else "")
     if timeline:
         note += (f"; {timeline['steps']} decode steps of {timeline['rows']} rows: "
                  f"{timeline['step_us_unprofiled']} µs a step unprofiled")

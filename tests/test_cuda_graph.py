@@ -38,9 +38,10 @@ def test_graph_batch_sizes(max_num_seqs, expected):
 
 
 def generate(model: str, backend: str, static: bool, capture: bool = False, **config) -> tuple[list, int]:
-    # fp32 everywhere: on a GPU, bf16 rounding of padded vs unpadded products could flip near-ties.
+    # fp32 everywhere: on a GPU, bf16 rounding of padded vs unpadded products could flip near-ties. A small
+    # KV pool: on a GPU, engines in parallel test processes each get one (the default takes 0.9 of the card).
     with LLM(model, attention_backend=backend, max_model_len=256, dtype="float32", cuda_graphs=capture,
-             **config) as llm:
+             kv_cache_memory="64MiB", **config) as llm:
         runner = llm.engine.executor.worker.runner
         if static and not capture:  # captured graphs come from the engine setting, as users get them
             runner.use_decode_graphs(llm.engine.config.max_num_seqs, llm.engine.max_model_len, capture=False)
