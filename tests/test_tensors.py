@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.workers.tensors import grown, host_tensor, on_device, on_device_packed
+from pagedserve.workers.tensors import fill_at, grown, host_tensor, on_device, on_device_packed
 
 CPU = torch.device("cpu")
 
@@ -46,3 +46,17 @@ def test_grown_keeps_what_it_held():
     assert grown(t, (1, 2)) is t
     g = grown(t, (3, 2))
     assert g.shape == (4, 2) and g.tolist() == [[1, 2], [3, 4], [0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.bool, True), (torch.float32, float("-inf")), (torch.int32, 0),
+                                         (torch.bfloat16, float("-inf"))])
+def test_fill_at_is_assignment_through_index_tensors(dtype, value):
+    t = torch.arange(12).reshape(3, 4).to(dtype)
+    rows, cols = torch.tensor([0, 2, 2]), torch.tensor([1, 3, 1])
+    expected = t.clone()
+    expected[rows, cols] = value
+    fill_at(t, (rows, cols), value)
+    assert torch.equal(t, expected)
+    expected[torch.tensor([1])] = value  # whole rows, as one index tensor selects them
+    fill_at(t, (torch.tensor([1]),), value)
+    assert torch.equal(t, expected)
