@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in six parts meant to take under ten minutes each (no ray, no gguf needed). Timed
-# on an H100: correctness about 6 minutes with its parts one after another (the tests 4, on a cold Triton
-# cache); throughput's 256-request run 5, the steps after it not yet; tune 3 (the whole grid); large under 5;
-# host and profile not yet.
+# on an H100: throughput's 256-request run 5, the steps after it not yet; tune 3 (the whole grid); large under
+# 5. On an H200, on a cold Triton cache: correctness 3 (its tests and parity runs side by side), host under 2,
+# profile under 2.
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch, async scheduling on
@@ -101,8 +101,8 @@ large)
     ;;
 profile)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-    ncu_args="--clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
+    ncu_args="--clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
     # The first shape's second launch: the first is its check against the reference, the rest are timed.
     # shellcheck disable=SC2086
     step prefill_ncu "$ncu" --kernel-name regex:_prefill_kernel --launch-skip 1 --launch-count 1 $ncu_args \
