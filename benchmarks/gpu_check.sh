@@ -102,7 +102,8 @@ large)
 profile)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
     ncu_args="--clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats"
     # The first shape's second launch: the first is its check against the reference, the rest are timed.
     # shellcheck disable=SC2086
     step prefill_ncu "$ncu" --kernel-name regex:_prefill_kernel --launch-skip 1 --launch-count 1 $ncu_args \
