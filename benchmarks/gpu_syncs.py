@@ -42,6 +42,7 @@ MIXES = {
     "n=2": dict(temperature=1.0, n=2),
     "penalties": dict(temperature=0, repetition_penalty=1.2, frequency_penalty=0.3),
     "logit_bias, min_tokens": dict(temperature=0, logit_bias={5: 2.0}, min_tokens=8, stop_token_ids=[7]),
+    "allowed_token_ids": dict(temperature=0.7, allowed_token_ids=list(range(100, 1100))),
 }
 
 BUSY_MS = 200  # the kernel queued ahead of the step in the busy-device check
