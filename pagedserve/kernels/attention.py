@@ -337,13 +337,8 @@ _DEFAULT_SMS = 132  # H100 SXM; used off-GPU so the heuristic behaves as it woul
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _device_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
+def _device_properties(device_index: int):  # torch's CUDA device properties, asked for once
+    return torch.cuda.get_device_properties(device_index)
 
 
 def _tiles(device: torch.device, head_dim: int, fp32_dot: bool) -> Tiles:
@@ -353,7 +348,7 @@ def _tiles(device: torch.device, head_dim: int, fp32_dot: bool) -> Tiles:
         return GPU_TILES_FP32
     if head_dim > 128:
         return GPU_TILES_LARGE_D
-    return GPU_TILES_BY_NAME.get(_device_name(device.index or 0), GPU_TILES)
+    return GPU_TILES_BY_NAME.get(_device_properties(device.index or 0).name, GPU_TILES)
 
 
 def num_kv_splits(num_rows: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device,
@@ -366,7 +361,7 @@ def num_kv_splits(num_rows: int, num_kv_heads: int, max_context: int, block_n: i
     if split_kv is False:
         return 1
     max_tiles = triton.cdiv(max_context, block_n)
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else _DEFAULT_SMS
+    sms = _device_properties(device.index or 0).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
     base = max(1, num_rows * num_kv_heads)
     if split_kv is None and (base >= sms or max_context < SPLIT_MIN_CONTEXT):
         return 1
