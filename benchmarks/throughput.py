@@ -226,7 +226,7 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
         "" if async_scheduling else " (async_scheduling=False)")
     note = (f"weights {weights / 2**20:,.0f} MiB, {stats['num_total_blocks']} KV blocks, "
             f"{stats['num_preemptions']} preemptions")
-    if args.device == "cuda":
+    if args.device.startswith("cuda"):
         note += f", {len(compiled)} Triton compilations while timed" + (f" ({', '.join(compiled)})" if compiled else "")
     if timeline:
         note += (f"; {timeline['steps']} decode steps of {timeline['rows']} rows: "
