@@ -251,14 +251,13 @@ class LLMEngine:
             if params.use_beam_search:
                 raise ValueError(f"tool_choice={named} constrains the output: it cannot be combined with "
                                  "use_beam_search (a beam search is not constrained by a grammar here)")
-            if params.structured_outputs is not None:
-                raise ValueError(f"tool_choice={named} constrains the output itself: it cannot be combined with "
-                                 "structured_outputs / response_format")
             try:
                 self.grammars().compile(constraint)
             except ValueError as e:
                 raise ValueError(f"tools: the parameters schema of tool_choice={named} does not compile: "
                                  f"{str(e).split(': ', 1)[-1]}") from None
+            # A forced call writes no message text, so a response format has nothing to shape: the call's
+            # constraint replaces it for this request (as OpenAI and vLLM accept the pair)
             params = dataclasses.replace(params, structured_outputs=constraint)
         shown = offered if choice.mode != "none" else []  # "none": the model is not told of tools it may not call
         ids = template.render(messages, shown, options)

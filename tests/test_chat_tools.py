@@ -207,9 +207,20 @@ def test_a_llama3_template_gets_llama3_calls(tmp_path, embedded_dir, tiny_random
         check_calls(out.tool_calls)
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_replaces_the_response_format(smol, tool_choice):
+    """A forced call writes no message text: the format asked beside it has nothing to shape, and the call's
+    own constraint is the one the request runs under (OpenAI and vLLM accept the pair)."""
+    formatted = greedy(max_tokens=150, structured_outputs={"json": {"type": "object", "properties": {
+        "answer": {"type": "string"}}, "required": ["answer"]}})
+    plan = smol.engine.chat_plan(ASK, formatted, TOOLS, tool_choice)
+    assert plan.params.structured_outputs == smol.engine.chat_plan(ASK, greedy(max_tokens=150), TOOLS,
+                                                                   tool_choice).params.structured_outputs
+    out = smol.chat(ASK, formatted, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)[0].outputs[0]
+    check_calls(out.tool_calls)
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tool_choice": "required", "params": greedy(structured_outputs={"json_object": True})},
-     "tool_choice='required' constrains the output itself"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
       "tool_choice": "required"}, "tools: the parameters schema of tool_choice='required' does not compile"),
