@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from pagedserve.chat import ChatPlan
 from pagedserve.cluster.deltas import prompt_only
 from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.cluster.grpc_service import GrpcService
@@ -27,9 +28,11 @@ from pagedserve.cluster.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    as_sent,
     parse,
 )
 from pagedserve.cluster.openai_responses import ResponseBuilder, ResponsesRequest
+from pagedserve.sampling_params import SamplingParams
 
 BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
                 DetokenizeRequest)
@@ -66,17 +69,22 @@ class _EventStream(StreamingResponse):
                 await self._deltas.aclose()
 
 
-async def _first(deltas, constraint_field: str | None):
-    """A request's first delta: errors in validation surface here, as a JSON error. `constraint_field`: the
-    field the client sent the output constraint in (the engine names its own, structured_outputs)."""
+async def _first(deltas, names: dict[str, str]):
+    """A request's first delta: errors in validation surface here, as a JSON error, in the client's field names
+    (`names`: the engine's name -> the body's)."""
     try:
         return await anext(deltas, None)
     except Exception as e:
-        err = classify(e)
-        field = constraint_field
-        if err.param and err.param.startswith("structured_outputs") and field not in (None, "structured_outputs"):
-            raise ClientError(err.code, err.http_status, f"{field}: {err.message}", field) from None
-        raise
+        raise _as_sent(e, names) from None
+
+
+def _as_sent(e: Exception, names: dict[str, str]) -> ClientError:
+    """The status of an error from the engine's side, its message and field in the client's names."""
+    err = classify(e)
+    if err.param is None or not names:
+        return err
+    message = as_sent(err.message, names)
+    return ClientError(err.code, err.http_status, message, as_sent(err.param, names))
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -107,8 +115,9 @@ class Ingress(GrpcService):
 
     async def _model_card(self) -> dict[str, Any]:
         info = await self.model_info_dict()
+        # root: the model the card's weights are (vLLM's); parent: the base model of an adapter, none here
         return {"id": info["model"], "object": "model", "created": 0, "owned_by": "pagedserve",
-                "max_model_len": info["max_model_len"]}
+                "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
 
     @api.get("/health")
     @_answers_errors
@@ -139,10 +148,8 @@ class Ingress(GrpcService):
         ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, body.tools,
                                                         body.chat_options())
         info = await self.model_info_dict()
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = tokens
-        return JSONResponse(out)
+        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids,
+                             "token_strs": tokens if body.return_token_strs else None})
 
     @api.post("/detokenize")
     @_answers_errors
@@ -172,9 +179,8 @@ class Ingress(GrpcService):
     @_answers_errors
     async def chat_completions(self, request: Request):
         body, model = await self._read(request, ChatCompletionRequest)
-        plan = await self.engine.chat_plan.remote([m.as_dict() for m in body.messages], body.to_sampling_params(),
-                                                  body.tools, body.tool_choice, body.parallel_tool_calls,
-                                                  body.chat_options())
+        plan = await self._chat_plan(body, [m.as_dict() for m in body.messages], body.to_sampling_params(),
+                                     body.tools, body.tool_choice)
         echoed = body.echoed()
         return await self._respond(plan, plan.params, body, model, chat=True,
                                    echoed=None if echoed is None else [echoed])
@@ -183,16 +189,25 @@ class Ingress(GrpcService):
     @_answers_errors
     async def responses(self, request: Request):
         body, model = await self._read(request, ResponsesRequest)
-        plan = await self.engine.chat_plan.remote(body.messages(), body.sampling_params(), body.chat_tools(),
-                                                  body.chat_tool_choice(), body.parallel_tool_calls,
-                                                  body.chat_options())
+        plan = await self._chat_plan(body, body.messages(), body.sampling_params(), body.chat_tools(),
+                                     body.chat_tool_choice())
         rid = body.request_id or "resp_" + uuid.uuid4().hex
         deltas = self.chat_deltas(plan, rid)
-        first = await _first(deltas, "text.format" if body.constraint() is not None else None)
+        first = await _first(deltas, body.engine_names())
         build = ResponseBuilder(rid, int(time.time()), model, body, plan.reasoning, plan.reasoning_end_id)
         if body.stream:
             return _EventStream(build.sse(first, deltas), deltas)
         return JSONResponse(await build.whole(first, deltas))
+
+    async def _chat_plan(self, body: ChatCompletionRequest | ResponsesRequest, messages: list[dict[str, Any]],
+                         params: SamplingParams, tools: list[dict[str, Any]] | None,
+                         tool_choice: str | dict[str, Any] | None) -> ChatPlan:
+        """The engine's plan of a chat (`LLMEngine.chat_plan`); its errors in the body's field names."""
+        try:
+            return await self.engine.chat_plan.remote(messages, params, tools, tool_choice,
+                                                      body.parallel_tool_calls, body.chat_options())
+        except Exception as e:
+            raise _as_sent(e, body.engine_names()) from None
 
     async def _respond(self, prompt, params, body, model: str, chat: bool, echoed: list[str] | None = None):
         """`prompt`: a completion's prompts (texts or ids), or a chat's `ChatPlan`; `echoed`: the text each
@@ -204,7 +219,7 @@ class Ingress(GrpcService):
             self.batch_deltas(prompt, params, rid, prompt_ids)
         if not chat and body.scores_only():
             deltas = prompt_only(deltas)
-        first = await _first(deltas, body.constraint_field())
+        first = await _first(deltas, body.engine_names())
         form = ResponseFormatter(rid, created, model, chat, params, body, echoed,
                                  reasoning=chat and prompt.reasoning is not None)
         if body.stream:

@@ -48,8 +48,9 @@ class _CompletionLogprobs:
         for e in entries:
             out["tokens"].append(self.name(e))
             out["token_logprobs"].append(e.logprob)
-            # the prompt's first token (echo) has no logprob and no alternatives: nothing predicts it
-            out["top_logprobs"].append({self.name(t): t.logprob for t in e.top_logprobs}
+            # OpenAI's: the chosen token first, then the top k (it once among them); the prompt's first token
+            # (echo) has no logprob and no alternatives: nothing predicts it
+            out["top_logprobs"].append({self.name(e): e.logprob, **{self.name(t): t.logprob for t in e.top_logprobs}}
                                        if e.logprob is not None else None)
             out["text_offset"].append(self.offset)  # offsets into the text, whatever names the tokens
             self.offset += len(e.token or "")
@@ -90,7 +91,8 @@ class ResponseFormatter:
         self.echoed = echoed
         options = body.stream_options
         self.include_usage = options is not None and options.include_usage
-        self.continuous_usage = options is not None and options.continuous_usage_stats
+        # vLLM's: the usage so far on every chunk is more usage, sent only when usage is asked for at all
+        self.continuous_usage = self.include_usage and options.continuous_usage_stats
         self.offsets: dict[int, _CompletionLogprobs] = {}
         # by prompt: from its first delta
         self._prompt_logprobs: dict[int, list[Logprob] | None] = {}
@@ -127,13 +129,17 @@ class ResponseFormatter:
                 tool_calls: list[dict[str, Any]], reasoning: str = "") -> dict[str, Any]:
         """One choice of a response (`whole`) or of a chunk; `first`: the choice's first appearance."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason}
-        if self.with_token_ids:
-            choice["token_ids"] = token_ids
+        if self.with_token_ids or whole:  # a whole response names every field, null when not asked (vLLM's)
+            choice["token_ids"] = token_ids if self.with_token_ids else None
         choice["logprobs"] = self._choice_logprobs(index, entries)
         if not self.chat:
             choice["text"] = text
-            if first and self.with_prompt_ids:
-                choice["prompt_token_ids"] = self._prompt_ids.get(index // self.n)
+            prompt = index // self.n
+            if first and (self.with_prompt_ids or whole):
+                choice["prompt_token_ids"] = self._prompt_ids.get(prompt) if self.with_prompt_ids else None
+            # a whole response's choices each carry their prompt's scores; a stream's, each prompt's first chunk
+            if (whole or index % self.n == 0) and first and (self.with_prompt_logprobs or whole):
+                choice["prompt_logprobs"] = self._prompt_logprobs_json(prompt)
         else:
             message: dict[str, Any] = {"role": "assistant"} if first else {}
             # no answer beside calls or reasoning: no content
@@ -143,9 +149,10 @@ class ResponseFormatter:
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice["message" if whole else "delta"] = message
-        if first and index % self.n == 0 and self.with_prompt_logprobs:  # on each prompt's first choice
-            choice["prompt_logprobs"] = _prompt_logprobs_json(self._prompt_logprobs.get(index // self.n))
         return choice
+
+    def _prompt_logprobs_json(self, prompt: int) -> list[dict[str, Any] | None] | None:
+        return _prompt_logprobs_json(self._prompt_logprobs.get(prompt)) if self.with_prompt_logprobs else None
 
     async def whole(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> dict[str, Any]:
         choices: dict[int, dict[str, Any]] = {}
@@ -176,8 +183,9 @@ class ResponseFormatter:
                for i, c in sorted(choices.items())]
         response = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                     "created": self.created, "model": self.model, "choices": out, "usage": usage}
-        if self.chat and self.with_prompt_ids:
-            response["prompt_token_ids"] = self._prompt_ids.get(0)
+        if self.chat:  # a chat's prompt is the response's (vLLM's places), null when not asked
+            response["prompt_token_ids"] = self._prompt_ids.get(0) if self.with_prompt_ids else None
+            response["prompt_logprobs"] = self._prompt_logprobs_json(0)
         return response
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None, first: bool = False) -> str:
@@ -187,6 +195,8 @@ class ResponseFormatter:
             chunk["usage"] = usage
         if first and self.chat and self.with_prompt_ids:
             chunk["prompt_token_ids"] = self._prompt_ids.get(0)
+        if first and self.chat and self.with_prompt_logprobs:
+            chunk["prompt_logprobs"] = self._prompt_logprobs_json(0)
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def sse(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:

@@ -8,7 +8,10 @@ is refused by name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -107,6 +110,11 @@ class _Sampling(StrictBody):
         names = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
         return next((name for name in names if getattr(self, name) is not None), None)
 
+    def engine_names(self) -> dict[str, str]:
+        """The engine's names of the fields this body sent under other names (engine name -> the body's): the
+        engine's errors about them are told in the client's words (`spelled_as_sent`)."""
+        return constraint_names(self.constraint_field())
+
     def constraint(self) -> StructuredOutputs | None:
         """The one output constraint the body asks for, if any; ValueError naming the fields otherwise."""
         asked: dict[str, StructuredOutputs] = {}
@@ -135,6 +143,11 @@ class _Sampling(StrictBody):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of equal to n)")
         refuse_what_is_asked(self, _NOTHING)
+        with spelled_as_sent(self.engine_names()):
+            return self._engine_params(max_tokens, logprobs, prompt_logprobs)
+
+    def _engine_params(self, max_tokens: int | None, logprobs: int | None,
+                       prompt_logprobs: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": self.n,
                                   "prompt_logprobs": prompt_logprobs, "structured_outputs": self.constraint()}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
@@ -153,6 +166,42 @@ class _Sampling(StrictBody):
                 bias[int(key)] = value
             kwargs["logit_bias"] = bias
         return SamplingParams(**kwargs)
+
+
+# Where each constraint field puts what the engine calls structured_outputs.<kind>: its errors name the former
+_CONSTRAINT_PARTS = {
+    "response_format": {"json": "response_format.json_schema.schema"},
+    "text.format": {"json": "text.format.schema"},
+    **{f"guided_{kind}": {kind: f"guided_{kind}"} for kind in ("json", "regex", "choice", "grammar")},
+}
+
+
+def constraint_names(field: str | None) -> dict[str, str]:
+    """Engine name -> the client's, for an output constraint sent in `field` (None: no constraint)."""
+    if field is None or field == "structured_outputs":
+        return {}
+    parts = {f"structured_outputs.{kind}": name for kind, name in _CONSTRAINT_PARTS.get(field, {}).items()}
+    return {**parts, "structured_outputs": field}
+
+
+def as_sent(message: str, names: dict[str, str]) -> str:
+    """`message` with each engine field name of `names` replaced by the client's (whole names only: "logprobs"
+    is renamed, "prompt_logprobs" is not unless named itself)."""
+    if not names:
+        return message
+    pattern = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    return re.sub(rf"(?<![\w.])(?:{pattern})(?![\w])", lambda m: names[m.group(0)], message)
+
+
+@contextlib.contextmanager
+def spelled_as_sent(names: dict[str, str]) -> Iterator[None]:
+    """Within it, a ValueError from the engine's side is raised again in the client's field names."""
+    try:
+        yield
+    except ValueError as e:
+        if not names:
+            raise
+        raise ValueError(as_sent(str(e), names)) from None
 
 
 def refuse_what_is_asked(body: BaseModel, nothing: dict[str, tuple[tuple[Any, ...], str]], where: str = "") -> None:
@@ -204,14 +253,19 @@ class CompletionRequest(_Sampling):
         asked for, with nothing generated."""
         return self.echo and self.max_tokens == 0
 
+    def _echo_scores(self) -> bool:
+        # echo with logprobs scores the prompt too: its tokens' logprobs come from prompt_logprobs
+        return self.echo and self.logprobs is not None and self.prompt_logprobs is None
+
+    def engine_names(self) -> dict[str, str]:
+        return {**super().engine_names(), **({"prompt_logprobs": "logprobs"} if self._echo_scores() else {})}
+
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported (no model served here is trained for insertion)")
-        # echo with logprobs scores the prompt too: its tokens' logprobs come from prompt_logprobs
-        echo_scores = self.echo and self.logprobs is not None and self.prompt_logprobs is None
         # scoring only: the engine draws one token (a request runs until it has one), left out of the answer
         max_tokens = 1 if self.scores_only() else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, self.logprobs if echo_scores else None)
+        return self.sampling_params(max_tokens, self.logprobs, self.logprobs if self._echo_scores() else None)
 
 
 class TextPart(StrictBody):
@@ -291,6 +345,14 @@ class ChatCompletionRequest(_Sampling, _Templated):
         if not self.echo or last is None or last.role != "assistant":
             return None
         return last.as_dict().get("content") or ""
+
+    def engine_names(self) -> dict[str, str]:
+        names = super().engine_names()
+        if self.top_logprobs is not None:  # the engine's logprobs is the number of alternatives
+            names["logprobs"] = "top_logprobs"
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -21,7 +21,7 @@ from pydantic import Field
 from pagedserve.chat import ChatOptions
 from pagedserve.cluster.deltas import Delta, cached_of
 from pagedserve.cluster.errors import classify
-from pagedserve.cluster.openai_protocol import StrictBody, refuse_what_is_asked
+from pagedserve.cluster.openai_protocol import StrictBody, constraint_names, refuse_what_is_asked, spelled_as_sent
 from pagedserve.reasoning import ReasoningStart, reasoning_tokens
 from pagedserve.sampling_params import SamplingParams, StructuredOutputs
 from pagedserve.tool_calls import ToolCallDelta
@@ -93,14 +93,24 @@ class ResponsesRequest(StrictBody):
         refuse_what_is_asked(self, _NOTHING)
         if self.reasoning is not None:
             refuse_what_is_asked(self.reasoning, _REASONING_NOTHING, "reasoning.")
-        kwargs: dict[str, Any] = {"max_tokens": self.max_output_tokens, "structured_outputs": self.constraint()}
+        with spelled_as_sent(self.engine_names()):
+            constraint = self.constraint()
+        kwargs: dict[str, Any] = {"max_tokens": self.max_output_tokens, "structured_outputs": constraint}
         if self.truncation == "auto":
             kwargs["truncate_prompt_tokens"] = -1
         for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop", "ignore_eos",
                      "priority", "cache_salt"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
-        return SamplingParams(**kwargs)
+        with spelled_as_sent(self.engine_names()):
+            return SamplingParams(**kwargs)
+
+    def engine_names(self) -> dict[str, str]:
+        """The engine's names of the fields this body sent under other names (engine name -> the body's)."""
+        fmt = self.text.format if self.text is not None else None
+        constrained = fmt is not None and fmt.type != "text"
+        return {**constraint_names("text.format" if constrained else None), "max_tokens": "max_output_tokens",
+                "truncate_prompt_tokens": "truncation"}
 
     def constraint(self) -> StructuredOutputs | None:
         fmt = self.text.format if self.text is not None else None

@@ -88,7 +88,9 @@ def test_echo_and_logprobs_in_openai_shape(oai, model, offline):
     assert lp.tokens == [e.token for e in entries]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in entries[1:]], abs=1e-4)
-    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    # OpenAI's: the token itself first, then the top 2 (it once among them)
+    assert all(next(iter(top)) == token and len(top) <= 3
+               for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert lp.text_offset[len(ref.prompt_token_ids)] == len("".join(e.token for e in ref.prompt_logprobs))
     # streamed: the same tokens, offsets running on across chunks
@@ -363,13 +365,13 @@ def test_return_token_ids_puts_the_prompt_and_output_ids_where_vllm_does(oai, mo
     firsts = [c for c in oai.completions.create(prompt=PROMPT, stream=True, **cut) if "prompt_token_ids" in
               c.choices[0].model_extra]
     assert [c.choices[0].model_extra["prompt_token_ids"] for c in firsts] == [text_prompt[-2:]]
-    # unset: the output's ids as always, not the prompt's; false: neither
+    # unset: the output's ids as always, not the prompt's; false: neither (null, as vLLM's)
     plain = oai.chat.completions.create(messages=messages, model=model, temperature=0, max_tokens=5,
                                         extra_body={"ignore_eos": True})
-    assert plain.choices[0].model_extra["token_ids"] == ids and "prompt_token_ids" not in plain.model_extra
+    assert plain.choices[0].model_extra["token_ids"] == ids and plain.model_extra["prompt_token_ids"] is None
     off = oai.chat.completions.create(messages=messages, **dict(kw, extra_body={"ignore_eos": True,
                                                                                "return_token_ids": False}))
-    assert "token_ids" not in off.choices[0].model_extra and "prompt_token_ids" not in off.model_extra
+    assert off.choices[0].model_extra["token_ids"] is None and off.model_extra["prompt_token_ids"] is None
     # gRPC: on the first message, when asked
     assert client.chat(messages, temperature=0, max_tokens=5, ignore_eos=True,
                        return_prompt_token_ids=True).prompt_token_ids == chat_prompt
