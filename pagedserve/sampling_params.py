@@ -13,6 +13,23 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
+SEED_RANGE = (-2**63, 2**63 - 1)  # a signed 64-bit integer: what a seeded draw hashes (vLLM's bound: torch.long's)
+# The workers scale and compare logits in float32: a value past its largest finite number is inf there (-inf / inf
+# and 0 * inf are NaN, and a row with a NaN draws garbage), and a positive one below its smallest normal number
+# may be 0 there (rounded so, or flushed to zero: the engine's process runs with the CPU's flush-to-zero mode set
+# by a library it loads, where a float64 subnormal that another process checked as positive reads as 0).
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
+FLOAT32_TINY = 2.0**-126
+# A temperature below this samples greedily, as vLLM's sampling type does (its _SAMPLING_EPS): sampling tends
+# to greedy as the temperature tends to 0, which is what a tiny one asks for, and logits divided by a tiny one
+# overflow float32 (inf, then NaN).
+GREEDY_BELOW = 1e-5
+# repetition_penalty's least: a seen token's positive logit multiplied by 1e5 wins every draw already; below
+# it only overflows float32 once the temperature divides it too.
+MIN_REPETITION_PENALTY = 1e-5
+# A beam's score divides by its length ** length_penalty: within +-32 that stays a normal float64 (2**-992 to
+# 2**992) for every length below 2**31, where beyond it a long beam's score overflows or divides by 0.
+MAX_LENGTH_PENALTY = 32.0
 
 
 @dataclass
@@ -64,7 +81,7 @@ CONSTRAINT_KINDS = tuple(f.name for f in fields(StructuredOutputs))
 class SamplingParams:
     """How to pick tokens and when to stop, shaped like vLLM's `SamplingParams`.
 
-    temperature == 0 means greedy. top_k == -1 disables top-k. Penalties follow
+    temperature 0 (or below GREEDY_BELOW) means greedy. top_k == -1 disables top-k. Penalties follow
     the usual definitions: repetition (HF/CTRL, over prompt and output tokens),
     presence and frequency (OpenAI, over output tokens). max_tokens=None runs until
     the model stops or the context (max_model_len, or the KV pool if smaller) is full.
@@ -124,16 +141,18 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field whose value has the wrong type or is out of range."""
+        """Raise ValueError naming the first field whose value has the wrong type or is out of range. A number
+        field given as an int becomes a float."""
         _int(self, "n", lo=1)
-        _float(self, "temperature", lo=0)
-        _float(self, "top_p", rule="must be in (0, 1]", ok=lambda v: 0 < v <= 1)
+        _float(self, "temperature", lo=0, hi=FLOAT32_MAX)
+        # (0, 1], as a positive float32: top_p = FLOAT32_TINY already keeps only the most likely token
+        _float(self, "top_p", lo=FLOAT32_TINY, hi=1)
         _int(self, "top_k", rule="must be -1 (disabled) or >= 1", ok=lambda v: v == -1 or v >= 1)
-        _float(self, "min_p", rule="must be in [0, 1]", ok=lambda v: 0 <= v <= 1)
-        _float(self, "repetition_penalty", rule="must be > 0", ok=lambda v: v > 0)
+        _float(self, "min_p", lo=0, hi=1)
+        _float(self, "repetition_penalty", lo=MIN_REPETITION_PENALTY, hi=FLOAT32_MAX)
         _float(self, "presence_penalty", lo=-2, hi=2)
         _float(self, "frequency_penalty", lo=-2, hi=2)
-        _int(self, "seed", optional=True)
+        _int(self, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1], optional=True)
         _int(self, "max_tokens", lo=1, optional=True)
         _int(self, "min_tokens", lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -145,7 +164,7 @@ class SamplingParams:
             raise ValueError(f"cache_salt={self.cache_salt!r} must be a non-empty string (or unset)")
         _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
         _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS, optional=True)
-        _float(self, "length_penalty")
+        _float(self, "length_penalty", lo=-MAX_LENGTH_PENALTY, hi=MAX_LENGTH_PENALTY)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
@@ -166,9 +185,9 @@ class SamplingParams:
             raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to numbers")
         for token, bias in self.logit_bias.items():
             if not _is_int(token) or token < 0:
-                raise ValueError(f"logit_bias has key {token!r}: keys must be non-negative token ids")
+                raise ValueError(f"logit_bias has key {_value(token)}: keys must be non-negative token ids")
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias[{token}]={bias!r} must be a number in "
+                raise ValueError(f"logit_bias[{_value(token)}]={_value(bias)} must be a number in "
                                  f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
@@ -192,7 +211,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:
@@ -226,7 +245,7 @@ def _check_beside_beam_search(p: SamplingParams) -> None:
     for name, why in _NOT_WITH_BEAM_SEARCH.items():
         if getattr(p, name) != defaults[name]:
             raise ValueError(f"{name}={getattr(p, name)!r} cannot be combined with use_beam_search: {why}")
-    if p.temperature not in (0.0, 1.0):
+    if not (p.greedy or p.temperature == 1.0):
         raise ValueError(f"temperature={p.temperature} cannot be combined with use_beam_search: it ranks beams by "
                          "the model's own log-probabilities (leave it unset, 0 or 1)")
 
@@ -236,13 +255,24 @@ def _is_int(v: object) -> bool:
 
 
 def _is_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    """An int or a finite float (an int is compared as it is: math.isfinite(10**400) raises OverflowError)."""
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _shown(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"  # an int bound exactly: the seed's 2**63 - 1
 
 
 def _range_rule(lo: float | None, hi: float | None) -> str:
     if lo is not None and hi is not None:
-        return f"in [{lo:g}, {hi:g}]"
-    return f">= {lo:g}" if lo is not None else f"<= {hi:g}" if hi is not None else ""
+        return f"in [{_shown(lo)}, {_shown(hi)}]"
+    return f">= {_shown(lo)}" if lo is not None else f"<= {_shown(hi)}" if hi is not None else ""
+
+
+def _value(v: object) -> str:
+    """`v` as an error shows it: repr, but an int of hundreds of digits by its size (past 4300 digits Python
+    refuses to write one out)."""
+    return f"<an integer of {v.bit_length()} bits>" if _is_int(v) and v.bit_length() > 1024 else repr(v)
 
 
 def _int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None, optional: bool = False,
@@ -253,12 +283,13 @@ def _int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = N
     kind = "None or an integer" if optional else "an integer"
     rule = rule or f"must be {kind}" + (f" {_range_rule(lo, hi)}" if lo is not None or hi is not None else "")
     if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi) or (ok and not ok(v)):
-        raise ValueError(f"{name}={v!r} {rule}")
+        raise ValueError(f"{name}={_value(v)} {rule}")
 
 
-def _float(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None,
-           rule: str | None = None, ok=None) -> None:
+def _float(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None) -> None:
     v = getattr(p, name)
-    rule = rule or f"must be a number {_range_rule(lo, hi)}"
-    if not _is_number(v) or (lo is not None and v < lo) or (hi is not None and v > hi) or (ok and not ok(v)):
-        raise ValueError(f"{name}={v!r} {rule}")
+    if not _is_number(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name}={_value(v)} must be a number {_range_rule(lo, hi)}")
+    # A float from here on: the workers divide logits by some of these values, and a Python int past 2**63
+    # would overflow torch's int64 scalar there, failing the step of every request in the batch.
+    setattr(p, name, float(v))
