@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedserve.lark_grammar import lark_to_ebnf, looks_like_lark
 from pagedserve.reasoning import ReasoningStart, ReasoningTags
 from pagedserve.sampling_params import StructuredOutputs
 from pagedserve.scheduler.batch import StepBatch
@@ -37,6 +38,15 @@ log = logging.getLogger(__name__)
 # grammar takes ~2 MB on a 49k vocabulary and ~20 MB with a thousand properties, so a bound by count would let
 # a few hundred distinct large schemas hold gigabytes.
 _CACHE_BYTES = 256 * 2**20
+
+
+def _lark_as_ebnf(grammar: str) -> str:
+    """A grammar in Lark's syntax as xgrammar EBNF (as vLLM takes both); ValueError naming the field and what
+    cannot be converted."""
+    try:
+        return lark_to_ebnf(grammar)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.grammar (Lark syntax), {e}") from None
 
 
 @dataclass
@@ -82,6 +92,8 @@ class GrammarManager:
                 self._compiled.move_to_end(key)
                 return cached[0]
         kind, text = key
+        if kind == "grammar" and looks_like_lark(text):
+            text = _lark_as_ebnf(text)
         try:
             if kind == "json":
                 compiled = self._compiler.compile_json_schema(text, any_whitespace=False)

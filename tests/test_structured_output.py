@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from pagedserve import LLM, SamplingParams, structured_output
+from pagedserve.lark_grammar import looks_like_lark
 from pagedserve.sampling_params import StructuredOutputs
 from pagedserve.structured_output import GrammarManager
 
@@ -196,3 +197,116 @@ def test_bad_constraints_are_refused_by_name(smol):
     with pytest.raises(ValueError, match="unknown keys"):
         SamplingParams(structured_outputs={"jsonschema": {}})
     assert smol.stats()["num_free_blocks"] == smol.stats()["num_total_blocks"]
+
+
+# vLLM's OpenAI tests' SQL grammar (`sample_sql_lark`, `sample_sql_ebnf`): one language in Lark and in EBNF.
+SQL_LARK = """
+start: select_statement
+select_statement: "SELECT" column "from" table "where" condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""
+SQL_EBNF = """
+root ::= select_statement
+select_statement ::= "SELECT" column "from" table "where" condition
+column ::= "col_1" | "col_2"
+table ::= "table_1" | "table_2"
+condition ::= column "=" number
+number ::= "1" | "2"
+"""
+SQL_TEXT = r"SELECTcol_[12]fromtable_[12]wherecol_[12]=[12]"
+# Lark with what a conversion must get right: modifiers, aliases, a multi-line rule with comments, a regex
+# terminal, common terminals, case-insensitive strings, repetition counts, and whitespace ignored between tokens.
+SETTINGS_LARK = r"""
+// settings, as name = value pairs
+start: setting ("," setting)~0..2
+setting: NAME "=" value
+?value: NUMBER          -> number
+      | "yes"i | "no"i  // either case
+      | ESCAPED_STRING
+NAME: /[a-z_][a-z0-9_]{0,7}/
+NUMBER: /[0-9]{1,3}/
+%import common (ESCAPED_STRING, WS_INLINE)
+%ignore WS_INLINE
+"""
+_PAIR = r'[ \t]*[a-z_][a-z0-9_]{0,7}[ \t]*=[ \t]*([0-9]{1,3}|[yY][eE][sS]|[nN][oO]|"([^"\\\n]|\\.)*")[ \t]*'
+SETTINGS_TEXT = rf"{_PAIR}(,{_PAIR}){{0,2}}"
+
+
+def test_lark_grammar_constrains_as_its_ebnf_twin(smol):
+    """vLLM's SQL grammar in Lark gives the same masks as its EBNF twin, hence the same draws."""
+    prompt = smol.engine.chat_prompt([{"role": "user", "content": "Write a SQL query."}])
+    lark, ebnf = (smol.generate(prompt, constrained(StructuredOutputs(grammar=g), n=2, max_tokens=40))[0].outputs
+                  for g in (SQL_LARK, SQL_EBNF))
+    for a, b in zip(lark, ebnf, strict=True):
+        assert re.fullmatch(SQL_TEXT, a.text) and a.finish_reason == "stop", a.text
+        assert a.token_ids == b.token_ids
+
+
+def test_lark_grammar_with_ignored_whitespace_constrains_generation(smol):
+    ask = [{"role": "user", "content": "Give two settings as name = value pairs, separated by a comma."}]
+    outs = smol.chat(ask, constrained(StructuredOutputs(grammar=SETTINGS_LARK), n=3, max_tokens=80))[0].outputs
+    for out in outs:
+        assert re.fullmatch(SETTINGS_TEXT, out.text) and out.finish_reason == "stop", out.text
+
+
+def lark_accepts(grammars: GrammarManager, grammar: str, text: str) -> bool:
+    """Whether the compiled grammar takes `text` whole."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(grammars.compile(StructuredOutputs(grammar=grammar)))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+# (grammar, texts Lark takes, texts it refuses), as Lark's own parser (Earley) answers them.
+LARK_CASES = [
+    (SQL_LARK, ["SELECTcol_1fromtable_2wherecol_2=1"], ["SELECT col_1 from table_2 where col_2=1", "SELECT"]),
+    (SETTINGS_LARK, [' a = 1 ,b=YES,c="x\\"y" ', "x=nO"], ["a=1,b=2,c=3,d=4", 'a="x"y"', "A=1", "a=1234"]),
+    ('start: "a" "b"\n%ignore " "\n%ignore /\\t+/', ["ab", " a \t b ", "\ta  b\t"], ["a_b", " "]),
+    ('start: "a"~2..3 "b"~2 C\nC: "c".."e"', ["aabbd", "aaabbe"], ["abbc", "aaaabbc", "aabbf"]),
+    ('start: A B\nA: /\\d+/\nB: /[^\\W\\d]+/', ["٣4é", "1x"], ["1", "12", "x1"]),  # Unicode classes, as `re`
+    ('start: /./ /./s', ["a\n", "ab"], ["\na", "\n\n"]),
+    ('start: "\\x41\\"\\\\" "\\d"', ['A"\\\\d'], ['A"\\d']),  # Lark's escapes; \d in a string is a backslash, d
+    ("start: C_COMMENT\n%import common.C_COMMENT", ["/* a * / **/"], ["/* a */ b */", "/* a"]),
+    ("start: SIGNED_NUMBER\n%import common.SIGNED_NUMBER", ["-1.5e3", "+.5", "7."], ["1e", "."]),
+    ('?start: root | other\n!root.2: "r"  # a rule named root\nother: "o"\n  | start start', ["r", "rro"], ["", "x"]),
+]
+
+
+@pytest.mark.parametrize("grammar, taken, refused", LARK_CASES)
+def test_lark_conversion_takes_what_lark_takes(smol, grammar, taken, refused):
+    grammars = smol.engine.grammars()
+    for text in taken:
+        assert lark_accepts(grammars, grammar, text), text
+    for text in refused:
+        assert not lark_accepts(grammars, grammar, text), text
+
+
+@pytest.mark.parametrize("grammar, construct", [
+    ('start: NAME\nNAME: /[a-z]+(?=;)/', r"/\[a-z\]\+\(\?=;\)/ in NAME uses lookahead"),
+    ('start: /^a/', "anchors"),
+    ('start: /(a)\\1/', "backreferences"),
+    ('start: /ab/i', "case-insensitive"),
+    ('start: _list{"a"}\n_list{x}: x ("," x)*', "templates are not supported"),
+    ('%declare INDENT\nstart: "a" INDENT', "%declare is not supported"),
+    ('start: NAME\n%import python.NAME', "only terminals of Lark's common module"),
+    ('start: X\n%import common.X', "common.X is not supported"),
+    ('start: value\n', "value is used in start but never defined"),
+])
+def test_lark_that_cannot_be_converted_is_refused_by_name(smol, grammar, construct):
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar \(Lark syntax\), line \d+: .*" + construct):
+        smol.generate("x", SamplingParams(structured_outputs=StructuredOutputs(grammar=grammar)))
+    assert smol.stats()["num_free_blocks"] == smol.stats()["num_total_blocks"]
+
+
+def test_ebnf_is_not_read_as_lark(smol):
+    """An EBNF grammar compiles as written, even with what Lark also uses: `:` in strings, `#` comments."""
+    grammar = '# pairs\nroot ::= pair ("," pair){0,2}\npair ::= [a-z]{1,6} ":" [0-9]{1,3}  # key: value'
+    assert not looks_like_lark(grammar) and looks_like_lark(SQL_LARK) and looks_like_lark("%ignore WS\n")
+    out = smol.generate("Pairs:", constrained(StructuredOutputs(grammar=grammar), max_tokens=40))[0].outputs[0]
+    assert re.fullmatch(r"[a-z]{1,6}:[0-9]{1,3}(,[a-z]{1,6}:[0-9]{1,3}){0,2}", out.text), out.text
+    assert out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="structured_outputs.grammar does not compile"):
+        smol.generate("x", SamplingParams(structured_outputs=StructuredOutputs(grammar="root ::= x:")))
