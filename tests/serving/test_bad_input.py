@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from pagedserve import SamplingParams
-from tests.serving.app import HTTP, MAX_MODEL_LEN, wait_idle
+from tests.serving.app import HTTP, MAX_MODEL_LEN, engine_stats, wait_idle
 
 MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -158,6 +158,53 @@ def test_http_bad_input_is_4xx_naming_the_field(app, route, body, field):
     assert error["code"] == status and error["type"] != "server_error"
 
 
+# Values that once reached the workers unchecked: a seed past 64 bits failed the step of every request in
+# flight, and values past float32 (inf, NaN, or flushed to 0) drew garbage; a beam's length ** length_penalty
+# overflowed float64. Each is refused by name: the error's param is the field. Bodies in bytes where a float64
+# subnormal must go out as it is written.
+WORKER_CASES = [
+    ("/v1/chat/completions", {"messages": MSG, "seed": 2**63, "temperature": 1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63, "temperature": 1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -2**63 - 1, "temperature": 1}, "seed"),
+    ("/v1/responses", {"input": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e39, "allowed_token_ids": [5, 6]}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1e-50}, "top_p"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e-320}', "top_p"),
+    ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": 1e-320}', "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-30}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e39}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "length_penalty": 1e308}, "length_penalty"),
+    ("/v1/chat/completions", {"messages": MSG, "use_beam_search": True, "n": 2, "length_penalty": -1e308},
+     "length_penalty"),
+]
+
+
+@pytest.mark.parametrize("route, body, field", WORKER_CASES, ids=[f"worker-{i}" for i in range(len(WORKER_CASES))])
+def test_http_values_the_workers_cannot_compute_with_are_400_naming_the_param(app, route, body, field):
+    status, reply = send(route, body)
+    assert status == 400 and reply["error"]["param"] == field, reply
+    assert reply["error"]["message"].startswith(f"{field}="), reply
+
+
+def test_bad_values_beside_a_running_stream_leave_it_whole(app, client):
+    failures = engine_stats()["num_worker_failures"]
+    with client.stream("Tell me a long story", max_tokens=300, ignore_eos=True, temperature=1.0, seed=5) as stream:
+        chunks = [next(stream)]  # running now
+        for route, body, field in WORKER_CASES:
+            assert send(route, body)[0] == 400, field
+        chunks += list(stream)
+    assert sum(len(c.token_ids) for c in chunks) == 300 and chunks[-1].finish_reason == "length"
+    assert engine_stats()["num_worker_failures"] == failures
+
+
+def test_grpc_seed_is_int64_on_the_wire_and_its_extremes_are_served(client):
+    # The proto's int64 cannot carry 2**63: the SDK refuses it before sending, naming it
+    with pytest.raises(ValueError, match="seed=9223372036854775808"):
+        client.generate("hi", seed=2**63, temperature=1.0)
+    for seed in (2**63 - 1, -2**63):
+        assert len(client.generate("hi", seed=seed, temperature=1.0, max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
 GRPC_CASES = [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=math.nan), "temperature"),
@@ -179,6 +226,12 @@ GRPC_CASES = [
     (dict(priority=2), "priority"),  # the served engine runs first come, first served
     (dict(use_beam_search=True, top_k=5), "top_k"),
     (dict(length_penalty=0.5), "length_penalty"),  # weighs beams, without use_beam_search
+    # float32 on the wire: a subnormal top_p is 0 to a kernel that flushes it; tiny repetition penalties
+    # overflowed the logits they divide (NaN); a beam's length ** 1e30 overflowed float64
+    (dict(temperature=1.0, top_p=1e-45), "top_p"),
+    (dict(temperature=1.0, repetition_penalty=1e-30), "repetition_penalty"),
+    (dict(temperature=1.0, repetition_penalty=1e-40), "repetition_penalty"),
+    (dict(use_beam_search=True, n=2, length_penalty=1e30), "length_penalty"),
 ]
 
 
@@ -232,6 +285,11 @@ OFFLINE_CASES = [
     (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(min_tokens=3, max_tokens=2), "min_tokens"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-2**63 - 1), "seed"),
+    (dict(temperature=10**400), "temperature"),  # compared as an int, not an OverflowError
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
+    (dict(use_beam_search=True, n=2, length_penalty=-1e308), "length_penalty"),
 ]
 
 
