@@ -17,7 +17,6 @@ from tests.serving.app import HTTP, MAX_MODEL_LEN, engine_stats, wait_idle
 MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HUGE = 10**12
 
 # (route, body: a dict, or raw bytes sent as they are, field the error must name)
@@ -98,8 +97,6 @@ HTTP_CASES = [
     ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL], "tool_choice": {
         "type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
-    ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL], "tool_choice": NAMED,
-                              "response_format": {"type": "json_object"}}, "tool_choice"),
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "no-such-type"}}}], "tool_choice": "required"}, "tools"),
     ("/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
@@ -256,15 +253,13 @@ def test_grpc_bad_input_is_invalid_argument_naming_the_field(client, kwargs, fie
     (lambda c: c.chat(MSG, tool_choice="required"), "tool_choice"),
     (lambda c: c.chat(MSG, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "x"}}),
      "tool_choice"),
-    (lambda c: c.chat(MSG, tools=[TOOL], tool_choice="required", structured_outputs={"json_object": True}),
-     "tool_choice"),
     (lambda c: c.chat([{"role": "tool", "content": "1", "tool_calls": [{"function": {"name": "f"}}]}]),
      "messages[0].tool_calls"),
     (lambda c: c.chat(MSG, continue_final_message=True), "continue_final_message"),
     (lambda c: c.chat(MSG, chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
     (lambda c: c.tokenize(text="hi", add_generation_prompt=False), "add_generation_prompt"),
     (lambda c: c.tokenize(text="hi", tools=[TOOL]), "tools"),
-], ids=[f"grpc-call-{i}" for i in range(16)])
+], ids=[f"grpc-call-{i}" for i in range(15)])
 def test_grpc_bad_requests_name_the_field(client, call, field):
     from pagedserve.client import InvalidArgument
 
