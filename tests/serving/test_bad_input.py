@@ -130,7 +130,7 @@ HTTP_CASES = [
     ("/v1/responses", {"input": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ("/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/responses", {"input": "hi", "frobnicate": 1}, "frobnicate"),
     ("/v1/responses", {"input": "hi", "truncation": "sometimes"}, "truncation"),
 ]
