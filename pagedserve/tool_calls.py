@@ -158,13 +158,57 @@ def plan(tools: list[Tool], choice: ToolChoice, parallel_tool_calls: bool | None
         tool = next(t for t in tools if t.name == choice.function)
         return StructuredOutputs(json=tool.parameters), ToolParsing("function", fmt or "hermes", tool.name)
     parsing = ToolParsing("required", fmt or "hermes", max_calls=max_calls)
-    key = parsing.args_key
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]}, key: t.parameters},
-         "required": ["name", key], "additionalProperties": False} for t in tools]}}
+    return StructuredOutputs(json=calls_schema(tools, parsing.args_key, max_calls)), parsing
+
+
+def calls_schema(tools: list[Tool], args_key: str, max_calls: int | None) -> dict[str, Any]:
+    """The JSON schema of `required`'s output: a non-empty array of calls, each {"name", `args_key`} of one
+    tool. A tool's parameters that refer to themselves (`$ref` "#/$defs/X", "#/definitions/X", "#") would
+    point at this array's root once nested here, so they move whole under the root's `$defs`, named by the
+    tool (names are unique), their references rewritten to follow."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for t in tools:
+        parameters = t.parameters
+        home = f"#/$defs/{t.name}"
+        rebased = _rebased(parameters, home)
+        if rebased != parameters:  # it has local references
+            defs[t.name], parameters = rebased, {"$ref": home}
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
+                                                      args_key: parameters},
+                      "required": ["name", args_key], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if max_calls is not None:
         schema["maxItems"] = max_calls
-    return StructuredOutputs(json=schema), parsing
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" in them is data, never a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# Keywords whose values map names to schemas: a property may be named "enum" and still be a schema.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, home: str) -> Any:
+    """`schema` with its local references ("#", "#/...") resolved from `home` instead of the document's root.
+    Other references (anchors, other documents) do not depend on where the schema sits: kept as they are."""
+    if isinstance(schema, list):
+        return [_rebased(item, home) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = home + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, home) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, home)
+    return out
 
 
 # ---- parsing --------------------------------------------------------------------------------------------

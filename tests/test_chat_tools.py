@@ -14,6 +14,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.chat import ChatTemplate
 from pagedserve.tool_calls import parse_tools
+from tests.test_tool_calls import REF_PARAMETERS, REF_TOOLS
 from tests.tools_data import ASK, HERMES_CALL, PARAMETERS, TOOLS
 
 HISTORY = ASK + [
@@ -205,6 +206,23 @@ def test_a_llama3_template_gets_llama3_calls(tmp_path, embedded_dir, tiny_random
         out = llm.chat(ASK, greedy(max_tokens=150), tools=TOOLS, tool_choice="required",
                        parallel_tool_calls=False)[0].outputs[0]
         check_calls(out.tool_calls)
+
+
+def test_required_calls_of_tools_with_definitions_follow_each_tools_schema(smol):
+    """Tools from pydantic models (nested models under "$defs", an "Address" in two tools with two shapes):
+    `required` compiles them into one grammar, and each call the model writes is valid against its own tool's
+    schema, whether the tool is offered alone or beside the other. (The recursive tools are checked without
+    the model in test_tool_calls.py: a greedy small model nests folders without end.)"""
+    ask = [{"role": "user", "content": "Send a parcel to Ann, and add her to the contacts."}]
+    tools = REF_TOOLS[:2]
+    sampled = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=200)
+    for offered, params in [([tools[0]], greedy()), ([tools[1]], greedy()), (tools, sampled)]:
+        outs = smol.chat(ask, params, tools=offered, tool_choice="required", parallel_tool_calls=False)[0].outputs
+        for out in outs:
+            assert out.finish_reason == "stop" and len(out.tool_calls) == 1, out.text
+            call = out.tool_calls[0]
+            assert call.name in [t["function"]["name"] for t in offered]
+            jsonschema.validate(json.loads(call.arguments), REF_PARAMETERS[call.name])
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

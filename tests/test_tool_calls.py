@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,3 +157,95 @@ def test_required_schema_accepts_calls_and_only_calls():
     with pytest.raises(ValueError, match="format pagedserve cannot parse"):
         plan(tools, ToolChoice("auto"), None, None)
     assert plan(tools, ToolChoice("none"), None, "hermes") == (None, None)
+
+
+# Tools whose parameters refer to their own definitions, as pydantic writes them: nested models under "$defs",
+# two tools each with an "Address" of its own shape, a recursive model, and a schema recursive through "#".
+class Address(pydantic.BaseModel):
+    street: str = pydantic.Field(max_length=20)
+    city: str = pydantic.Field(max_length=12)
+
+
+class Contact(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    home: Address
+
+
+def _parcel() -> type[pydantic.BaseModel]:
+    class Address(pydantic.BaseModel):  # noqa: F811 - the same name, another shape, in the other tool
+        zip: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+    class Parcel(pydantic.BaseModel):
+        to: Address
+        grams: int = pydantic.Field(ge=1, le=5000)
+
+    return Parcel
+
+
+class Folder(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    children: list[Folder] = pydantic.Field(max_length=2)
+
+
+TREE = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 8},
+                                         "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+        "required": ["label", "kids"], "additionalProperties": False}
+
+
+def function_tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+REF_TOOLS = [function_tool("add_contact", Contact.model_json_schema()),
+             function_tool("send_parcel", _parcel().model_json_schema()),
+             function_tool("make_folder", Folder.model_json_schema()), function_tool("tree", TREE)]
+REF_PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in REF_TOOLS}
+
+
+def xgrammar_takes(schema: dict, text: str) -> bool:
+    """Whether the schema's grammar, as the engine compiles it, takes `text` whole (no vocabulary needed)."""
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_json_schema(json.dumps(schema),
+                                                                                 any_whitespace=False)
+    matcher = xgr.GrammarMatcher(compiled)
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def test_required_keeps_each_tools_definitions_apart():
+    """Local references resolve within their own tool once the tools share one schema: the two Addresses
+    stay two, and recursion through "$defs" or "#" still recurses."""
+    assert REF_PARAMETERS["add_contact"]["$defs"]["Address"] != REF_PARAMETERS["send_parcel"]["$defs"]["Address"]
+    schema = plan(parse_tools(REF_TOOLS), ToolChoice("required"), None, "hermes")[0].json
+    args = {"add_contact": [{"name": "Ann", "home": {"street": "Main St", "city": "Oslo"}}],
+            "send_parcel": [{"to": {"zip": "01234"}, "grams": 300}],
+            "make_folder": [{"name": "a", "children": [{"name": "b", "children": []}]}],
+            "tree": [{"label": "a", "kids": [{"label": "b", "kids": [{"label": "c", "kids": []}]}]}]}
+    wrong = {"add_contact": [{"name": "Ann", "home": {"zip": "01234"}}],  # the other tool's Address
+             "send_parcel": [{"to": {"street": "Main St", "city": "Oslo"}, "grams": 300}],
+             "make_folder": [{"name": "a", "children": [{"name": "b"}]}],
+             "tree": [{"label": "a", "kids": [{"label": "b"}]}]}
+    for cases, good in ((args, True), (wrong, False)):
+        for name, values in cases.items():
+            for value in values:
+                text = json.dumps([{"name": name, "arguments": value}])
+                assert jsonschema.Draft202012Validator(REF_PARAMETERS[name]).is_valid(value) is good
+                assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) is good, text
+                assert xgrammar_takes(schema, text) is good, text
+
+
+def test_required_rewrites_only_local_references():
+    parameters = {"type": "object", "$defs": {"N": {"type": "integer"}}, "properties": {
+        "enum": {"$ref": "#/$defs/N"},  # a property named like a keyword is still a schema
+        "x": {"$ref": "#/$defs/N", "default": {"$ref": "#/data"}, "enum": [{"$ref": "#"}]},  # data is data
+        "y": {"$ref": "#anchor"}, "z": {"$ref": "other.json#/$defs/N"}}}  # not paths from this root
+    plain = {"type": "object", "properties": {"a": {"type": "string"}}}
+    tools = parse_tools([function_tool("f", parameters), function_tool("g", plain)])
+    schema = plan(tools, ToolChoice("required"), None, "llama3_json")[0].json
+    f, g = (call["properties"]["parameters"] for call in schema["items"]["anyOf"])
+    assert f == {"$ref": "#/$defs/f"} and g == plain  # parameters without references stay in place
+    props = schema["$defs"]["f"]["properties"]
+    assert props["enum"] == {"$ref": "#/$defs/f/$defs/N"}
+    assert props["x"] == {"$ref": "#/$defs/f/$defs/N", "default": {"$ref": "#/data"}, "enum": [{"$ref": "#"}]}
+    assert props["y"] == {"$ref": "#anchor"} and props["z"] == {"$ref": "other.json#/$defs/N"}
+    assert set(schema["$defs"]) == {"f"}
