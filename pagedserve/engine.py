@@ -20,7 +20,7 @@ from pagedserve.chat import ChatOptions, ChatPlan, ChatTemplate
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
 from pagedserve.executor import Executor, WorkerFailure, make_executor
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStart, ReasoningTags
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import StepBatch, StepOutput
@@ -485,21 +485,18 @@ class LLMEngine:
             requests[seq.request.request_id] = seq.request
         return list(requests.values())
 
-    def _name_tokens(self, entries: list[Logprob]) -> None:
+    def _name_tokens(self, entries: list[PositionLogprobs]) -> None:
         """Give the newest logprob entries (those still without text) their tokens' text."""
         if self.tokenizer is None:
             return
-        new: list[Logprob] = []
+        new: list[PositionLogprobs] = []
         for entry in reversed(entries):
             if entry.token is not None:
                 break
             new.append(entry)
         for entry in new:
-            ids = [entry.token_id] + [t.token_id for t in entry.top_logprobs]
-            texts = self.detokenizer.token_texts(ids)
-            entry.token = texts[0]
-            for top, text in zip(entry.top_logprobs, texts[1:], strict=True):
-                top.token = text
+            for scored, text in zip(entry.values(), self.detokenizer.token_texts(list(entry)), strict=True):
+                scored.decoded_token = text
 
     def output(self, request: Request) -> RequestOutput:
         """The request's whole output so far; for a finished request, its last (build it once: it frees the

@@ -7,15 +7,48 @@ from dataclasses import dataclass, field
 from pagedserve.tool_calls import ToolCall
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
-    """A token's log-probability under the model's raw distribution (before penalties, biases and
-    temperature), its text, and the `k` most likely tokens at its position, best first."""
+    """One token's log-probability under the model's raw distribution (before penalties, biases and
+    temperature), as vLLM's `Logprob(logprob, rank, decoded_token)`, with the token's id."""
 
-    token_id: int
-    logprob: float | None  # None only for a prompt's first token: nothing predicts it
-    token: str | None = None  # None where the model has no tokenizer
-    top_logprobs: list[Logprob] = field(default_factory=list)
+    logprob: float | None  # None only for a prompt's first token in the engine's outputs: nothing predicts it
+    rank: int | None = None  # 1 = the most likely; a sampled token's: how many tokens are at least as likely
+    decoded_token: str | None = None  # None where the model has no tokenizer
+    token_id: int | None = None
+
+    @property
+    def token(self) -> str | None:
+        """The token's text (`decoded_token`)."""
+        return self.decoded_token
+
+
+class PositionLogprobs(dict[int, Logprob]):
+    """One position's logprobs, as vLLM gives them: {token id: Logprob} for the sampled (or prompt) token
+    first, then the top k by rank; a token among both appears once, with its top-k rank. Also pagedserve's
+    view of the position: the token's `token_id`, `logprob`, `token`, and `top_logprobs` best first."""
+
+    __slots__ = ("token_id", "top_logprobs")
+
+    def __init__(self, token_id: int, scored: Logprob, top_logprobs: list[Logprob] | None = None) -> None:
+        super().__init__()
+        self.token_id = token_id
+        self.top_logprobs = top_logprobs if top_logprobs is not None else []
+        self[token_id] = scored
+        for top in self.top_logprobs:  # as vLLM's dict: a top-k entry replaces the token's own, in first place
+            self[top.token_id] = top
+
+    @property
+    def logprob(self) -> float | None:
+        return self[self.token_id].logprob
+
+    @property
+    def rank(self) -> int | None:
+        return self[self.token_id].rank
+
+    @property
+    def token(self) -> str | None:
+        return self[self.token_id].decoded_token
 
 
 @dataclass
@@ -26,7 +59,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     # What stopped it when finish_reason is "stop": the stop string or stop token id; None for EOS.
     stop_reason: str | int | None = None
-    logprobs: list[Logprob] | None = None  # one per token id, when asked for
+    # When asked for, one per token id: {token id: Logprob} for it and its top k (`PositionLogprobs`).
+    logprobs: list[PositionLogprobs] | None = None
     # The calls parsed from `text` when a chat offered tools (`LLM.chat(..., tools=...)`); `text` stays
     # what the model wrote.
     tool_calls: list[ToolCall] | None = None
@@ -47,7 +81,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # set when a worker failure ended the request
-    # When asked for: one per prompt token (the first one's logprob is None: nothing predicts it).
-    prompt_logprobs: list[Logprob] | None = None
+    # When asked for, one per prompt token. Nothing predicts the first: `LLM` gives None there, as vLLM does;
+    # the engine's own outputs (which the server renders) hold its id and text there, with logprob None.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     # Prompt tokens found in the prefix cache, not computed (None until the request is admitted)
     num_cached_tokens: int | None = None

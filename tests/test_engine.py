@@ -299,6 +299,9 @@ def test_a_final_only_request_gets_one_output_equal_to_a_streamed_ones_last(tiny
     assert len(seen[streamed.request_id]) == 10 and [o.finished for o in seen[final.request_id]] == [True]
     last, only = seen[streamed.request_id][-1], seen[final.request_id][0]
     assert described(only) == described(last) and all(e.token for e in only.outputs[0].logprobs)
+    # The engine's own outputs (the server's) keep the prompt's first token, unscored, for echo to show.
+    first = only.prompt_logprobs[0]
+    assert (first.token_id, first.logprob, first.top_logprobs) == (9, None, []) and first.token
     assert [e.logprob for e in only.outputs[0].logprobs] == pytest.approx([e.logprob for e in last.outputs[0].logprobs])
 
 

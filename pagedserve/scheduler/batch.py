@@ -86,6 +86,7 @@ class SampledTokens:
     token_ids: list[int]  # [num_samples]
     logprobs: list[float] | None = None  # logprob of each sampled token
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per sample: the top-k (id, logprob)
+    ranks: list[int] | None = None  # each sampled token's rank in its distribution (1 = the most likely)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedserve.outputs import Logprob
+from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -27,8 +27,9 @@ class Request:
     forked: bool = False
     # The output budget: params.max_tokens, or what the context leaves (set on admission) when that is None.
     max_tokens: int | None = None
-    # Scored prompt tokens so far, when params.prompt_logprobs asks for them; nothing scores the first.
-    prompt_logprobs: list[Logprob] | None = None
+    # Scored prompt tokens so far, when params.prompt_logprobs asks for them; nothing scores the first, which
+    # is there with logprob None (the server echoes its text).
+    prompt_logprobs: list[PositionLogprobs] | None = None
     # Whoever asked wants only its finished output (the offline `LLM`): no RequestOutput is built for it before.
     final_output_only: bool = False
     # Why a failed step ended it (a worker lost, an engine error); None otherwise.
@@ -45,7 +46,8 @@ class Request:
         if self.max_tokens is None:
             self.max_tokens = self.params.max_tokens
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [Logprob(self.prompt_token_ids[0], None)]
+            first = self.prompt_token_ids[0]
+            self.prompt_logprobs = [PositionLogprobs(first, Logprob(None, token_id=first))]
 
     @property
     def bans_by_history(self) -> bool:
@@ -93,7 +95,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-        self.logprobs: list[Logprob] = []
+        self.logprobs: list[PositionLogprobs] = []
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ import heapq
 import itertools
 from collections import deque
 
-from pagedserve.outputs import Logprob
+from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, Sequence, SequenceStatus
@@ -416,9 +416,13 @@ class Scheduler:
         return len({s.request.request_id for s in self.waiting} - {s.request.request_id for s in self.running})
 
 
-def _logprobs(scored: SampledTokens, j: int) -> Logprob:
+def _logprobs(scored: SampledTokens, j: int) -> PositionLogprobs:
+    """Token j's logprob and rank with its top k, ranked 1..k."""
+    token = scored.token_ids[j]
     top = scored.top_logprobs[j] if scored.top_logprobs else []
-    return Logprob(scored.token_ids[j], scored.logprobs[j], top_logprobs=[Logprob(t, v) for t, v in top])
+    rank = scored.ranks[j] if scored.ranks is not None else None
+    return PositionLogprobs(token, Logprob(scored.logprobs[j], rank, token_id=token),
+                            [Logprob(v, r, token_id=t) for r, (t, v) in enumerate(top, 1)])
 
 
 POLICIES = ("fcfs", "priority")

@@ -22,7 +22,7 @@ def draw_uniform(seed: int, sample_index: int, output_len: int) -> float:
 
 @dataclass
 class Draws:
-    """Tokens with their logprobs, still on the device: one step's draws, or the prompt tokens it scored.
+    """Tokens with their logprobs and ranks, still on the device: one step's draws, or the prompt tokens it scored.
     Made without waiting for the device, so that the next step can be launched behind them; `outputs`
     waits and reads them."""
 
@@ -30,7 +30,8 @@ class Draws:
     # (its target tokens, k): `outputs` gives one SampledTokens per group. None: no logprobs.
     groups: list[tuple[int, int | None]]
     tokens: torch.Tensor  # [D] the groups' tokens in order
-    logprobs: torch.Tensor | None = None  # [D] each draw's logprob, when a spec asks for logprobs
+    # [D, 2] each draw's logprob and rank (`token_scores`), when a spec asks for logprobs
+    scores: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None  # [D, K], K the most top logprobs a spec asks for (K > 0)
     top_logprobs: torch.Tensor | None = None  # [D, K]
     ready: torch.cuda.Event | None = None
@@ -39,7 +40,7 @@ class Draws:
         """Start copying the draws to host memory without waiting (CUDA); `outputs` waits for the copy."""
         if self.tokens.device.type != "cuda":
             return
-        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+        for name in ("tokens", "scores", "top_ids", "top_logprobs"):
             t = getattr(self, name)
             if t is not None:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -52,7 +53,7 @@ class Draws:
         if self.ready is not None:
             self.ready.synchronize()
         tokens = self.tokens.tolist()
-        logprobs = self.logprobs.tolist() if self.logprobs is not None else None
+        logprobs, ranks = self.scores.t().tolist() if self.scores is not None else (None, None)
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
         out: list[SampledTokens] = []
@@ -63,7 +64,8 @@ class Draws:
                 out.append(SampledTokens(token_ids=tokens[rows]))
             else:
                 tops = _top_pairs(top_ids[rows], top_values[rows], k) if k > 0 else [[] for _ in range(count)]
-                out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=tops))
+                out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=tops,
+                                         ranks=[int(r) for r in ranks[rows]]))
             pos += count
         return out
 
@@ -103,7 +105,7 @@ class Sampler:
         self.penalties.record(rows, draw_slots, tokens)
         draws = Draws([(s.num_samples, s.params.logprobs) for s in specs], tokens)
         if raw_logprobs is not None:
-            draws.logprobs, draws.top_logprobs, draws.top_ids = token_scores(raw_logprobs, tokens, max(k))
+            draws.scores, draws.top_logprobs, draws.top_ids = token_scores(raw_logprobs, tokens, max(k))
         return draws
 
     def _pick(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
@@ -154,13 +156,16 @@ def inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
 
 def token_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """On the device: each of `tokens` [S]'s logprob under `logprobs` [S, V] ([S]), and when k > 0 each
-    row's top k values and ids ([S, k], sorted)."""
-    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    """On the device, nothing read back: each of `tokens` [S]'s logprob under `logprobs` [S, V] and its rank,
+    as [S, 2] (one copy to the host for both), and when k > 0 each row's top k values and ids ([S, k],
+    sorted; their ranks are 1..k). A token's rank is vLLM's: how many tokens are at least as likely."""
+    token_logprobs = logprobs.gather(1, tokens[:, None])  # [S, 1]
+    ranks = (logprobs >= token_logprobs).sum(dim=1, keepdim=True)  # [S, 1]
+    scores = torch.cat([token_logprobs.float(), ranks.float()], dim=1)  # [S, 2]: fp32 holds ranks < 2^24 exactly
     if k == 0:
-        return token_logprobs, None, None
+        return scores, None, None
     top_values, top_ids = logprobs.topk(k, dim=-1)
-    return token_logprobs, top_values, top_ids
+    return scores, top_values, top_ids
 
 
 def _top_pairs(ids: list[list[int]], values: list[list[float]], k: int) -> list[list[tuple[int, float]]]:
