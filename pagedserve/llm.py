@@ -33,7 +33,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. Validates every prompt before
-        starting any, so a bad one raises ValueError and leaves the engine as it was."""
+        starting any, so a bad one raises ValueError and leaves the engine as it was. Logprobs come in vLLM's
+        shape: per position a {token id: Logprob} dict (`PositionLogprobs`), prompt logprobs with None first."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -98,6 +99,9 @@ class LLM:
         finally:
             for rid in running:
                 engine.abort_request(rid)
+        for out in results:
+            if out.prompt_logprobs:
+                out.prompt_logprobs[0] = None  # vLLM's shape: nothing predicts the first prompt token
         errors = [o.error for o in results if o.error]
         if errors:
             raise RequestFailed(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")

@@ -19,6 +19,7 @@ from pagedserve.workers.sampler import (
     _top_k_top_p_sorted,
     draw_uniform,
     inverse_transform,
+    token_scores,
 )
 
 from .conftest import launched_batches
@@ -220,7 +221,27 @@ def test_logprobs_of_sampled_and_top_tokens():
     out = sampler(torch.tensor([LOGITS]), [spec(SamplingParams(temperature=0, logprobs=2))])[0]
     lp = torch.log_softmax(torch.tensor(LOGITS), dim=0)
     assert out.token_ids == [0] and math.isclose(out.logprobs[0], lp[0].item(), rel_tol=1e-6)
-    assert [t for t, _ in out.top_logprobs[0]] == [0, 1]
+    assert [t for t, _ in out.top_logprobs[0]] == [0, 1] and out.ranks == [1]
+
+
+def test_ranks_are_vllms_counts_of_tokens_at_least_as_likely():
+    """A drawn token's rank is in the raw distribution (a bias that forces it does not lift it), ties counted
+    as vLLM counts them: every token whose logprob is >= its own; prompt tokens are ranked the same way."""
+    tied = [2.0, 1.0, 0.5, 1.0, 1.0, -1.0]
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    specs = [spec(SamplingParams(temperature=0, logprobs=0, logit_bias={t: 100.0}), row=t) for t in range(len(tied))]
+    out = sampler(torch.tensor([tied] * len(tied)), specs)
+    assert [o.token_ids[0] for o in out] == list(range(len(tied)))
+    assert [o.ranks[0] for o in out] == [sum(x >= v for x in tied) for v in tied] == [1, 4, 5, 4, 4, 6]
+    gen = torch.Generator().manual_seed(0)
+    logprobs = torch.log_softmax(torch.randn(50, 1000, generator=gen), dim=-1)
+    targets = torch.randint(1000, (50,), generator=gen)
+    scores, _, _ = token_scores(logprobs, targets, 0)  # [50, 2]: logprob, rank
+    assert scores[:, 0].tolist() == [row[t].item() for row, t in zip(logprobs, targets, strict=True)]
+    # the same ranks from each row sorted: one past the last place that holds a value at least the target's
+    ordered = logprobs.sort(dim=-1, descending=True).values
+    assert scores[:, 1].tolist() == [float(next(i for i in range(1000, 0, -1) if row[i - 1] >= row_lp[t]))
+                                     for row, row_lp, t in zip(ordered, logprobs, targets, strict=True)]
 
 
 def test_penalties_count_a_pending_last_output_token():
@@ -334,6 +355,9 @@ def test_logprobs_match_the_model(smol, embedded_dir):
     assert [t.token_id for t in entry.top_logprobs] == top.indices.tolist()
     assert entry.token == smol.tokenizer.decode([entry.token_id])
     assert [t.token for t in entry.top_logprobs] == [smol.tokenizer.decode([t]) for t in top.indices.tolist()]
+    # vLLM's view of it: the greedy token is the top one, so the dict holds the 3 alone, ranked 1..3
+    assert {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()} == {
+        t.token_id: (t.logprob, r, t.token) for r, t in enumerate(entry.top_logprobs, 1)}
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 7])
@@ -351,10 +375,10 @@ def test_prompt_logprobs_match_the_model(embedded_dir, max_num_batched_tokens):
     for _ in range(2):
         out = llm.generate([prompt], params)[0]
         assert len(out.prompt_logprobs) == len(prompt)
-        assert out.prompt_logprobs[0].token_id == prompt[0] and out.prompt_logprobs[0].logprob is None
+        assert out.prompt_logprobs[0] is None  # as vLLM's: nothing predicts the first token
         for t in range(1, len(prompt)):
             entry = out.prompt_logprobs[t]
-            assert entry.token_id == prompt[t]
+            assert entry.token_id == prompt[t] and next(iter(entry)) == prompt[t]
             assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) < 1e-3, t
             assert [x.token_id for x in entry.top_logprobs] == ref[t - 1].topk(2).indices.tolist()
             assert entry.token == llm.tokenizer.decode([prompt[t]])
@@ -378,7 +402,7 @@ def test_prompt_logprobs_of_several_requests_in_one_step(smol, embedded_dir):
     for prompt, out, k in zip(prompts, outs, ks, strict=True):
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)  # [P, V]
-        assert [e.token_id for e in out.prompt_logprobs] == prompt
+        assert out.prompt_logprobs[0] is None and [e.token_id for e in out.prompt_logprobs[1:]] == prompt[1:]
         for t in range(1, len(prompt)):
             entry = out.prompt_logprobs[t]
             assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) < 1e-3, (k, t)
