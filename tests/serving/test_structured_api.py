@@ -11,6 +11,7 @@ import pydantic
 import pytest
 
 from tests.serving.app import GRPC, HTTP
+from tests.test_structured_output import SQL_LARK, SQL_TEXT
 
 openai = pytest.importorskip("openai")
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -61,6 +62,18 @@ def test_vllm_extras_regex_choice_grammar_on_both_routes(oai):
     out = oai.completions.create(model="", prompt="A tuple:", max_tokens=30,
                                  extra_body={"structured_outputs": {"grammar": 'root ::= "(" [a-z]+ ")"'}})
     assert re.fullmatch(r"\([a-z]+\)", out.choices[0].text)
+
+
+def test_a_lark_grammar_constrains_a_completion(oai):
+    """vLLM's SQL grammar in Lark syntax (its OpenAI tests' `sample_sql_lark`), in `structured_outputs` and in
+    the older `guided_grammar`; Lark that cannot be converted is a 400 naming the field and the construct."""
+    for extra in ({"structured_outputs": {"grammar": SQL_LARK}}, {"guided_grammar": SQL_LARK}):
+        out = oai.completions.create(model="", prompt="A SQL query:", max_tokens=40, temperature=0.8, seed=3,
+                                     extra_body=extra).choices[0]
+        assert re.fullmatch(SQL_TEXT, out.text) and out.finish_reason == "stop", out.text
+    with pytest.raises(openai.BadRequestError, match=r"guided_grammar \(Lark syntax\), line 2: .*lookahead"):
+        oai.completions.create(model="", prompt="x", max_tokens=5,
+                               extra_body={"guided_grammar": "start: A\nA: /a(?=b)/"})
 
 
 def test_bad_constraints_are_400_naming_the_field(oai):

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from tests.serving.app import GRPC, HTTP, wait_idle
+from tests.test_tool_calls import REF_PARAMETERS, REF_TOOLS
 from tests.tools_data import ASK, HERMES_CALL, PARAMETERS, TOOLS
 
 openai = pytest.importorskip("openai")
@@ -70,6 +71,18 @@ def test_required_and_named_calls_streamed_and_unary_agree(oai, tool_choice, fin
     assert len(whole[1]) == 1
     if isinstance(tool_choice, dict):
         assert whole[1][0]["name"] == "get_time"
+
+
+def test_required_with_tools_whose_parameters_have_definitions(oai):
+    """Tools from pydantic models, each with its own "Address" under "$defs": `required` answers with a call
+    valid against its own tool's schema, unary and streamed alike."""
+    kw = dict(model="", messages=[{"role": "user", "content": "Send a parcel to Ann."}], tools=REF_TOOLS[:2],
+              tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200)
+    whole, streamed = unary(oai, **kw), joined_stream(oai, **kw)
+    assert whole[2] == streamed[2] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in whole[1]] == [(c["name"], c["arguments"]) for c in streamed[1]]
+    assert len(whole[1]) == 1
+    jsonschema.validate(json.loads(whole[1][0]["arguments"]), REF_PARAMETERS[whole[1][0]["name"]])
 
 
 def test_auto_parses_calls_and_keeps_the_content(oai):
