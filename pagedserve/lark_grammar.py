@@ -57,8 +57,8 @@ COMMON = {
 }
 
 _GAP = "lark-ignored"  # EBNF names with '-' cannot be Lark names: no clash with the grammar's own
-_LARK_LINE = re.compile(r"\s*(%(import|ignore|declare|override|extend)\b|[?!]*_?[A-Za-z]\w*\s*(\.\s*[+-]?\d+\s*)?:"
-                        r"(?!:=))")
+_LARK_LINE = re.compile(r"\s*(%(import|ignore|declare|override|extend)\b"  # a statement, or a definition:
+                        r"|[?!]*_?[A-Za-z]\w*\s*(\{[^}]*\}\s*)?(\.\s*[+-]?\d+\s*)?:(?!:=))")  # name{params}.N:
 
 
 def looks_like_lark(grammar: str) -> bool:

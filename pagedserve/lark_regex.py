@@ -80,7 +80,7 @@ def _item(op, arg, dotall: bool) -> Expr:
         return char_class(_category(arg)), ATOM
     if op in (sre.MAX_REPEAT, sre.MIN_REPEAT):  # lazy or greedy: the same strings match in full
         low, high, body = arg
-        return repeat(_sequence(list(body), dotall), low, None if high is sre.MAXREPEAT else high)
+        return repeat(_sequence(list(body), dotall), low, None if high == sre.MAXREPEAT else high)
     if op is sre.SUBPATTERN:
         _, add, remove, body = arg
         if add & re.IGNORECASE:

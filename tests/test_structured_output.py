@@ -290,6 +290,7 @@ def test_lark_conversion_takes_what_lark_takes(smol, grammar, taken, refused):
     ('start: /(a)\\1/', "backreferences"),
     ('start: /ab/i', "case-insensitive"),
     ('start: _list{"a"}\n_list{x}: x ("," x)*', "templates are not supported"),
+    ('_list{x}: x ("," x)*\nstart: _list{"a"}', "templates are not supported"),
     ('%declare INDENT\nstart: "a" INDENT', "%declare is not supported"),
     ('start: NAME\n%import python.NAME', "only terminals of Lark's common module"),
     ('start: X\n%import common.X', "common.X is not supported"),
