@@ -52,7 +52,8 @@ def summary(out) -> tuple[list, list]:
     kernels give a row the same bits whatever else shares its steps (test_batch_invariance.py)."""
     def entries(logprobs):
         return [] if logprobs is None else [
-            (e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top_logprobs]) for e in logprobs]
+            (e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top_logprobs])
+            for e in logprobs if e is not None]  # offline prompt_logprobs[0] is None, as vLLM's
     exact = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
     scored = entries(out.prompt_logprobs) + [e for c in out.outputs for e in entries(c.logprobs)]
     exact.append([(token, [t for t, _ in top]) for token, _, top in scored])

@@ -77,6 +77,11 @@ def test_min_tokens_logit_bias_stop_reason_include_stop_str(oai, model, offline)
         assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == word
 
 
+def first_token(llm, out) -> str:
+    """The text of a prompt's first token, which offline prompt logprobs leave out (None, as vLLM's)."""
+    return llm.engine.detokenizer.token_texts(out.prompt_token_ids[:1])[0]
+
+
 def test_echo_and_logprobs_in_openai_shape(oai, model, offline):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     ref = offline.generate(PROMPT, params)[0]
@@ -84,15 +89,15 @@ def test_echo_and_logprobs_in_openai_shape(oai, model, offline):
                                  extra_body={"ignore_eos": True}).choices[0]
     assert out.text == PROMPT + ref.outputs[0].text
     lp = out.logprobs
-    entries = ref.prompt_logprobs + ref.outputs[0].logprobs
-    assert lp.tokens == [e.token for e in entries]
+    entries = ref.prompt_logprobs[1:] + ref.outputs[0].logprobs
+    assert lp.tokens == [first_token(offline, ref)] + [e.token for e in entries]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in entries[1:]], abs=1e-4)
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in entries], abs=1e-4)
     # OpenAI's: the token itself first, then the top 2 (it once among them)
     assert all(next(iter(top)) == token and len(top) <= 3
                for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    assert lp.text_offset[len(ref.prompt_token_ids)] == len("".join(e.token for e in ref.prompt_logprobs))
+    assert lp.text_offset[len(ref.prompt_token_ids)] == len("".join(lp.tokens[:len(ref.prompt_token_ids)]))
     # streamed: the same tokens, offsets running on across chunks
     chunks = list(oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=3, echo=True,
                                          logprobs=2, stream=True, extra_body={"ignore_eos": True}))
@@ -131,7 +136,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(oai, model, offline):
             assert "".join(c.text for c in mine) == PROMPT
             tokens = [t for c in mine for t in c.logprobs.tokens]
             logprobs = [p for c in mine for p in c.logprobs.token_logprobs]
-            assert tokens == [e.token for e in ref.prompt_logprobs] and logprobs[0] is None
+            assert tokens == [first_token(offline, ref)] + [e.token for e in ref.prompt_logprobs[1:]]
+            assert logprobs[0] is None
             assert logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs[1:]], abs=1e-4)
             assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
         assert (usage.prompt_tokens, usage.completion_tokens) == (2 * len(ref.prompt_token_ids), 0)
