@@ -315,10 +315,23 @@ def _array_items(text: str, final: bool, args_key: str) -> list[_Item]:
     return items
 
 
+def _named_call(name: str, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
+    """A named function: the grammar makes the whole text its arguments, taken once they are a whole JSON
+    object (after which the grammar allows nothing more), so a call cut short (max_tokens) is never sent half;
+    cut short, its text is shown as is, as `required`'s."""
+    try:
+        whole = isinstance(json.loads(text), dict)
+    except ValueError:
+        whole = False
+    if not whole:
+        return (text if final else ""), []
+    return "", [(name, text)]
+
+
 def split(parsing: ToolParsing, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
     """(content, [(name, arguments)]) of a sample's text so far; `final` once the sample has finished."""
     if parsing.mode == "function":
-        return "", [(parsing.function or "", text)]
+        return _named_call(parsing.function or "", text, final)
     if parsing.mode == "required":
         items = _array_items(text, final, parsing.args_key)
     elif parsing.format == "llama3_json":

@@ -66,7 +66,9 @@ def test_required_array_and_named_function():
     assert split(ToolParsing("required", "hermes", max_calls=1), text, True)[1] == [("a", '{"x": 1}')]
     assert split(required, '[{"name": "a", "argu', True) == ('[{"name": "a", "argu', [])  # cut: shown as is
     named = ToolParsing("function", function="get_weather")
-    assert split(named, '{"city": "Pa', False) == ("", [("get_weather", '{"city": "Pa')])  # streams as written
+    assert split(named, '{"city": "Pa', False) == ("", [])  # taken once whole, as each required call
+    assert split(named, '{"city": "Paris"}', False) == ("", [("get_weather", '{"city": "Paris"}')])
+    assert split(named, '{"city": "Pa', True) == ('{"city": "Pa', [])  # cut short (max_tokens): no half call
 
 
 def test_stream_deltas_and_finish_reason():
@@ -112,6 +114,23 @@ def test_streamed_deltas_join_to_the_whole_parse(pieces, cuts, parsing):
                 calls[d.index][1] += d.arguments
     assert content == whole_content
     assert [tuple(c) for c in calls] == whole_calls
+
+
+@settings(max_examples=100, deadline=None)
+@given(arguments=st.dictionaries(st.text(max_size=4), st.one_of(st.integers(), st.text(max_size=6)), max_size=3),
+       cuts=st.lists(st.integers(0, 80), max_size=6), cut_short=st.integers(0, 80))
+def test_a_named_call_streams_once_whole_and_never_half(arguments, cuts, cut_short):
+    """What the grammar writes for a named function: a JSON object, then nothing; the call is taken whole,
+    and a text cut short before its end (max_tokens) is content, never a call."""
+    text = json.dumps(arguments)
+    written = text[:cut_short] if cut_short < len(text) else text
+    stream = ToolCallStream(ToolParsing("function", function="f"))
+    content, calls = "", []
+    for end in sorted({min(c, len(written)) for c in cuts}) + [None]:
+        new, deltas = stream.update(written if end is None else written[:end], final=end is None)
+        content += new
+        calls += [(d.name, d.arguments) for d in deltas]
+    assert (content, calls) == (("", [("f", text)]) if written == text else (written, []))
 
 
 def test_tools_and_tool_choice_are_checked_by_name():

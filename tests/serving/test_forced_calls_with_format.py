@@ -38,7 +38,8 @@ def check(calls: list[tuple[str, str]], names: set[str]) -> None:
 
 def chat_calls(oai, stream: bool, **kw) -> tuple[list[tuple[str, str]], str | None, str]:
     """(calls, content, finish_reason) of a chat, its stream joined as a client does."""
-    kw = dict(model="", messages=ASK, tools=TOOLS, parallel_tool_calls=False, temperature=0, max_tokens=200, **kw)
+    kw = {"model": "", "messages": ASK, "tools": TOOLS, "parallel_tool_calls": False, "temperature": 0,
+          "max_tokens": 200, **kw}
     if not stream:
         choice = oai.chat.completions.create(**kw).choices[0]
         calls = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
@@ -118,3 +119,16 @@ def test_responses_forced_call_beside_text_format(oai, stream, tool_choice):
     assert calls == responses_calls(oai, stream, tool_choice=tool_choice)
     stats = wait_idle("smol")
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_cut_by_max_tokens_is_no_call(oai, stream, tool_choice):
+    """Cut short, a forced call's arguments are not JSON: no call is sent (vLLM's), and what the model wrote is
+    the content, with finish_reason "length"."""
+    calls, content, reason = chat_calls(oai, stream, tool_choice=tool_choice, max_tokens=5)
+    assert calls == [] and reason == "length" and content
+    if tool_choice is NAMED:  # the start of the arguments it writes when given room
+        assert chat_calls(oai, False, tool_choice=tool_choice)[0][0][1].startswith(content)
+    else:
+        assert content.startswith("[")
