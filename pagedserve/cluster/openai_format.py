@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.cluster.deltas import Delta
 from pagedserve.cluster.errors import classify
 from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.outputs import Logprob
+from pagedserve.outputs import PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tool_calls import ToolCallDelta, join_deltas
 
@@ -43,21 +43,21 @@ class _CompletionLogprobs:
         self.name = _token_name(as_ids)
         self.offset = offset
 
-    def render(self, entries: list[Logprob]) -> dict[str, Any]:
+    def render(self, entries: list[PositionLogprobs]) -> dict[str, Any]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             out["tokens"].append(self.name(e))
             out["token_logprobs"].append(e.logprob)
             # OpenAI's: the chosen token first, then the top k (it once among them); the prompt's first token
             # (echo) has no logprob and no alternatives: nothing predicts it
-            out["top_logprobs"].append({self.name(e): e.logprob, **{self.name(t): t.logprob for t in e.top_logprobs}}
+            out["top_logprobs"].append({self.name(scored): scored.logprob for scored in e.values()}
                                        if e.logprob is not None else None)
             out["text_offset"].append(self.offset)  # offsets into the text, whatever names the tokens
             self.offset += len(e.token or "")
         return out
 
 
-def _chat_logprobs(entries: list[Logprob], as_ids: bool) -> dict[str, Any]:
+def _chat_logprobs(entries: list[PositionLogprobs], as_ids: bool) -> dict[str, Any]:
     name = _token_name(as_ids)
     return {"content": [{"token": name(e), "logprob": e.logprob, "bytes": _token_bytes(name(e)),
                          "top_logprobs": [{"token": name(t), "logprob": t.logprob, "bytes": _token_bytes(name(t))}
@@ -95,7 +95,7 @@ class ResponseFormatter:
         self.continuous_usage = self.include_usage and options.continuous_usage_stats
         self.offsets: dict[int, _CompletionLogprobs] = {}
         # by prompt: from its first delta
-        self._prompt_logprobs: dict[int, list[Logprob] | None] = {}
+        self._prompt_logprobs: dict[int, list[PositionLogprobs] | None] = {}
         self._prompt_ids: dict[int, list[int] | None] = {}
 
     def _note(self, d: Delta) -> None:
@@ -104,9 +104,9 @@ class ResponseFormatter:
         if prompt not in self._prompt_ids:
             self._prompt_logprobs[prompt], self._prompt_ids[prompt] = d.prompt_logprobs, d.prompt_token_ids
 
-    def _head(self, d: Delta, first_of_choice: bool) -> tuple[str, list[Logprob]]:
+    def _head(self, d: Delta, first_of_choice: bool) -> tuple[str, list[PositionLogprobs]]:
         """A choice's text and logprob entries, with the echoed prompt before its first chunk."""
-        entries: list[Logprob] = list(d.logprobs)
+        entries: list[PositionLogprobs] = list(d.logprobs)
         text = d.text
         prompt = d.index // self.n
         if first_of_choice and self.echoed is not None:
@@ -115,7 +115,7 @@ class ResponseFormatter:
                 entries = list(self._prompt_logprobs.get(prompt) or []) + entries
         return text, entries
 
-    def _choice_logprobs(self, index: int, entries: list[Logprob]) -> dict[str, Any] | None:
+    def _choice_logprobs(self, index: int, entries: list[PositionLogprobs]) -> dict[str, Any] | None:
         if not self.with_logprobs:
             return None
         if self.chat:
@@ -124,7 +124,7 @@ class ResponseFormatter:
             self.offsets[index] = _CompletionLogprobs(self.tokens_as_ids)
         return self.offsets[index].render(entries)
 
-    def _choice(self, index: int, text: str, token_ids: list[int], entries: list[Logprob],
+    def _choice(self, index: int, text: str, token_ids: list[int], entries: list[PositionLogprobs],
                 finish_reason: str | None, stop_reason: str | int | None, first: bool, whole: bool,
                 tool_calls: list[dict[str, Any]], reasoning: str = "") -> dict[str, Any]:
         """One choice of a response (`whole`) or of a chunk; `first`: the choice's first appearance."""
@@ -233,17 +233,11 @@ def _tool_call_json(delta: ToolCallDelta) -> dict[str, Any]:
     return out
 
 
-def _prompt_logprobs_json(entries: list[Logprob] | None) -> list[dict[str, Any] | None] | None:
-    """vLLM's shape: per prompt token, {token id: {logprob, decoded_token}} for it and its top k; None for
-    the first token."""
+def _prompt_logprobs_json(entries: list[PositionLogprobs] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's shape: per prompt token, {token id: {logprob, rank, decoded_token}} for it, then its top k; None
+    for the first token."""
     if entries is None:
         return None
-    out: list[dict[str, Any] | None] = []
-    for e in entries:
-        if e.logprob is None:
-            out.append(None)
-            continue
-        scored = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token} for t in e.top_logprobs}
-        scored[str(e.token_id)] = {"logprob": e.logprob, "decoded_token": e.token}
-        out.append(scored)
-    return out
+    return [None if e.logprob is None else {
+        str(token_id): {"logprob": scored.logprob, "rank": scored.rank, "decoded_token": scored.decoded_token}
+        for token_id, scored in e.items()} for e in entries]

@@ -102,12 +102,16 @@ def test_completion_echo_scores_each_prompt_token_first(oai, offline):
 
 def test_chat_prompt_logprobs_are_the_responses_not_a_choices(oai):
     chat = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, max_tokens=3,
-                                       extra_body={"prompt_logprobs": 1})
+                                       extra_body={"prompt_logprobs": 1, "return_token_ids": True})
     scored = chat.model_extra["prompt_logprobs"]
-    assert scored[0] is None and all(1 <= len(position) <= 2 for position in scored[1:])
+    prompt = chat.model_extra["prompt_token_ids"]
+    assert scored[0] is None and len(scored) == len(prompt)
+    for token_id, position in zip(prompt[1:], scored[1:], strict=True):  # vLLM's: the prompt's token, then top 1
+        assert next(iter(position)) == str(token_id) and 1 <= len(position) <= 2
+        assert all(set(lp) == {"logprob", "rank", "decoded_token"} and lp["rank"] >= 1 for lp in position.values())
     assert "prompt_logprobs" not in chat.choices[0].model_extra
     chunks = list(oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, max_tokens=3, stream=True,
-                                              extra_body={"prompt_logprobs": 1}))
+                                              extra_body={"prompt_logprobs": 1, "return_token_ids": True}))
     assert chunks[0].model_extra["prompt_logprobs"] == scored
     assert all("prompt_logprobs" not in c.model_extra for c in chunks[1:])
     plain = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, max_tokens=3)
