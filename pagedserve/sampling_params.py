@@ -35,7 +35,7 @@ MAX_LENGTH_PENALTY = 32.0
 @dataclass
 class StructuredOutputs:
     """A constraint on the output, as vLLM's `StructuredOutputsParams`: exactly one of a JSON schema, any
-    JSON object, a regular expression, a choice among strings, or an EBNF grammar (xgrammar's GBNF)."""
+    JSON object, a regular expression, a choice among strings, or a grammar (xgrammar's EBNF, or Lark's syntax)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
