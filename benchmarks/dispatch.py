@@ -62,8 +62,8 @@ def main() -> None:
     import ray
 
     from pagedserve import LLMEngine
-    from pagedserve.cluster import ray_executor
     from pagedserve.config import EngineConfig
+    from pagedserve.executors import ray_executor
 
     cfg_path = Path(tempfile.mkdtemp()) / "config.json"
     cfg_path.write_text(json.dumps(TINY))

@@ -2,9 +2,8 @@
 
 Requests are added and aborted on the event loop while a step's workers compute. What a request costs to
 prepare (tokenizing it, rendering a chat template, compiling its grammar: a large schema takes a second)
-runs on a thread of its own (`AsyncEngine.prepare`), so the streams already running go on meanwhile. The Ray actor
-(`cluster/engine_actor.py`) and the Serve deployment (`cluster/engine_server.py`) both wrap one;
-nothing here depends on Ray.
+runs on a thread of its own (`AsyncEngine.prepare`), so the streams already running go on meanwhile. The Serve
+deployment (`cluster/engine_server.py`) wraps one; nothing here depends on Ray.
 
     engine = AsyncEngine(EngineConfig(...))
     async for out in engine.generate(prompt, params):   # RequestOutput, cumulative; the last finished

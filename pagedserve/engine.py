@@ -19,7 +19,7 @@ from pagedserve.beam_search import BeamSearch, check_width
 from pagedserve.chat import ChatOptions, ChatPlan, ChatTemplate
 from pagedserve.config import EngineConfig
 from pagedserve.detokenizer import Detokenizer
-from pagedserve.executor import Executor, WorkerFailure, make_executor
+from pagedserve.executors import Executor, WorkerFailure, make_executor
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStart, ReasoningTags
 from pagedserve.sampling_params import SamplingParams

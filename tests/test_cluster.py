@@ -1,4 +1,5 @@
-"""The engine on a real local Ray cluster: worker actors, tensor parallelism, the EngineActor, faults."""
+"""The engine on a real local Ray cluster: worker actors, tensor parallelism, the engine as a Serve replica
+hosts it, faults."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import torch
 ray = pytest.importorskip("ray")
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.async_engine import RequestFailed  # noqa: E402
-from pagedserve.cluster.engine_actor import EngineActor  # noqa: E402
-from pagedserve.cluster.ray_executor import StepOrder  # noqa: E402
-from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.async_engine import AsyncEngine, RequestFailed  # noqa: E402
+from pagedserve.config import EngineConfig, ray_hosted_config  # noqa: E402
+from pagedserve.executors.ray_executor import StepOrder  # noqa: E402
 
 from .conftest import launched_batches  # noqa: E402
 from .test_async_scheduling import PROMPTS, check_grammars_scheduled_ahead, check_same_outputs, grammar_mix  # noqa: E402
@@ -195,27 +195,27 @@ def test_tensor_parallel_needs_ray_executor(tiny_qwen2):
 
 
 @contextlib.contextmanager
-def engine_actor(stream_interval_ms=0, **config):
-    """An EngineActor for one test; its workers and the actor go away afterwards."""
-    engine = EngineActor.remote(EngineConfig(**config), stream_interval_ms)
+def ray_hosted_engine(stream_interval_ms=0, **config):
+    """The engine as a Serve replica hosts it (`EngineServer`: an `AsyncEngine` whose workers are Ray actors),
+    for one test; its workers go away afterwards. Used on one event loop (one `asyncio.run`)."""
+    engine = AsyncEngine(ray_hosted_config(EngineConfig(**config)), stream_interval_ms=stream_interval_ms)
     try:
         yield engine
     finally:
-        ray.get(engine.shutdown.remote())
-        ray.kill(engine)
+        engine.shutdown()
 
 
 async def collect(engine, prompt, params, request_id=None):
     last = None
-    async for ref in engine.generate.options(num_returns="streaming").remote(prompt, params, request_id):
-        last = await ref
+    async for out in engine.generate(prompt, params, request_id):
+        last = out
     return last
 
 
-def test_engine_actor_serves_200_concurrent_requests(tiny_qwen2):
+def test_ray_hosted_engine_serves_200_concurrent_requests(tiny_qwen2):
     path, prompts, expected = tiny_qwen2
     # Outputs merged within 50 ms: each stream's last output still holds every token
-    with engine_actor(model=path, max_num_seqs=64, stream_interval_ms=50) as engine:
+    with ray_hosted_engine(model=path, max_num_seqs=64, stream_interval_ms=50) as engine:
         async def run():
             jobs = []
             for i in range(200):
@@ -233,30 +233,40 @@ def test_engine_actor_serves_200_concurrent_requests(tiny_qwen2):
                 assert out.outputs[0].token_ids == expected[i // 10 % len(prompts)]
             else:
                 assert len(out.outputs[0].token_ids) == 1 + i % 23
-        stats = ray.get(engine.stats.remote())
+        stats = engine.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert stats["num_running"] == stats["num_waiting"] == stats["num_streams"] == 0
 
 
-def test_bad_request_through_the_actor_names_the_field(tiny_qwen2):
-    with engine_actor(model=tiny_qwen2[0]) as engine:
+def test_bad_request_to_the_ray_hosted_engine_names_the_field(tiny_qwen2):
+    with ray_hosted_engine(model=tiny_qwen2[0]) as engine:
         bad = SamplingParams(max_tokens=4)
         bad.top_p = 0.0
-        with pytest.raises(ValueError, match="top_p"):
-            asyncio.run(collect(engine, [1, 2, 3], bad))
-        out = asyncio.run(collect(engine, [1, 2, 3], GREEDY))
+
+        async def run():
+            with pytest.raises(ValueError, match="top_p"):
+                await collect(engine, [1, 2, 3], bad)
+            return await collect(engine, [1, 2, 3], GREEDY)
+
+        out = asyncio.run(run())
         assert len(out.outputs[0].token_ids) == 16
 
 
 def test_cancelled_stream_frees_its_blocks(tiny_qwen2):
-    with engine_actor(model=tiny_qwen2[0]) as engine:
+    with ray_hosted_engine(model=tiny_qwen2[0]) as engine:
         async def run():
-            gen = engine.generate.options(num_returns="streaming").remote(
-                [5] * 40, SamplingParams(max_tokens=400, ignore_eos=True))
-            await (await gen.__anext__())
-            ray.cancel(gen)
+            # A stream cancelled as Serve cancels a replica's call when its caller goes away.
+            first = asyncio.Event()
+
+            async def read():
+                async for _ in engine.generate([5] * 40, SamplingParams(max_tokens=400, ignore_eos=True)):
+                    first.set()
+
+            stream = asyncio.ensure_future(read())
+            await first.wait()
+            stream.cancel()
             for _ in range(100):
-                stats = await engine.stats.remote()
+                stats = engine.stats()
                 if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
                     return stats
                 await asyncio.sleep(0.1)
@@ -269,14 +279,14 @@ def test_cancelled_stream_frees_its_blocks(tiny_qwen2):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2, async_scheduling):
     path, prompts, expected = tiny_qwen2
-    with engine_actor(model=path, executor="ray", tensor_parallel_size=2,
-                      async_scheduling=async_scheduling) as engine:
+    with ray_hosted_engine(model=path, executor="ray", tensor_parallel_size=2,
+                           async_scheduling=async_scheduling) as engine:
         async def run():
             long_job = asyncio.ensure_future(collect(engine, [3] * 30, SamplingParams(max_tokens=400,
                                                                                        ignore_eos=True)))
-            while (await engine.stats.remote())["num_running"] == 0:
+            while engine.stats()["num_running"] == 0:
                 await asyncio.sleep(0.05)
-            pids = await engine.worker_pids.remote()
+            pids = await engine.worker_pids()
             os.kill(pids[1], signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(RequestFailed, match="worker"):
@@ -284,7 +294,7 @@ def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2, async_sch
             failed_after = time.monotonic() - t0
             # The next request runs on rebuilt workers.
             out = await collect(engine, prompts[4], GREEDY)
-            return failed_after, out, await engine.stats.remote(), pids, await engine.worker_pids.remote()
+            return failed_after, out, engine.stats(), pids, await engine.worker_pids()
 
         failed_after, out, stats, old_pids, new_pids = asyncio.run(run())
         assert failed_after < 30

@@ -13,7 +13,7 @@ import pytest
 from pagedserve import LLM, LLMEngine, SamplingParams
 from pagedserve.async_engine import AsyncEngine, RequestFailed, _Stream
 from pagedserve.config import EngineConfig
-from pagedserve.executor import WorkerFailure
+from pagedserve.executors import WorkerFailure
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
 

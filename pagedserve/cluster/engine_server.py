@@ -114,7 +114,7 @@ def engine_options(config: EngineConfig, num_replicas: int | None = None,
     saying that no node of the cluster could hold a replica."""
     from ray.serve.config import RequestRouterConfig
 
-    from pagedserve.cluster.ray_executor import worker_bundle
+    from pagedserve.executors.ray_executor import worker_bundle
 
     if autoscaling_config is not None and num_replicas is not None:
         raise ValueError("num_replicas and autoscaling_config: give one (autoscaling sets the count itself)")

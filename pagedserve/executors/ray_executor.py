@@ -26,7 +26,7 @@ from ray.util.placement_group import get_current_placement_group, placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.config import EngineConfig
-from pagedserve.executor import WorkerFailure
+from pagedserve.executors.base import WorkerFailure
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.loader import ModelSource
 from pagedserve.workers.models.config import ModelConfig

@@ -1,12 +1,11 @@
-"""Executors run a StepBatch on the model replica's workers. The engine only sees this interface:
-in one process (`LocalExecutor`) or on Ray worker actors (`pagedserve.cluster.ray_executor`)."""
+"""LocalExecutor: the model replica's one worker in this process (the offline `LLM`, the tests, the
+benchmarks)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
@@ -15,41 +14,6 @@ from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.loader import ModelSource
 from pagedserve.workers.model_runner import LaunchedStep
 from pagedserve.workers.models.config import ModelConfig
-
-
-class WorkerFailure(RuntimeError):
-    """A worker died or failed during a step; the step's requests cannot finish."""
-
-
-class Executor(Protocol):
-    num_blocks: int  # KV blocks every rank holds (the minimum over ranks)
-    device_type: str  # where the workers compute: "cuda" or "cpu"
-    takes_late_masks: bool  # whether `sample` can give a launched step its grammar masks
-
-    def launch(self, batch: StepBatch) -> Any:
-        """Start one step on every rank, behind the steps launched before it; a handle for `collect`. The
-        workers fill its deferred inputs (`StepBatch.deferred_inputs`) from the draws of the step before."""
-
-    def sample(self, handle: Any, masks: list[bytes | None]) -> None:
-        """The masks of a launched step's `StepBatch.late_masks` (None: draw unmasked), which it waits for
-        before it draws; without waiting for the draws."""
-
-    def collect(self, handle: Any) -> StepOutput:
-        """Wait for a launched step; rank 0's draws. WorkerFailure if a worker died or hung."""
-
-    async def collect_async(self, handle: Any) -> StepOutput:
-        """`collect` without blocking the event loop."""
-
-    def restart(self) -> None:
-        """Replace the workers after a failure: same pool size, empty pools."""
-
-    def shutdown(self) -> None: ...
-
-    async def check_health(self) -> None:
-        """RuntimeError naming what is gone when a worker is."""
-
-    def worker_pids(self) -> list[int]:
-        """Process id of each rank, in rank order."""
 
 
 @dataclass
@@ -108,12 +72,3 @@ class LocalExecutor:
 
     def worker_pids(self) -> list[int]:
         return [os.getpid()]
-
-
-def make_executor(config: EngineConfig, source: ModelSource, model_config: ModelConfig,
-                  max_model_len: int) -> Executor:
-    if config.executor == "ray":
-        from pagedserve.cluster.ray_executor import RayExecutor
-
-        return RayExecutor(config, source, model_config, max_model_len)
-    return LocalExecutor(config, source, model_config, max_model_len)

@@ -1,0 +1,44 @@
+"""What the engine sees of its workers: the `Executor` interface, and `WorkerFailure`, which a step raises
+when a worker is gone. The executors are `LocalExecutor` (`executors/local.py`: the worker in this process)
+and `RayExecutor` (`executors/ray_executor.py`: worker actors on Ray); `make_executor` picks one."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pagedserve.scheduler.batch import StepBatch, StepOutput
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or failed during a step; the step's requests cannot finish."""
+
+
+class Executor(Protocol):
+    num_blocks: int  # KV blocks every rank holds (the minimum over ranks)
+    device_type: str  # where the workers compute: "cuda" or "cpu"
+    takes_late_masks: bool  # whether `sample` can give a launched step its grammar masks
+
+    def launch(self, batch: StepBatch) -> Any:
+        """Start one step on every rank, behind the steps launched before it; a handle for `collect`. The
+        workers fill its deferred inputs (`StepBatch.deferred_inputs`) from the draws of the step before."""
+
+    def sample(self, handle: Any, masks: list[bytes | None]) -> None:
+        """The masks of a launched step's `StepBatch.late_masks` (None: draw unmasked), which it waits for
+        before it draws; without waiting for the draws."""
+
+    def collect(self, handle: Any) -> StepOutput:
+        """Wait for a launched step; rank 0's draws. WorkerFailure if a worker died or hung."""
+
+    async def collect_async(self, handle: Any) -> StepOutput:
+        """`collect` without blocking the event loop."""
+
+    def restart(self) -> None:
+        """Replace the workers after a failure: same pool size, empty pools."""
+
+    def shutdown(self) -> None: ...
+
+    async def check_health(self) -> None:
+        """RuntimeError naming what is gone when a worker is."""
+
+    def worker_pids(self) -> list[int]:
+        """Process id of each rank, in rank order."""
