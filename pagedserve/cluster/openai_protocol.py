@@ -387,10 +387,21 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
         return model.model_validate_json(body or b"{}")
     except ValidationError as e:
         error = e.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in error["loc"] if _is_field(part)) or "body"
+        where = _path(error["loc"]) or "body"
         got = error.get("input")
         shown = "" if error["type"] in ("missing", "json_invalid") else f", got {_short(got)}"
         raise ValueError(f"{where}: {error['msg']}{shown}") from None
+
+
+def _path(loc: tuple[str | int, ...]) -> str:
+    """pydantic's location as the engine names a field: `messages[0].content`, a list item by its index."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _is_field(part):
+            path += f".{part}" if path else part
+    return path
 
 
 def _is_field(part: str | int) -> bool:
