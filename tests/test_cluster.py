@@ -11,18 +11,17 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
+from pagedserve import LLM, SamplingParams
+from pagedserve.async_engine import AsyncEngine, RequestFailed
+from pagedserve.config import EngineConfig, ray_hosted_config
+from pagedserve.executors.ray_executor import StepOrder
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.async_engine import AsyncEngine, RequestFailed  # noqa: E402
-from pagedserve.config import EngineConfig, ray_hosted_config  # noqa: E402
-from pagedserve.executors.ray_executor import StepOrder  # noqa: E402
-
-from .conftest import launched_batches  # noqa: E402
-from .test_async_scheduling import PROMPTS, check_grammars_scheduled_ahead, check_same_outputs, grammar_mix  # noqa: E402
-from .test_parity import hf_greedy  # noqa: E402
+from .conftest import launched_batches
+from .test_async_scheduling import PROMPTS, check_grammars_scheduled_ahead, check_same_outputs, grammar_mix
+from .test_parity import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -11,8 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("ray")
+import ray  # noqa: F401
 
 BIN = Path(sys.executable).parent
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton  # noqa: F401
 
-pytest.importorskip("triton")
+from pagedserve import LLM, SamplingParams
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-
-from .test_parity import hf_greedy  # noqa: E402
+from .test_parity import hf_greedy
 
 
 @pytest.fixture(scope="module")

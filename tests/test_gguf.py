@@ -190,7 +190,7 @@ def test_convert_is_atomic_on_failure(
 
 
 def test_reverse_permute_matches_transformers() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     rng = np.random.default_rng(0)
@@ -216,7 +216,7 @@ _UNSUPPORTED_LEAVES = {"attn_rot_embd", "ffn_gate_inp", "ffn_gate_exps", "ffn_do
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tensor_names_agree_with_gguf_name_map(arch: str) -> None:
-    gguf = pytest.importorskip("gguf")
+    import gguf
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, 4)
     mapped = set()
@@ -251,7 +251,6 @@ def test_tensor_names_agree_with_gguf_name_map(arch: str) -> None:
 
 @pytest.fixture(scope="module")
 def real_gguf() -> Path:
-    pytest.importorskip("gguf")
     try:
         return embedded_model_gguf()
     except FileNotFoundError as e:
@@ -461,8 +460,8 @@ def test_second_start_uses_cache(
 def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     """A GGUF's F32, F16, BF16, Q5_0 and K-type linear weights (the reader gives the first two as their values, not
     their bytes) become rows the CPU kernel computes with exactly the converted fp32 weights."""
-    np = pytest.importorskip("numpy")
-    gguf = pytest.importorskip("gguf")
+    import gguf
+    import numpy as np
     import torch
 
     from pagedserve.workers.models import quant_linear

@@ -13,15 +13,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton  # noqa: F401
 
-triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
-
-from pagedserve.kernels import attention  # noqa: E402
-from pagedserve.kernels import reference as ref  # noqa: E402
-from pagedserve.kernels.attention import paged_attention  # noqa: E402
-from pagedserve.kernels.cache import write_kv_cache  # noqa: E402
-from tests.paged_batch import MIXED_ROWS  # noqa: E402
-from tests.paged_batch import make_batch as make_cpu_batch  # noqa: E402
+from pagedserve.kernels import attention
+from pagedserve.kernels import reference as ref
+from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.cache import write_kv_cache
+from tests.paged_batch import MIXED_ROWS
+from tests.paged_batch import make_batch as make_cpu_batch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Output tolerance vs the fp32 reference: output rounding (the interpreter rounds bf16 by

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton  # noqa: F401
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
-
-from pagedserve.kernels.norm import rms_norm  # noqa: E402
+from pagedserve.kernels.norm import rms_norm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])

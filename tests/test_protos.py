@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import grpc_tools  # noqa: F401
 import pytest
-
-pytest.importorskip("grpc_tools")
 
 
 def test_stubs_are_fresh(tmp_path):

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("ray")
+import ray  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(sys.prefix)  # the virtualenv running the tests

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton  # noqa: F401
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
-
-from pagedserve.kernels import cpu  # noqa: E402
-from pagedserve.kernels.rope import rotate_qk as triton_rotate_qk  # noqa: E402
-from pagedserve.workers.models.config import ModelConfig  # noqa: E402
-from pagedserve.workers.models.rope import RotaryEmbedding  # noqa: E402
+from pagedserve.kernels import cpu
+from pagedserve.kernels.rope import rotate_qk as triton_rotate_qk
+from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.rope import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])

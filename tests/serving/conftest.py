@@ -6,15 +6,20 @@ test`'s loopback-only network namespace: Serve's gRPC proxy binds every interfac
 
 from __future__ import annotations
 
+import warnings
+
+import grpc  # noqa: F401
 import pytest
+import ray
+import yaml
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-pytest.importorskip("grpc")
-yaml = pytest.importorskip("yaml")
+with warnings.catch_warnings():  # Ray Serve's own pydantic deprecation warnings, at its import: not ours
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from ray import serve
 
-from pagedserve import LLM  # noqa: E402
-from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS  # noqa: E402
+
+from pagedserve import LLM
+from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS
 
 
 @pytest.fixture(scope="package")

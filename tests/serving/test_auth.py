@@ -10,11 +10,11 @@ import urllib.error
 import urllib.request
 
 import grpc
+import openai
 import pytest
 
 from tests.serving.app import API_KEYS, GRPC, HTTP
 
-openai = pytest.importorskip("openai")
 KEYED = f"{HTTP}/keyed"
 
 

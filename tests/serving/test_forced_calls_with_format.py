@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
+import pydantic
 import pytest
 
 from tests.serving.app import HTTP, wait_idle
 from tests.tools_data import ASK, PARAMETERS, TOOLS
-
-openai = pytest.importorskip("openai")
-pydantic = pytest.importorskip("pydantic")
 
 # The Agents SDK's response_format for an agent's output_type (a strict schema named final_output)
 FINAL_OUTPUT = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],

@@ -7,12 +7,11 @@ import json
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
 from pagedserve import SamplingParams
 from tests.serving.app import HTTP, POOL_BLOCKS, wait_idle
-
-openai = pytest.importorskip("openai")
 
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "user", "content": "Say hello."}]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import re
 
+import openai
 import pytest
 
 from tests.serving.app import BLOCK_BYTES, GRPC, HTTP, MAX_MODEL_LEN, POOL_BLOCKS
 
-openai = pytest.importorskip("openai")
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 UNTHINK = 49153  # `</think>` in thinking_random
 THINKING = {"chat_template_kwargs": {"thinking": True}}  # the template opens the block

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
 from tests.serving.app import HTTP
 from tests.tools_data import ASK, PARAMETERS, TIME, WEATHER
-
-openai = pytest.importorskip("openai")
 
 GREEDY = dict(model="", temperature=0, max_output_tokens=8, extra_body={"ignore_eos": True})
 TOOLS = [{"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}]

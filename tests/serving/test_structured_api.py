@@ -7,13 +7,13 @@ import json
 import re
 
 import jsonschema
+import openai
 import pydantic
 import pytest
 
 from tests.serving.app import GRPC, HTTP
 from tests.test_structured_output import SQL_LARK, SQL_TEXT
 
-openai = pytest.importorskip("openai")
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 

@@ -7,14 +7,12 @@ import json
 import urllib.request
 
 import jsonschema
+import openai
 import pytest
 
 from tests.serving.app import GRPC, HTTP, wait_idle
 from tests.test_tool_calls import REF_PARAMETERS, REF_TOOLS
 from tests.tools_data import ASK, HERMES_CALL, PARAMETERS, TOOLS
-
-openai = pytest.importorskip("openai")
-
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,11 @@ import re
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
 from pagedserve.client import InvalidArgument
 from tests.serving.app import HTTP
-
-openai = pytest.importorskip("openai")
 
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "user", "content": "Say hello."}]
