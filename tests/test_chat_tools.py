@@ -169,7 +169,10 @@ def test_required_and_named_calls_follow_the_parameters(smol):
     assert after.text and after.tool_calls is None
 
 
-def test_auto_parses_the_models_calls(smol):
+def test_auto_parses_a_forced_hermes_call_and_keeps_the_text(smol):
+    """"auto" parses a Hermes-format call out of the model's text. The text is forced by a regex (HERMES_CALL):
+    this checks the parsing of such a text, not that the model calls a tool on its own. Unforced, its short
+    answer holds no call and is left as text."""
     out = smol.chat(ASK, greedy(structured_outputs={"regex": HERMES_CALL}), tools=TOOLS)[0].outputs[0]
     check_calls(out.tool_calls, ["get_weather"])
     assert out.text.startswith("Checking.\n<tool_call>")  # the offline output keeps what the model wrote

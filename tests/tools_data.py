@@ -13,6 +13,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 TOOLS = [WEATHER, TIME]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# Makes the embedded model's free answer a Hermes call (it rarely calls on its own), for "auto" to parse.
+# Forces the embedded model's answer (a regex) into a Hermes-format call, for "auto" to parse: the model rarely
+# calls on its own, so tests that use it check the parsing of a forced text, not the model's own calls.
 HERMES_CALL = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", ' \
               r'"unit": "celsius"\}\}\n</tool_call>'

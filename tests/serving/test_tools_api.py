@@ -83,7 +83,10 @@ def test_required_with_tools_whose_parameters_have_definitions(oai):
     jsonschema.validate(json.loads(whole[1][0]["arguments"]), REF_PARAMETERS[whole[1][0]["name"]])
 
 
-def test_auto_parses_calls_and_keeps_the_content(oai):
+def test_auto_parses_a_forced_hermes_call_and_keeps_the_content(oai):
+    """"auto" parses a Hermes-format call out of the model's text, unary and streamed alike, and the text before
+    it is the content. The text is forced by a regex (HERMES_CALL): this checks the parsing of such a text, not
+    that the model calls a tool on its own."""
     kw = dict(model="", messages=ASK, tools=TOOLS, temperature=0, max_tokens=120,
               extra_body={"structured_outputs": {"regex": HERMES_CALL}})
     whole, streamed = unary(oai, **kw), joined_stream(oai, **kw)
