@@ -36,7 +36,7 @@ def classify(e: BaseException) -> ClientError:
         root = root.cause
     message = str(root).strip() or type(root).__name__
     if isinstance(root, ValueError):
-        # Messages start with the field they name: "temperature=-1.0 must be ...", "messages.0.role: ..."
+        # Messages start with the field they name: "temperature=-1.0 must be ...", "messages[0].role: ..."
         field = re.match(r"[A-Za-z_][\w.\[\]]*", message)
         return ClientError(grpc.StatusCode.INVALID_ARGUMENT, 400, message, field.group(0) if field else None)
     if isinstance(root, QueueFull | BackPressureError):

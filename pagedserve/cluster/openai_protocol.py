@@ -258,7 +258,9 @@ class CompletionRequest(_Sampling):
         return self.echo and self.logprobs is not None and self.prompt_logprobs is None
 
     def engine_names(self) -> dict[str, str]:
-        return {**super().engine_names(), **({"prompt_logprobs": "logprobs"} if self._echo_scores() else {})}
+        # token ids are a prompt here: the engine checks them as prompt_token_ids (vLLM's prompt dict's key)
+        names = {**super().engine_names(), "prompt_token_ids": "prompt"}
+        return {**names, **({"prompt_logprobs": "logprobs"} if self._echo_scores() else {})}
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:

@@ -4,8 +4,8 @@ serves and every KV block is back.
 
 Naming the field means, exactly: over HTTP the error's `param` is the field, over gRPC the first field
 violation is; offline the ValueError's message starts with it. A field is named by its path, a list item by
-its index (`messages[0].content`), as every route names it; a prompt of token ids is `prompt_token_ids`, the
-engine's name for it on every route."""
+its index (`messages[0].content`), as every route names it; a prompt of token ids is the `prompt` a
+completion sent, and `prompt_token_ids` (the engine's name, vLLM's prompt dict's key) over gRPC and offline."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ HTTP_CASES = [
     ("/v1/completions", {"prompt": "hi", "bad_words": [" "]}, "bad_words"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": [1, 2, 10**7]}, "prompt_token_ids"),
-    ("/v1/completions", {"prompt": [1, -2]}, "prompt_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2, 10**7]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, -2]}, "prompt"),
     ("/v1/completions", {"prompt": [5] * (MAX_MODEL_LEN + 1)}, "prompt"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt[1]"),
     ("/v1/completions", {"prompt": ["a", [5]]}, "prompt"),
