@@ -319,10 +319,12 @@ def _named_call(name: str, text: str, final: bool) -> tuple[str, list[tuple[str,
     """A named function: the grammar makes the whole text its arguments, taken once they are a whole JSON
     object (after which the grammar allows nothing more), so a call cut short (max_tokens) is never sent half;
     cut short, its text is shown as is, as `required`'s."""
-    try:
-        whole = isinstance(json.loads(text), dict)
-    except ValueError:
-        whole = False
+    whole = False
+    if text.rstrip().endswith("}"):  # only then can it be whole: a growing text is not parsed at every step
+        try:
+            whole = isinstance(json.loads(text), dict)
+        except ValueError:
+            pass
     if not whole:
         return (text if final else ""), []
     return "", [(name, text)]

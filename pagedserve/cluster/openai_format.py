@@ -137,8 +137,9 @@ class ResponseFormatter:
             prompt = index // self.n
             if first and (self.with_prompt_ids or whole):
                 choice["prompt_token_ids"] = self._prompt_ids.get(prompt) if self.with_prompt_ids else None
-            # a whole response's choices each carry their prompt's scores; a stream's, each prompt's first chunk
-            if (whole or index % self.n == 0) and first and (self.with_prompt_logprobs or whole):
+            # a whole response's choices each carry their prompt's scores (null unasked); a stream's, each
+            # prompt's first chunk, when asked
+            if whole or (first and index % self.n == 0 and self.with_prompt_logprobs):
                 choice["prompt_logprobs"] = self._prompt_logprobs_json(prompt)
         else:
             message: dict[str, Any] = {"role": "assistant"} if first else {}
