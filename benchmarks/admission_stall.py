@@ -26,18 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from environment import announce  # noqa: E402
 from host_overhead import random_prompts, tiny_model_config  # noqa: E402
 from throughput import all_decoding  # noqa: E402
 
-from pagedserve.async_engine import AsyncEngine  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.engine.async_engine import AsyncEngine  # noqa: E402
 from pagedserve.sampling_params import SamplingParams, StructuredOutputs  # noqa: E402
 
 
 async def one_round(model: str, args: argparse.Namespace, round_index: int) -> dict[str, float]:
     core = AsyncEngine(EngineConfig(model=model, max_num_seqs=args.streams + args.heavy,
                                     max_num_batched_tokens=8192, kv_cache_memory="1GiB"))
-    engine = core.engine
+    engine = core.llm_engine
     steps: list[float] = []  # each step's start, from the first step in which every stream decodes
     advance = engine.advance_async
 
@@ -112,6 +113,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=3.0, help="seconds of quiet streaming measured first")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
+    announce()
     torch.set_num_threads(1)
     model = tiny_model_config()
     print(f"{args.streams} streams decoding; {args.heavy} requests each with a new schema (maxLength "

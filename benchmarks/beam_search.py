@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from environment import announce  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.workers.loader import resolve_model  # noqa: E402
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
+    announce()
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -48,8 +50,8 @@ def main() -> None:
     source = resolve_model(None)
     llm = LLM(str(source.weights_dir))
     model = AutoModelForCausalLM.from_pretrained(source.weights_dir, dtype=torch.float32).eval()
-    eos = list(llm.engine.eos_token_ids)
-    prompts = [llm.engine.chat_prompt([{"role": "user", "content": q}])
+    eos = list(llm.llm_engine.eos_token_ids)
+    prompts = [llm.llm_engine.inputs.chat_prompt([{"role": "user", "content": q}])
                for q in (QUESTIONS * (args.prompts // len(QUESTIONS) + 1))[:args.prompts]]
     params = SamplingParams(n=args.width, use_beam_search=True, length_penalty=args.length_penalty,
                             max_tokens=args.max_tokens, temperature=0)

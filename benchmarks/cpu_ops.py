@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from environment import announce  # noqa: E402
 
 # query heads, KV heads, head_dim, hidden, MLP, vocab, layers
 SHAPES = {"smollm2": (9, 3, 64, 576, 1536, 49152, 30),  # SmolLM2-135M, the embedded model
@@ -53,6 +54,7 @@ def main() -> None:
                    help="the model whose shapes the kernels run at (llama-3.2-1b: its layers take Q4_K blocks)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers of the linear layers' step")
     args = p.parse_args()
+    announce()
 
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
@@ -73,7 +75,7 @@ def main() -> None:
     query = torch.randn(r, hq, d, generator=gen)  # [R, Hq, D]: one new token per row
     cu = torch.arange(r + 1)
     lens = torch.full((r,), ctx)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+    print(f"{torch.get_num_threads()} torch threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     print(f"\ndecode attention, {r} rows x {ctx} tokens (per layer):")
     kv_bytes = 2 * r * ctx * hkv * d * 4

@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from environment import announce  # noqa: E402
+
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 
@@ -58,6 +60,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    env = announce()
 
     import ray
 
@@ -100,7 +103,8 @@ def main() -> None:
     for name, tp, off, on in whole:
         print(f"| {name} | {tp} | {off * 1e3:.2f} | {on * 1e3:.2f} | {off / on:.2f}x |")
     if args.json:
-        args.json.write_text(json.dumps({"dispatch": [{"path": n, "tp": tp, "step_s": t} for n, tp, t in rows],
+        args.json.write_text(json.dumps({"environment": env,
+                                         "dispatch": [{"path": n, "tp": tp, "step_s": t} for n, tp, t in rows],
                                          "whole_step": [{"path": n, "tp": tp, "sync_s": off, "async_s": on}
                                                         for n, tp, off, on in whole]}, indent=2))
 

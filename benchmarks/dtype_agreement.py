@@ -20,6 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from environment import announce  # noqa: E402
+
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.",
     "Write a haiku about the sea.", "What is 17 times 23?", "Name three primary colors.",
@@ -55,6 +57,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=len(QUESTIONS))
     args = p.parse_args()
+    announce()
 
     from transformers import AutoTokenizer
 

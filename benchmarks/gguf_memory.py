@@ -36,6 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from environment import announce  # noqa: E402
+
 PROMPT = "The capital of France is"
 
 _CONVERT = """
@@ -79,7 +81,7 @@ start = time.perf_counter()
 with LLM(sys.argv[1], max_model_len=2048, kv_cache_memory=256 * 2**20) as llm:
     started = time.perf_counter() - start
     out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    print(json.dumps({"seconds_to_start": started, "weights": weight_bytes(llm.engine.executor.worker.model),
+    print(json.dumps({"seconds_to_start": started, "weights": weight_bytes(llm.llm_engine.executor.worker.model),
                       "tokens": out[0].outputs[0].token_ids, "status": open("/proc/self/status").read(),
                       "peak_anon": peak_anon}))
 """
@@ -177,6 +179,7 @@ def main() -> None:
     p.add_argument("--keep", type=Path, help="write the GGUF into this directory and leave it there")
     p.add_argument("--llama-server", action="store_true", help="also llama.cpp's llama-server on the same file")
     args = p.parse_args()
+    announce()
     mib = 2**20
     with tempfile.TemporaryDirectory(prefix="gguf-memory-") as d:
         if args.keep:

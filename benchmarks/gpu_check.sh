@@ -56,8 +56,9 @@ correctness | throughput | host | tune | large | profile) ;;
     ;;
 esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+# The commit, machine and versions, as every benchmark script also prints them first.
+python3 benchmarks/environment.py | tee -a "$out/gpu.txt"
+python3 benchmarks/environment.py --json >"$out/environment.json"
 
 case "${1:-}" in
 correctness)

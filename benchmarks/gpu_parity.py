@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from environment import announce  # noqa: E402
 from throughput import PRESETS, make_random_checkpoint  # noqa: E402
 
 
@@ -41,6 +42,7 @@ def main() -> int:
     p.add_argument("--tie-gap", type=float, default=1e-3, help="logit gap under which a parting is a tie")
     p.add_argument("--smoke", action="store_true", help="qwen2-tiny on CPU, 4 prompts")
     args = p.parse_args()
+    announce()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.preset, args.num_prompts, args.prompt_len, args.max_tokens = "qwen2-tiny", 4, (5, 40), 8

@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from environment import announce  # noqa: E402
 from throughput import make_random_checkpoint, make_workload  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.engine import RequestFailed  # noqa: E402
+from pagedserve.engine.llm_engine import RequestFailed  # noqa: E402
 
 MIXES = {
     "greedy": dict(temperature=0),
@@ -53,6 +54,7 @@ def main() -> int:
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--cuda-graphs", action="store_true")
     args = p.parse_args()
+    announce()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
     model_dir = make_random_checkpoint(args.preset, torch.bfloat16, "cuda")
@@ -72,7 +74,7 @@ def main() -> int:
                 print(f"{name:24s} SYNCHRONIZES: {e}")
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            step_ms = step_behind_busy_device(llm.engine, prompts, params, cycles_per_ms)
+            step_ms = step_behind_busy_device(llm.llm_engine, prompts, params, cycles_per_ms)
             waited = step_ms > BUSY_MS / 2
             failed += waited
             print(f"{name:24s} a step with the device busy for {BUSY_MS} ms took {step_ms:.1f} ms: "

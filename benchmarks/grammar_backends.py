@@ -13,6 +13,7 @@ import json
 import time
 
 import torch  # noqa: F401  (llguidance.torch and xgrammar expect it loaded)
+from environment import announce
 from transformers import AutoTokenizer
 
 from pagedserve.workers.loader import resolve_model
@@ -33,6 +34,7 @@ def report(name: str, compile_s: float, steps: list[float]) -> None:
 
 
 def main() -> None:
+    announce()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).tokenizer_dir)
     ids = tokenizer.encode(ANSWER)
 

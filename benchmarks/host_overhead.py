@@ -43,14 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from environment import announce  # noqa: E402
 from synthetic_tokenizer import write_synthetic_tokenizer  # noqa: E402
 from throughput import all_decoding, step_until_decoding  # noqa: E402
 
-from pagedserve.async_engine import AsyncEngine  # noqa: E402
-from pagedserve.cluster.deltas import stream_deltas  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine import LLMEngine  # noqa: E402
+from pagedserve.engine.async_engine import AsyncEngine  # noqa: E402
+from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.serving.deltas import stream_deltas  # noqa: E402
 
 
 def tiny_model_config(vocab: int = 49152) -> str:
@@ -81,6 +82,7 @@ def main() -> None:
     p.add_argument("--streams", type=float, nargs="+", metavar="MS",
                    help="time the served step loop instead, at each of these stream intervals (ms)")
     args = p.parse_args()
+    announce()
     if args.streams and args.final_only:
         p.error("--final-only: streams read every output; it applies only without --streams")
     torch.set_num_threads(1)  # the phases are single-threaded Python; keep the model's share small and stable
@@ -135,8 +137,8 @@ async def served_steps(model: str, args: argparse.Namespace, interval_ms: float)
     """The served step loop once every stream decodes: the event loop's CPU ms per step (the engine's host
     work, the streams' output and delta cutting, the metrics), whole-step ms, outputs sent per step."""
     try:
-        from pagedserve.cluster.metrics import EngineMetrics
-        metrics = EngineMetrics("host-overhead")
+        from pagedserve.serving.metrics import ServerMetrics
+        metrics = ServerMetrics("host-overhead")
     except ImportError:  # no Ray: the step loop without metrics
         metrics = None
     core = AsyncEngine(EngineConfig(model=model, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
@@ -150,7 +152,7 @@ async def served_steps(model: str, args: argparse.Namespace, interval_ms: float)
             sent += 1
 
     readers = [asyncio.create_task(read(prompt)) for prompt in random_prompts(args)]
-    engine = core.engine
+    engine = core.llm_engine
     marks: list[tuple[float, float, int]] = []  # at each step's start: wall time, this thread's CPU time, sent
     advance = engine.advance_async
 
@@ -179,7 +181,7 @@ def decoding_engine(model: str, args: argparse.Namespace, async_scheduling: bool
                                     kv_cache_memory="2GiB", async_scheduling=async_scheduling))
     params = decode_params(args)
     for prompt in random_prompts(args):
-        request = engine.make_request(prompt, params)
+        request = engine.inputs.make_request(prompt, params)
         request.final_output_only = args.final_only
         engine.enqueue(request)
     step_until_decoding(engine)

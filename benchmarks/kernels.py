@@ -34,6 +34,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from environment import announce  # noqa: E402
 
 from pagedserve.kernels import attention  # noqa: E402
 from pagedserve.kernels import reference as ref  # noqa: E402
@@ -392,7 +393,7 @@ def print_sweep(title: str, rows: list[dict], unit: str, top: int = 5) -> dict |
 
 
 def run_sweep(device: torch.device, smoke: bool, budget_s: float, json_path: str | None, decode_shapes: list,
-              prefill_shapes: list) -> None:
+              prefill_shapes: list, env: dict) -> None:
     deadline = time.monotonic() + budget_s
     decode_points, prefill_points, splits = ((SMOKE_DECODE_SWEEP, SMOKE_PREFILL_SWEEP, SMOKE_SPLIT_SWEEP) if smoke
                                              else (GPU_DECODE_SWEEP, GPU_PREFILL_SWEEP, GPU_SPLIT_SWEEP))
@@ -406,7 +407,8 @@ def run_sweep(device: torch.device, smoke: bool, budget_s: float, json_path: str
     print(f"\nTogether: {replace(base, **(decode_pick or {}), **(prefill_pick or {}))}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": str(device), "decode": decode, "prefill": prefill}, f, indent=1)
+            json.dump({"environment": env, "device": str(device), "decode": decode, "prefill": prefill}, f,
+                      indent=1)
     if not any("us" in r for r in decode + prefill):
         sys.exit("FAIL: no sweep point ran")
 
@@ -420,6 +422,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["decode", "prefill"],
                         help="time only these shapes (e.g. under a profiler that follows one kernel)")
     args = parser.parse_args()
+    env = announce()
     if args.smoke:
         device = torch.device("cpu")
         decode_shapes, prefill_shapes = SMOKE_DECODE, SMOKE_PREFILL
@@ -428,12 +431,11 @@ def main() -> None:
             sys.exit("no CUDA device: run with --smoke to check the script on CPU")
         device = torch.device("cuda")
         decode_shapes, prefill_shapes = GPU_DECODE, GPU_PREFILL
-        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {_triton_version()}")
     if args.only:
         decode_shapes, prefill_shapes = ((decode_shapes, []) if args.only == "decode" else ([], prefill_shapes))
     torch.manual_seed(0)
     if args.sweep:
-        run_sweep(device, args.smoke, args.budget_s, args.json, decode_shapes, prefill_shapes)
+        run_sweep(device, args.smoke, args.budget_s, args.json, decode_shapes, prefill_shapes, env)
         return
 
     decode = []
@@ -468,12 +470,6 @@ def main() -> None:
           "no-split: split_kv=False. Bytes = K + V + Q + O.")
     if worst > MAX_REL_ERR:
         sys.exit(f"FAIL: Triton relative error {worst:.2e} > {MAX_REL_ERR:g} against the fp32 reference")
-
-
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
 
 
 if __name__ == "__main__":

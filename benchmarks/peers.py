@@ -1,12 +1,15 @@
-"""Benchmark peers run beside pagedserve in the same script: llama.cpp's llama-server, and the guidellm load
-generator. Both are built or installed by benchmarks/setup_peers.sh into their own directories."""
+"""Benchmark peers run beside pagedserve in the same script: llama.cpp's llama-server (two builds of it), and the
+guidellm load generator. All are built or installed by benchmarks/setup_peers.sh into their own directories."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -15,21 +18,52 @@ from contextlib import contextmanager
 from pathlib import Path
 
 PEERS_DIR = Path(os.environ.get("PAGEDSERVE_PEERS_DIR", Path(__file__).resolve().parent / ".peers"))
+# setup_peers.sh's two llama.cpp builds, by the build directory each lives in: a portable one (AVX2, FMA, F16C), and
+# one for the CPU it was built on, as pagedserve's kernels are (a native build has crashed in its AMX path on AMD
+# EPYC machines, so the portable one stays).
+LLAMA_BUILDS = {"portable": "build", "native": "build-native"}
+LLAMA_BUILD_TITLES = {"portable": "portable AVX2 build", "native": "native build, -DGGML_NATIVE=ON"}
 
 
-def peer_binary(name: str) -> Path:
-    """llama-server, llama-quantize or guidellm, from setup_peers.sh's directories (or $LLAMA_SERVER,
-    $LLAMA_QUANTIZE, $GUIDELLM)."""
-    env = {"llama-server": "LLAMA_SERVER", "llama-quantize": "LLAMA_QUANTIZE", "guidellm": "GUIDELLM"}[name]
-    default = {"llama-server": PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server",
-               "llama-quantize": PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-quantize",
-               "guidellm": PEERS_DIR / "guidellm" / "bin" / "guidellm"}[name]
+def peer_binary(name: str, build: str = "portable") -> Path:
+    """llama-server (of llama.cpp `build`, a key of LLAMA_BUILDS), llama-quantize (portable build) or guidellm,
+    from setup_peers.sh's directories (or $LLAMA_SERVER / $LLAMA_SERVER_NATIVE, $LLAMA_QUANTIZE, $GUIDELLM)."""
+    if name == "guidellm":
+        env, default, target = "GUIDELLM", PEERS_DIR / "guidellm" / "bin" / "guidellm", "guidellm"
+    else:
+        if name == "llama-quantize":
+            build = "portable"  # built with the portable llama-server only: its output does not depend on the CPU
+        env = name.upper().replace("-", "_") + ("_NATIVE" if build == "native" else "")
+        default = PEERS_DIR / "llama.cpp" / LLAMA_BUILDS[build] / "bin" / name
+        target = f"llama-server-{build}"
     path = Path(os.environ.get(env, default))
     if not path.is_file():
-        target = "guidellm" if name == "guidellm" else "llama-server"  # llama-quantize comes with llama-server
         raise FileNotFoundError(f"{name} not found at {path}: run `bash benchmarks/setup_peers.sh {target}` "
                                 f"(or set ${env})")
     return path
+
+
+def system_info_features(text: str) -> str | None:
+    """The CPU features in a llama.cpp log's system_info line ("SSE3 AVX AVX2 ... AMX_INT8"), those that are on."""
+    for line in text.splitlines():
+        if "system_info:" in line and "CPU :" in line:
+            cpu = line.split("CPU :", 1)[1]
+            return " ".join(part.split("=")[0].strip() for part in cpu.split("|") if part.strip().endswith("= 1"))
+    return None
+
+
+def llama_cpu_features(build: str = "portable") -> str:
+    """The CPU features llama.cpp `build` was built with and runs with here: what tells the builds apart on a given
+    CPU. Read from its system_info, which llama-server logs only at a verbosity that would also log every request:
+    so from a start of its own on a model that does not exist, which stops right after that line."""
+    binary = peer_binary("llama-server", build)
+    with tempfile.TemporaryDirectory() as d:
+        run = subprocess.run([str(binary), "-lv", "4", "-m", str(Path(d) / "none.gguf")], capture_output=True,
+                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+    features = system_info_features(run.stdout + run.stderr)
+    if features is None:
+        raise RuntimeError(f"{binary} gave no system_info (exit code {run.returncode})")
+    return features
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -79,10 +113,11 @@ def server_process(cmd: list[str], ready_url: str, log_path: Path | None, timeou
 
 @contextmanager
 def llama_server(gguf: Path, *, parallel: int, context_per_slot: int, port: int = 8090,
-                 threads: int | None = None, log_path: Path | None = None) -> Iterator[str]:
-    """llama-server on 127.0.0.1:`port` with `parallel` slots (continuous batching); yields its base URL."""
+                 threads: int | None = None, log_path: Path | None = None, build: str = "portable") -> Iterator[str]:
+    """llama-server of llama.cpp `build` (a key of LLAMA_BUILDS) on 127.0.0.1:`port` with `parallel` slots
+    (continuous batching); yields its base URL."""
     threads = threads or os.cpu_count() or 1
-    cmd = [str(peer_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [str(peer_binary("llama-server", build)), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(parallel), "-c", str(parallel * context_per_slot), "-t", str(threads), "-tb", str(threads),
            "--no-webui"]
     url = f"http://127.0.0.1:{port}"
@@ -94,3 +129,21 @@ def post_json(url: str, body: dict, timeout_s: float = 3600) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
+
+
+def peer_versions() -> dict[str, str]:
+    """What setup_peers.sh installed, for a benchmark's description of its run: the llama.cpp tree's source and
+    ggml version, each llama-server build present, and guidellm's version."""
+    found: dict[str, str] = {}
+    tree = PEERS_DIR / "llama.cpp"
+    ggml_cmake = tree / "ggml" / "CMakeLists.txt"
+    if ggml_cmake.is_file():
+        parts = re.findall(r"set\(GGML_VERSION_(?:MAJOR|MINOR|PATCH) (\d+)\)", ggml_cmake.read_text())
+        source = (tree / "SOURCE").read_text().strip() if (tree / "SOURCE").is_file() else "source unrecorded"
+        found["llama.cpp"] = f"ggml {'.'.join(parts)} ({source})"
+        for build, title in LLAMA_BUILD_TITLES.items():
+            with contextlib.suppress(FileNotFoundError):
+                found[f"llama-server {build}"] = f"{peer_binary('llama-server', build)} ({title})"
+    for info in sorted(PEERS_DIR.glob("guidellm/lib/python*/site-packages/guidellm-*.dist-info")):
+        found["guidellm"] = info.name.removeprefix("guidellm-").removesuffix(".dist-info")
+    return found

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from environment import announce
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river garden engine market window question answer "
@@ -91,8 +92,8 @@ async def workload(args) -> dict:
 def run_setup(name: str, settings: dict, args) -> dict:
     from ray import serve
 
-    from pagedserve.cluster.engine_server import replica_stats
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.model_server import replica_stats
+    from pagedserve.serving.serve_app import build_app
 
     serve.run(build_app({"max_model_len": 4096, "kv_cache_memory": args.kv_cache_gib << 30, **settings}),
               name="bench", route_prefix="/")
@@ -122,6 +123,7 @@ def main() -> None:
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    env = announce()
 
     import ray
     from ray import serve
@@ -145,7 +147,7 @@ def main() -> None:
         print(f"| {r['setup']} | {100 * r['hit_rate']:.1f}% | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
               f"{r['output_tok_s']:.1f} | {r['wall_s']:.0f} |")
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+        args.out.write_text(json.dumps({"environment": env, "setups": rows}, indent=1))
 
 
 if __name__ == "__main__":

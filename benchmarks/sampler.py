@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from environment import announce  # noqa: E402
 
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler.batch import SampleSpec  # noqa: E402
@@ -77,6 +78,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", choices=("cpu", "cuda"), help="only this one (default: the CPU, and CUDA if there)")
     args = p.parse_args()
+    announce()
     torch.set_num_threads(1)
     names = [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     devices = [torch.device(name) for name in names]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from environment import announce  # noqa: E402
 from host_overhead import tiny_model_config  # noqa: E402
 
 PORT = 8000
@@ -42,13 +44,15 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--intervals", type=float, nargs="+", default=[0, 50, 100, 200], help="stream_interval_ms values")
     p.add_argument("--rounds", type=int, default=1, help="passes over --intervals, alternating")
+    p.add_argument("--json", type=Path, default=None, help="the run's description and results here too")
     args = p.parse_args()
+    env = announce()
 
     import ray
     from ray import serve
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     model = tiny_model_config(vocab=4096)
     rng = random.Random(0)
@@ -64,6 +68,7 @@ def main() -> None:
         offline = args.requests * args.output_tokens / (time.perf_counter() - t0)
         llm.shutdown()
         print(f"offline, LLM(executor='ray'): {offline:.0f} output tokens/s")
+        rows = []
 
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         print("| stream_interval_ms | output tokens/s | x offline | messages | tokens/message | TTFT p50 ms | "
@@ -77,8 +82,12 @@ def main() -> None:
                 before = ray_cpu_seconds()
                 r = asyncio.run(run_streams(model_id, prompts, args))
                 cpu = [(title, t - before.get(pid, ("", 0.0))[1]) for pid, (title, t) in ray_cpu_seconds().items()]
-                roles = ("EngineServer", "Ingress", "ProxyActor", "WorkerActor")
-                cpu_text = ", ".join(f"{sum(t for title, t in cpu if role in title):.1f}" for role in roles)
+                roles = ("ModelServer", "Ingress", "ProxyActor", "WorkerActor")
+                cpu_by_role = {role: sum(t for title, t in cpu if role in title) for role in roles}
+                cpu_text = ", ".join(f"{t:.1f}" for t in cpu_by_role.values())
+                rows.append({"stream_interval_ms": interval, "tokens_per_s": r["tokens_per_s"],
+                             "x_offline": r["tokens_per_s"] / offline, "messages": r["messages"],
+                             "tokens": r["tokens"], "ttft_p50_ms": r["ttft_p50"] * 1e3, "cpu_s": cpu_by_role})
                 print(f"| {interval:g} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / offline:.2f} | "
                       f"{r['messages']} | {r['tokens'] / r['messages']:.1f} | {r['ttft_p50'] * 1e3:.0f} | "
                       f"{cpu_text} |", flush=True)
@@ -86,6 +95,10 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "args": vars(args) | {"json": str(args.json)},
+                                         "offline_tokens_per_s": offline, "served": rows}, indent=2))
 
 
 async def served_model_id() -> str:
@@ -97,8 +110,6 @@ async def served_model_id() -> str:
 
 async def run_streams(model_id: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """Every prompt as a streamed completion, `args.streams` at a time; one warm-up request first."""
-    import json
-
     import aiohttp
 
     counts = {"tokens": 0, "messages": 0}

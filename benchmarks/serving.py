@@ -1,13 +1,16 @@
 """Served throughput and latency: pagedserve's OpenAI route (`serve run`) and llama.cpp's llama-server on the
 same GGUF, under the same load from guidellm (a third-party load generator, in its own virtualenv), one run.
 
-  bash benchmarks/setup_peers.sh                    # once: builds llama-server, installs guidellm
+  bash benchmarks/setup_peers.sh                    # once: builds llama-server (twice), installs guidellm
   .venv/bin/python benchmarks/serving.py            # 16 concurrent streams, 256-token prompts, 64 out
   .venv/bin/python benchmarks/serving.py --streams 16 --requests 32 --prompt-tokens 256 --output-tokens 64 \\
-      --engines pagedserve llama-server --out-dir /tmp/serving
+      --engines pagedserve llama-server --out-dir /tmp/serving --json /tmp/serving.json
 
 pagedserve runs deploy/config.yaml as `make run` does, with its gRPC proxy left out (guidellm speaks HTTP;
-HTTP listens on 127.0.0.1 only). llama-server gets one slot per stream (`-np`).
+HTTP listens on 127.0.0.1 only). llama-server gets one slot per stream (`-np`): `llama-server` is
+setup_peers.sh's portable AVX2 build, `llama-server-native` the one built for this CPU (-DGGML_NATIVE=ON), as
+pagedserve's kernels are. A native build that fails (one has crashed in its AMX path on AMD EPYC machines) is
+reported in place of its figures.
 guidellm sends chat completions with max_tokens and ignore_eos, so every request produces exactly
 --output-tokens tokens.
 """
@@ -25,7 +28,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import llama_server, peer_binary, server_process  # noqa: E402
+from environment import announce  # noqa: E402
+from peers import (  # noqa: E402
+    LLAMA_BUILD_TITLES,
+    llama_cpu_features,
+    llama_server,
+    peer_binary,
+    peer_versions,
+    server_process,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGEDSERVE_PORT = 8000  # deploy/config.yaml's http_options.port
@@ -76,12 +87,15 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--engines", nargs="+", default=["pagedserve", "llama-server"],
-                   choices=["pagedserve", "llama-server"])
+    p.add_argument("--engines", nargs="+", default=["pagedserve", "llama-server", "llama-server-native"],
+                   choices=["pagedserve", "llama-server", "llama-server-native"])
     p.add_argument("--out-dir", type=Path, default=None, help="guidellm JSON and server logs (default: a temp dir)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="the run's description and results here (default: summary.json in --out-dir)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="pagedserve engine settings over deploy/config.yaml's args (values parsed as YAML)")
     args = p.parse_args()
+    env = announce()
 
     from pagedserve.workers.gguf import embedded_model_gguf
     from pagedserve.workers.loader import resolve_model
@@ -101,10 +115,23 @@ def main() -> None:
         else:
             # Chat-template overhead: guidellm's prompt plus the template's tokens must fit a slot.
             slot = 2 * (args.prompt_tokens + args.output_tokens) + 256
+            build = "native" if engine == "llama-server-native" else "portable"
             server = llama_server(embedded_model_gguf(), parallel=args.streams, context_per_slot=slot,
-                                  log_path=out_dir / "llama-server.log")
-        with server as url:
-            results[engine] = run_guidellm(url, source.name, source.tokenizer_dir, args, out_dir / f"{engine}.json")
+                                  log_path=out_dir / f"{engine}.log", build=build)
+        features = None
+        try:
+            if engine != "pagedserve":
+                features = llama_cpu_features(build)
+            with server as url:
+                results[engine] = run_guidellm(url, source.name, source.tokenizer_dir, args,
+                                               out_dir / f"{engine}.json")
+        except Exception as e:
+            if engine != "llama-server-native":
+                raise
+            # The native build may crash on this CPU: that is its result, and the run goes on.
+            results[engine] = {"error": f"{type(e).__name__}: {e}"}
+        if engine != "pagedserve":
+            results[engine] |= {"build": LLAMA_BUILD_TITLES[build], "cpu_features": features}
         print(f"{engine}: {results[engine]} ({time.monotonic() - t0:.0f} s)", flush=True)
 
     print(f"\n{args.streams} concurrent streams, {args.requests} requests, {args.prompt_tokens} prompt tokens, "
@@ -112,10 +139,20 @@ def main() -> None:
     print("| server | output tokens/s | TTFT p50 ms | ITL p50 ms | ITL p95 ms | requests ok / errored |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for engine, r in results.items():
-        print(f"| {engine} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
+        name = engine + (f" ({r['build']})" if "build" in r else "")
+        if "error" in r:
+            print(f"| {name} | failed: {r['error']} | | | | |")
+            continue
+        print(f"| {name} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
               f"{r['itl_p95_ms']:.0f} | {r['requests']} / {r['errored']} |")
-    (out_dir / "summary.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                      "results": results}, indent=2))
+    for engine, r in results.items():
+        if r.get("cpu_features"):
+            print(f"{engine}: ggml CPU features {r['cpu_features']}")
+    summary = args.json or out_dir / "summary.json"
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps({"environment": env, "peers": peer_versions(),
+                                   "args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                  indent=2))
 
 
 if __name__ == "__main__":

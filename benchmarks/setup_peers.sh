@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The benchmark peers, each in its own directory and never a dependency of the package:
-#   llama-server  llama.cpp's OpenAI-compatible server, built from the tree vendored in the
-#                 llama-cpp-python sdist (a portable AVX2 build: a -DGGML_NATIVE=ON build has crashed
-#                 in its AMX path on AMD EPYC machines), and llama-quantize beside it (throughput.py's
-#                 --gguf-type Q4_K_M and the like)
+#   llama-server  llama.cpp's OpenAI-compatible server, built twice from the tree vendored in the
+#                 llama-cpp-python sdist: a portable AVX2 build (build/), with llama-quantize beside it
+#                 (throughput.py's --gguf-type Q4_K_M and the like), and a build for the CPU it is built on
+#                 (build-native/, -DGGML_NATIVE=ON), as pagedserve's own kernels are (-march=native). The
+#                 portable one stays the fallback: a native build has crashed in its AMX path on AMD EPYC
+#                 machines, and the benchmarks report each build that runs.
+#                 llama-server-portable or llama-server-native builds one of them only.
 #   guidellm      a load generator for OpenAI-compatible servers, in its own virtualenv
 #
 #   bash benchmarks/setup_peers.sh [llama-server] [guidellm]     # both when none is named
 #
 # Everything goes under $PAGEDSERVE_PEERS_DIR (default: benchmarks/.peers); a peer already built is kept.
-# The llama.cpp build takes about 8 minutes on 2 cores.
+# Each llama.cpp build takes about 8 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")"
 PEERS="${PAGEDSERVE_PEERS_DIR:-$PWD/.peers}"
@@ -18,26 +21,40 @@ GUIDELLM_VERSION=0.8.1
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$PEERS"
 
-build_llama_server() {
-  local bin="$PEERS/llama.cpp/build/bin/llama-server"
-  if [[ -x "$bin" && -x "$PEERS/llama.cpp/build/bin/llama-quantize" ]]; then echo "llama-server: $bin"; return; fi
-  if [[ -x "$bin" ]]; then  # built before llama-quantize came with it
-    cmake --build "$PEERS/llama.cpp/build" --target llama-quantize -j "$(nproc)"
-    echo "llama-server: $bin"
-    return
-  fi
+llama_cpp_source() {
+  if [[ -f "$PEERS/llama.cpp/CMakeLists.txt" ]]; then return; fi
   local src="$PEERS/src"
   mkdir -p "$src"
   "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$src"
   tar -xzf "$src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$src"
   rm -rf "$PEERS/llama.cpp"
   mv "$src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp" "$PEERS/llama.cpp"
+  # The tree has no git history: this names its source in the benchmarks' output (peers.py).
+  echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist" > "$PEERS/llama.cpp/SOURCE"
   rm -rf "$src"
-  cmake -S "$PEERS/llama.cpp" -B "$PEERS/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-  cmake --build "$PEERS/llama.cpp/build" --target llama-server llama-quantize -j "$(nproc)"
-  echo "llama-server: $bin"
+}
+
+# build_llama_cpp DIR TARGETS CMAKE_FLAGS...: llama.cpp's TARGETS built into $PEERS/llama.cpp/DIR.
+build_llama_cpp() {
+  local dir="$PEERS/llama.cpp/$1" targets=($2) missing=()
+  shift 2
+  for t in "${targets[@]}"; do [[ -x "$dir/bin/$t" ]] || missing+=("$t"); done
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    llama_cpp_source
+    [[ -f "$dir/build.ninja" ]] || cmake -S "$PEERS/llama.cpp" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_BUILD_SERVER=ON "$@"
+    cmake --build "$dir" --target "${missing[@]}" -j "$(nproc)"
+  fi
+  echo "llama-server ($(basename "$dir")): $dir/bin/llama-server"
+}
+
+build_portable() {
+  build_llama_cpp build "llama-server llama-quantize" -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+}
+
+build_native() {
+  build_llama_cpp build-native "llama-server" -DGGML_NATIVE=ON
 }
 
 install_guidellm() {
@@ -54,8 +71,10 @@ targets=("$@")
 [[ ${#targets[@]} -eq 0 ]] && targets=(llama-server guidellm)
 for t in "${targets[@]}"; do
   case "$t" in
-    llama-server) build_llama_server ;;
+    llama-server) build_portable; build_native ;;
+    llama-server-portable) build_portable ;;
+    llama-server-native) build_native ;;
     guidellm) install_guidellm ;;
-    *) echo "unknown peer: $t (llama-server, guidellm)" >&2; exit 2 ;;
+    *) echo "unknown peer: $t (llama-server, llama-server-portable, llama-server-native, guidellm)" >&2; exit 2 ;;
   esac
 done

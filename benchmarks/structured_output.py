@@ -15,6 +15,8 @@ import argparse
 import statistics
 import time
 
+from environment import announce
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import StructuredOutputs
 
@@ -48,9 +50,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    announce()
 
     llm = LLM()
-    grammars = llm.engine.grammars()
+    grammars = llm.llm_engine.grammars
     t0 = time.perf_counter()
     grammars.compile(StructuredOutputs(json=schema(10_000)))
     cold = time.perf_counter() - t0
@@ -59,7 +62,7 @@ def main() -> None:
     cached = time.perf_counter() - t0
     print(f"grammar compile: cold {cold * 1e3:.1f} ms, cached {cached * 1e6:.1f} us")
 
-    prompt = llm.engine.chat_prompt(ASK)
+    prompt = llm.llm_engine.inputs.chat_prompt(ASK)
     n = args.requests
     # Constrained requests stop when their JSON is complete; unconstrained ones run to max_tokens. Tokens/s
     # is counted per kind, so the comparison holds even though their lengths differ.

@@ -4,7 +4,9 @@ same model, same machine, one run.
 N requests with seeded random prompt and output lengths, ignore_eos, greedy (or, with --temperature and
 --top-p, sampled the same way by every engine: no top-k or min-p of their own). Output tokens/s counts
 the requested output tokens only (padding and tokens HF generates past a request's length do not count).
-llama-server gets all N requests at once over HTTP with N slots (`-np N`, continuous batching).
+llama-server gets all N requests at once over HTTP with N slots (`-np N`, continuous batching), from each of
+setup_peers.sh's two llama.cpp builds: the portable AVX2 one and the one built for this CPU (-DGGML_NATIVE=ON),
+as pagedserve's kernels are (`--llama-server portable` or `native` for one of them).
 
   python benchmarks/throughput.py                                   # embedded SmolLM2, CPU
   python benchmarks/throughput.py --num-requests 16 --prompt-len 64 512 --output-len 128 128 \
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from environment import announce  # noqa: E402
 
 PRESETS = {
     "qwen2.5-0.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936,
@@ -217,7 +220,7 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), "every request must produce exactly max_tokens tokens"
     stats = llm.stats()
-    weights = weight_bytes(llm.engine.executor.worker.model)
+    weights = weight_bytes(llm.llm_engine.executor.worker.model)
     timeline = profile_decode(llm, prompts, outputs, args.profile_steps) if args.profile_steps else None
     llm.shutdown()
     del llm
@@ -286,13 +289,13 @@ def profile_decode(llm, prompts, outputs, steps: int) -> dict:
 
     from pagedserve import SamplingParams
 
-    engine = llm.engine
+    engine = llm.llm_engine
     device = engine.executor.device_type
     on_cuda = device == "cuda"
     ids = []
     for p, n in zip(prompts, outputs, strict=True):
-        request = engine.make_request(p, SamplingParams(temperature=0, max_tokens=n + 2 * steps + 64,
-                                                        ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=n + 2 * steps + 64, ignore_eos=True)
+        request = engine.inputs.make_request(p, params)
         request.final_output_only = True  # as `LLM.generate` runs the timed requests: no output built per step
         engine.enqueue(request)
         ids.append(request.request_id)
@@ -356,26 +359,43 @@ def top_ops(prof, key: str, steps: int, limit: int = 12) -> list[dict]:
              "us_per_step": round(getattr(e, key) / steps, 1)} for e in ops if getattr(e, key) > 0]
 
 
-def bench_llama_server(gguf: Path, prompts, outputs, args) -> dict:
+def bench_llama_server(gguf: Path, prompts, outputs, args, build: str = "portable") -> dict:
+    """llama-server of llama.cpp `build` (peers.LLAMA_BUILDS) on all the requests at once. A server that dies
+    (as a native build has, in its AMX path on AMD EPYC machines) gives a result with its "error" in place of
+    a figure."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from peers import llama_server, post_json
+    from peers import LLAMA_BUILD_TITLES, llama_cpu_features, llama_server, post_json
 
+    name = f"llama.cpp llama-server, {LLAMA_BUILD_TITLES[build]} (-np {len(prompts)}, {gguf.name})"
     slot = max(map(len, prompts)) + max(outputs) + 16
-    with llama_server(gguf, parallel=len(prompts), context_per_slot=slot) as url:
-        def run(prompt: list[int], n: int) -> int:
-            body = {"prompt": prompt, "n_predict": n, "temperature": args.temperature, "top_p": args.top_p,
-                    "top_k": 0, "min_p": 0.0, "ignore_eos": True, "cache_prompt": False}
-            return post_json(url + "/completion", body)["tokens_predicted"]
+    log = Path(tempfile.mkdtemp(prefix="bench-llama-")) / "llama-server.log"
+    atexit.register(shutil.rmtree, log.parent, ignore_errors=True)
+    features = None
+    try:
+        features = llama_cpu_features(build)
+        with llama_server(gguf, parallel=len(prompts), context_per_slot=slot, log_path=log, build=build) as url:
+            def run(prompt: list[int], n: int) -> int:
+                body = {"prompt": prompt, "n_predict": n, "temperature": args.temperature, "top_p": args.top_p,
+                        "top_k": 0, "min_p": 0.0, "ignore_eos": True, "cache_prompt": False}
+                return post_json(url + "/completion", body)["tokens_predicted"]
 
-        run(prompts[0][:8], 4)  # warm-up
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            t0 = time.perf_counter()
-            produced = sum(pool.map(run, prompts, outputs))
-            elapsed = time.perf_counter() - t0
+            run(prompts[0][:8], 4)  # warm-up
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                t0 = time.perf_counter()
+                produced = sum(pool.map(run, prompts, outputs))
+                elapsed = time.perf_counter() - t0
+    except Exception as e:  # reported in place of its figure; the caller decides whether the run fails
+        lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+        last = [line for line in lines if line.strip()][-1:]
+        error = f"{type(e).__name__}: {e}" + (f"; its log ends: {last[0][:200]}" if last else "")
+        print(f"{name}: failed: {error}", flush=True)
+        return {"name": name, "build": build, "error": error, "cpu_features": features}
     assert produced == sum(outputs), f"llama-server produced {produced} tokens, not {sum(outputs)}"
-    return {"name": f"llama.cpp llama-server (-np {len(prompts)}, {gguf.name})", "seconds": elapsed,
-            "tokens": produced, "note": "its own quantized kernels on the GGUF's weights"}
+    print(f"{name}: {produced / elapsed:,.1f} output tokens/s ({elapsed:.1f} s); ggml CPU features: {features}",
+          flush=True)
+    return {"name": name, "build": build, "seconds": elapsed, "tokens": produced, "cpu_features": features,
+            "note": f"its own quantized kernels on the GGUF's weights; ggml CPU features {features}"}
 
 
 def hf_sampling(args: argparse.Namespace) -> dict:
@@ -457,8 +477,10 @@ def main() -> None:
     p.add_argument("--hf-generate-batch", action="store_true", help="also time HF generate_batch")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-pagedserve", action="store_true")
-    p.add_argument("--llama-server", action="store_true",
-                   help="also time llama.cpp's llama-server on the same GGUF (the embedded model or --model x.gguf)")
+    p.add_argument("--llama-server", nargs="*", choices=["portable", "native"], default=None, metavar="BUILD",
+                   help="also time llama.cpp's llama-server on the same GGUF (the embedded model or --model x.gguf): "
+                        "its builds named (portable, native), both where none is named. A native build that "
+                        "fails is reported in place of its figure; the portable one failing fails the run")
     p.add_argument("--cuda-graphs", action="store_true", help="also time pagedserve with cuda_graphs=True")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="also time pagedserve with async_scheduling=False (each step scheduled after the last)")
@@ -469,6 +491,9 @@ def main() -> None:
                    help="also time pagedserve with gguf_linears=False (a GGUF model's linear layers on fp32)")
     p.add_argument("--json", type=Path, default=None, help="write results here too")
     args = p.parse_args()
+    if args.llama_server == []:
+        args.llama_server = ["portable", "native"]
+    env = announce()
 
     from pagedserve.config import EngineConfig
     from pagedserve.workers.loader import resolve_model
@@ -511,21 +536,31 @@ def main() -> None:
             except Exception as e:  # an optional peer: report, time the rest, fail at the end
                 failed = f"HF generate_batch failed: {type(e).__name__}: {e}"
                 print(failed)
-    if args.llama_server:
+    for build in args.llama_server or ():
         from pagedserve.workers.gguf import embedded_model_gguf
 
         gguf = Path(args.model) if args.model else embedded_model_gguf()
         if gguf.suffix != ".gguf":
             raise SystemExit("--llama-server needs a GGUF model (the embedded one, or --model file.gguf)")
-        results.append(bench_llama_server(gguf, prompts, outputs, args))
-    base = results[0]["tokens"] / results[0]["seconds"]
+        results.append(bench_llama_server(gguf, prompts, outputs, args, build))
+        if "error" in results[-1] and build == "portable":
+            failed = failed or f"{results[-1]['name']} failed: {results[-1]['error']}"
+    timed = [r for r in results if "error" not in r]
+    base = timed[0]["tokens"] / timed[0]["seconds"] if timed else None
     print("\n| engine | output tokens/s | seconds | pagedserve speed-up | note |\n| --- | ---: | ---: | ---: | --- |")
     for r in results:
+        if "error" in r:
+            print(f"| {r['name']} | failed | | | {r['error']} |")
+            continue
         tps = r["tokens"] / r["seconds"]
         r["tokens_per_s"] = tps
         print(f"| {r['name']} | {tps:,.1f} | {r['seconds']:.1f} | {base / tps:.2f}x | {r['note']} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results},
+        from peers import peer_versions
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "peers": peer_versions() if args.llama_server else {},
+                                         "args": vars(args) | {"json": str(args.json)}, "results": results},
                                         indent=2, default=str))
     if failed:
         sys.exit(failed)

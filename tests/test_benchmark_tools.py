@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from benchmarks.synthetic_tokenizer import EOS, write_synthetic_tokenizer
-from pagedserve.detokenizer import Detokenizer
+from pagedserve.engine.detokenizer import Detokenizer
 
 
 def test_synthetic_tokenizer_has_the_vocabulary_asked_for(tmp_path):
@@ -43,6 +43,57 @@ def test_decode_profile_runs_the_steps_as_generate_does_and_leaves_nothing_behin
                                                       "phase schedule"]
         assert all(us > 0 for us in timeline["host_phases_us"].values()) and timeline["host_ops"]
         assert "busy_us" not in timeline  # no device timeline off CUDA
-        engine = llm.engine
+        engine = llm.llm_engine
         assert not engine.has_unfinished_requests()
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_environment_describes_this_checkout_and_machine():
+    """What every benchmark prints first and keeps in its JSON: the real commit, cores, CPU, versions."""
+    import importlib.metadata
+    import json
+    import os
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks.environment import ISA_FLAGS, as_text, describe
+
+    root = Path(__file__).resolve().parent.parent
+    env = describe()
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True, check=True).stdout
+    assert env["commit"] == head and env["dirty"] == bool(status.strip())
+    assert env["cores"] == os.cpu_count()
+    first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first_cpu.splitlines())}
+    flags = set(fields["flags"].split())
+    assert env["cpu"] == fields["model name"]
+    assert env["isa"] == [f for f in ISA_FLAGS if f in flags]
+    assert env["virtual_machine"] == ("hypervisor" in flags)
+    import torch
+
+    if torch.cuda.is_available():
+        assert env["gpu"].startswith(torch.cuda.get_device_name(0))
+    else:
+        assert env["gpu"] is None
+    assert env["versions"]["python"] == platform.python_version()
+    for name in ("torch", "transformers", "ray", "xgrammar"):  # the dev install's
+        assert env["versions"][name] == importlib.metadata.version(name)
+    assert json.loads(json.dumps(env)) == env  # as it goes into a benchmark's --json
+    text = as_text(env)
+    assert head[:12] in text and f"{os.cpu_count()} logical cores" in text and env["cpu"] in text
+
+
+def test_system_info_names_the_cpu_features_a_llama_cpp_build_uses():
+    """Which ggml CPU features a llama-server build runs with, from its log: what tells the builds apart."""
+    from benchmarks.peers import system_info_features
+
+    log = ("0.00.003 I srv  llama_server: initializing ...\n0.00.005 I cmn  common_param: system_info: n_threads = 2 "
+           "(n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | "
+           "AVX512 = 0 | AMX_INT8 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | \n0.00.008 E srv    load_model: "
+           "failed to load model\n")
+    assert system_info_features(log) == "SSE3 SSSE3 AVX AVX2 F16C FMA AMX_INT8 LLAMAFILE OPENMP REPACK"
+    assert system_info_features("no such line") is None
