@@ -51,20 +51,23 @@ test-gpu-versions: install
 lint: install
 	$(VENV)/bin/ruff check pagedserve tests benchmarks
 
-# The CPU headline rows of benchmarks/RESULTS.md, each beside the peers it is compared with, timed in the same run:
-# offline, 16 requests beside HF transformers and llama.cpp's llama-server, and one sequence beside llama-server;
-# served, 16 streams under guidellm's load beside llama-server. llama-server twice: its portable AVX2 build, and
-# one built for this CPU as pagedserve's kernels are (-march=native); a native build that crashes is reported in
-# place of its figures. The peers are built once (setup_peers.sh; about 8 minutes per llama.cpp build on 2
-# cores), then the runs take about 10 minutes on 2 cores. Each script prints the commit, machine and versions
-# first; tables to stdout, JSON (with the same description) to $(BENCH_OUT).
+# The CPU headline rows of benchmarks/RESULTS.md's current figures, by the commands that produced them, each
+# figure beside its peer timed in the same run: offline, 16 requests and one sequence beside llama.cpp's
+# llama-server, and 16 top-p sampled requests beside HF transformers' generate; served, 16 streams under
+# guidellm's load beside llama-server. llama-server twice: its portable AVX2 build, and one built for this CPU
+# as pagedserve's kernels are (-march=native); a native build that crashes is reported in place of its figures.
+# The peers are built once (setup_peers.sh; about 8 minutes per llama.cpp build on 2 cores); the runs then take
+# about 10 minutes on 2 cores. Each script prints the commit, machine and versions first; tables go to stdout,
+# JSON with the same description to $(BENCH_OUT).
 BENCH_OUT ?= benchmarks/out
 bench: install
 	bash benchmarks/setup_peers.sh llama-server guidellm
+	$(PY) benchmarks/throughput.py --num-requests 16 --prompt-len 64 512 --output-len 128 128 --llama-server \
+		--skip-hf --json $(BENCH_OUT)/offline-16-requests.json
+	$(PY) benchmarks/throughput.py --num-requests 1 --prompt-len 64 64 --output-len 128 128 --llama-server \
+		--skip-hf --json $(BENCH_OUT)/offline-1-sequence.json
 	$(PY) benchmarks/throughput.py --num-requests 16 --prompt-len 64 512 --output-len 128 128 --hf-batch-size 16 \
-		--llama-server --fp32-linears --json $(BENCH_OUT)/offline-16-requests.json
-	$(PY) benchmarks/throughput.py --num-requests 1 --prompt-len 64 64 --output-len 128 128 --skip-hf \
-		--llama-server --json $(BENCH_OUT)/offline-1-sequence.json
+		--temperature 0.7 --top-p 0.9 --json $(BENCH_OUT)/offline-16-requests-top-p.json
 	$(PY) benchmarks/serving.py --out-dir $(BENCH_OUT)/served --json $(BENCH_OUT)/served-16-streams.json
 
 clean:

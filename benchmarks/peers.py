@@ -71,7 +71,9 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+            code = proc.returncode
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+            raise RuntimeError(f"server {how} before {url} answered")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:

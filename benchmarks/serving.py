@@ -136,14 +136,17 @@ def main() -> None:
 
     print(f"\n{args.streams} concurrent streams, {args.requests} requests, {args.prompt_tokens} prompt tokens, "
           f"{args.output_tokens} output tokens (guidellm; results in {out_dir})\n")
-    print("| server | output tokens/s | TTFT p50 ms | ITL p50 ms | ITL p95 ms | requests ok / errored |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    ours = results.get("pagedserve", {}).get("output_tok_s")
+    print("| server | output tokens/s | pagedserve speed-up | TTFT p50 ms | ITL p50 ms | ITL p95 ms "
+          "| requests ok / errored |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for engine, r in results.items():
         name = engine + (f" ({r['build']})" if "build" in r else "")
         if "error" in r:
-            print(f"| {name} | failed: {r['error']} | | | | |")
+            print(f"| {name} | failed: {r['error']} | | | | | |")
             continue
-        print(f"| {name} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
+        ratio = f"{ours / r['output_tok_s']:.2f}x" if ours and r["output_tok_s"] else ""
+        print(f"| {name} | {r['output_tok_s']:.1f} | {ratio} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
               f"{r['itl_p95_ms']:.0f} | {r['requests']} / {r['errored']} |")
     for engine, r in results.items():
         if r.get("cpu_features"):
