@@ -100,7 +100,8 @@ def main() -> None:
     from pagedserve.workers.gguf import embedded_model_gguf
     from pagedserve.workers.loader import resolve_model
 
-    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="pagedserve-serving-"))
+    # Absolute: guidellm runs in it, and is given paths inside it.
+    out_dir = (args.out_dir or Path(tempfile.mkdtemp(prefix="pagedserve-serving-"))).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     source = resolve_model(None)
     results = {}
