@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "pagedserve.llm", "LLMEngine": "pagedserve.engine",
+_EXPORTS = {"LLM": "pagedserve.llm", "LLMEngine": "pagedserve.engine.llm_engine",
             "SamplingParams": "pagedserve.sampling_params", "RequestOutput": "pagedserve.outputs",
             "CompletionOutput": "pagedserve.outputs"}
 
 if TYPE_CHECKING:
-    from pagedserve.engine import LLMEngine
+    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
     from pagedserve.sampling_params import SamplingParams

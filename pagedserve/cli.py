@@ -1,5 +1,5 @@
 """`pagedserve generate "prompt" [--chat] ...`: one generation from the command line; `pagedserve client
-...` talks to a running server instead (pagedserve/client/cli.py)."""
+...` talks to a running server instead (pagedserve/client/commands.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from pagedserve.client.cli import register as register_client
-from pagedserve.client.cli import run as run_client
+from pagedserve.client.commands import register as register_client
+from pagedserve.client.commands import run as run_client
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.reasoning import check_reasoning_parser
+from pagedserve.chat.reasoning import check_reasoning_parser
 from pagedserve.scheduler.scheduler import POLICIES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -49,7 +49,7 @@ class EngineConfig:
     # run on CUDA; off on a CPU, where a step computes when it runs, so scheduling ahead would only delay outputs.
     async_scheduling: bool | None = None
     # Parse a reasoning model's thinking (`<think>...</think>`) out of its chat answers, and start a request's
-    # output constraint after it: "qwen3" or "deepseek_r1" (pagedserve/reasoning.py); None: no parsing.
+    # output constraint after it: "qwen3" or "deepseek_r1" (pagedserve/chat/reasoning.py); None: no parsing.
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:

@@ -6,26 +6,26 @@ from collections.abc import Sequence as Seq
 from dataclasses import asdict
 from typing import Any
 
-from pagedserve.beam_search import BeamSearch
-from pagedserve.chat import ChatOptions
+from pagedserve.chat.reasoning import split_reasoning
+from pagedserve.chat.template import ChatOptions
+from pagedserve.chat.tool_calls import ToolCallStream
 from pagedserve.config import EngineConfig
-from pagedserve.engine import LLMEngine, Prompt, RequestFailed
+from pagedserve.engine.beam_search import BeamSearch
+from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
-from pagedserve.reasoning import split_reasoning
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
-from pagedserve.tool_calls import ToolCallStream
 
 
 class LLM:
     """Offline batch API over one `LLMEngine` in this process (its workers too, unless executor="ray")."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.llm_engine.tokenizer
 
     def generate(
         self,
@@ -44,58 +44,24 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
-        engine = self.engine
+        engine = self.llm_engine
         requests: list[Request | BeamSearch] = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             try:
-                make = engine.make_beam_search if params.use_beam_search else engine.make_request
-                requests.append(make(prompt, params))
+                requests.append(engine.inputs.make(prompt, params))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
+        running = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
-        # Requests running, by id: (the prompt's index, and for a beam search's step, the beam's)
-        running: dict[str, tuple[int, int | None]] = {}
-        steps: dict[int, list[RequestOutput | None]] = {}  # a beam search's step: its beams' outputs so far
-
-        def start(i: int, request: Request, beam: int | None = None) -> None:
-            request.final_output_only = True  # only finished outputs are read below: none is built before
-            engine.enqueue(request)
-            running[request.request_id] = (i, beam)
-
-        def next_step(i: int, search: BeamSearch) -> None:
-            prompts, params = search.step_prompts(), search.step_params()
-            steps[i] = [None] * len(prompts)
-            for b, ids in enumerate(prompts):
-                start(i, engine.make_request(ids, params, f"{search.request_id}#{b}"), b)
-
-        for i, r in enumerate(requests):
-            if isinstance(r, BeamSearch):
-                next_step(i, r)
-            else:
-                start(i, r)
         try:
+            for request in requests:
+                if isinstance(request, Request):  # only finished outputs are read below: none is built before
+                    request.final_output_only = True
+                engine.enqueue(request)
             while running:
                 for out in engine.step():
-                    if not out.finished or out.request_id not in running:
-                        continue
-                    i, beam = running.pop(out.request_id)
-                    search = requests[i]
-                    if beam is None:
-                        results[i] = out
-                    elif out.error:
-                        results[i] = RequestOutput(search.request_id, search.prompt, search.prompt_token_ids,
-                                                   finished=True, error=out.error)
-                        for rid in [rid for rid, (j, _) in running.items() if j == i]:
-                            engine.abort_request(rid)
-                            del running[rid]
-                    else:
-                        steps[i][beam] = out
-                        if all(o is not None for o in steps[i]):
-                            search.advance(steps.pop(i))
-                            if search.done:
-                                results[i] = engine.beam_output(search)
-                            else:
-                                next_step(i, search)
+                    if out.finished and out.request_id in running:
+                        results[running.pop(out.request_id)] = out
         finally:
             for rid in running:
                 engine.abort_request(rid)
@@ -134,7 +100,8 @@ class LLM:
         plans = []
         for i, conv in enumerate(conversations):
             try:
-                plans.append(self.engine.chat_plan(conv, params, tools, tool_choice, parallel_tool_calls, options))
+                plans.append(self.llm_engine.inputs.chat_plan(conv, params, tools, tool_choice, parallel_tool_calls,
+                                                              options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         outputs = self.generate([p.prompt_token_ids for p in plans], [p.params for p in plans])
@@ -150,11 +117,11 @@ class LLM:
         return outputs
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        return self.llm_engine.stats()
 
     def shutdown(self) -> None:
         """Stop the worker actors (executor="ray") and release the engine. Idempotent."""
-        self.engine.shutdown()
+        self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -163,4 +130,4 @@ class LLM:
         self.shutdown()
 
     def config(self) -> dict[str, Any]:
-        return asdict(self.engine.config)
+        return asdict(self.llm_engine.config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.tool_calls import ToolCall
+from pagedserve.chat.tool_calls import ToolCall
 
 
 @dataclass(slots=True)

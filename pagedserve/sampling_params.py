@@ -240,7 +240,7 @@ _NOT_WITH_BEAM_SEARCH = {
 
 
 def _check_beside_beam_search(p: SamplingParams) -> None:
-    """ValueError naming the first field set to what a beam search cannot honour (`pagedserve.beam_search`)."""
+    """ValueError naming the first field set to what a beam search cannot honour (`pagedserve.engine.beam_search`)."""
     defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(p)}
     for name, why in _NOT_WITH_BEAM_SEARCH.items():
         if getattr(p, name) != defaults[name]:

@@ -65,7 +65,7 @@ def run(embedded_dir, async_scheduling: bool, params: list[SamplingParams], **en
     """(summaries, stats, counts: "ahead" steps scheduled ahead, "penalties" of them drawing for a penalized
     request, whose counts the worker keeps, "histories" penalized draws that carried their token history)."""
     with LLM(str(embedded_dir), async_scheduling=async_scheduling, **SMALL, **engine) as llm:
-        with launched_batches(llm.engine) as batches:
+        with launched_batches(llm.llm_engine) as batches:
             outs = llm.generate(PROMPTS, params)
         counts = {"ahead": sum(bool(b.deferred_inputs) for b in batches),
                   "late masks": sum(bool(b.late_masks) for b in batches),

@@ -35,7 +35,7 @@ def exact(out) -> tuple:
 def preempted_mid_decode(llm) -> list[list[int]]:
     """Record the prompts of the sequences preempted after drawing a token (their recompute then runs drawn
     tokens through prefill); returns the list it fills."""
-    scheduler = llm.engine.scheduler
+    scheduler = llm.llm_engine.scheduler
     preempt, seen = scheduler._preempt, []
 
     def record(seq):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.async_engine import AsyncEngine
 from pagedserve.config import EngineConfig
+from pagedserve.engine.async_engine import AsyncEngine
 
 ASKS = [[{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "user", "content": "Name a color."}]]
@@ -47,9 +47,9 @@ def test_the_beams_are_transformers_beams(smol, embedded_dir, width, length_pena
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
-    prompts = [smol.engine.chat_prompt(ask) for ask in ASKS] + [smol.tokenizer.encode("The printing press")]
+    prompts = [smol.llm_engine.inputs.chat_prompt(ask) for ask in ASKS] + [smol.tokenizer.encode("The printing press")]
     outs = smol.generate(prompts, beams(width, max_tokens, length_penalty=length_penalty))
-    eos = list(smol.engine.eos_token_ids)
+    eos = list(smol.llm_engine.eos_token_ids)
     reasons = set()
     for prompt, out in zip(prompts, outs, strict=True):
         assert [c.token_ids for c in out.outputs] == hf_beams(model, prompt, width, max_tokens, length_penalty, eos)
@@ -63,7 +63,7 @@ def test_the_beams_are_transformers_beams(smol, embedded_dir, width, length_pena
 
 
 def test_beam_searches_and_plain_requests_share_a_generate_call(smol):
-    prompt = smol.engine.chat_prompt(ASKS[0])
+    prompt = smol.llm_engine.inputs.chat_prompt(ASKS[0])
     plain = SamplingParams(temperature=0, max_tokens=8)
     alone = smol.generate([prompt, prompt], [beams(2, 8), plain])
     mixed = smol.generate([prompt, prompt, prompt], [plain, beams(2, 8), beams(3, 8, stop_token_ids=[30])])
@@ -77,7 +77,7 @@ def test_beam_searches_and_plain_requests_share_a_generate_call(smol):
 
 
 def test_a_served_beam_search_answers_once_and_ends_on_abort_or_when_its_caller_leaves(smol, embedded_dir):
-    prompt = smol.engine.chat_prompt(ASKS[1])
+    prompt = smol.llm_engine.inputs.chat_prompt(ASKS[1])
     want = smol.generate(prompt, beams(3, 12))[0]
 
     async def main():
@@ -93,7 +93,8 @@ def test_a_served_beam_search_answers_once_and_ends_on_abort_or_when_its_caller_
             left = asyncio.create_task(run("left"))
             deadline = time.monotonic() + 60
             # both searches running their third step (their beams have tokens), or the test's time is up
-            while not all(any(k.startswith(f"{rid}#2.") for k in core._streams) for rid in ("aborted", "left")):
+            searches = core.llm_engine._searches
+            while not all(rid in searches and searches[rid].num_steps >= 3 for rid in ("aborted", "left")):
                 assert time.monotonic() < deadline, "the searches did not reach their third step"
                 await asyncio.sleep(0.01)
             assert core.abort("aborted") and not core.abort("nothing-by-this-id")
@@ -144,4 +145,4 @@ def test_length_penalty_needs_a_beam_search(smol):
     with pytest.raises(ValueError, match="length_penalty=0.5 .* needs use_beam_search"):
         smol.generate("Hi", SamplingParams(max_tokens=4, length_penalty=0.5))
     with pytest.raises(ValueError, match="use_beam_search: a beam search runs as requests of its own"):
-        smol.engine.make_request("Hi", SamplingParams(max_tokens=4, use_beam_search=True))
+        smol.llm_engine.inputs.make_request("Hi", SamplingParams(max_tokens=4, use_beam_search=True))

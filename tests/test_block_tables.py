@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine import LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.scheduler.batch import StepBatch
 from pagedserve.workers.block_tables import BlockTables, table_entries
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.chat import ChatOptions
+from pagedserve.chat.template import ChatOptions
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 PREFILLED = ASK + [{"role": "assistant", "content": "The capital of France is"}]
@@ -21,7 +21,7 @@ def llm(tiny_random):
 
 
 def text(llm, messages, options=None) -> str:
-    return llm.tokenizer.decode(llm.engine.chat_prompt(messages, options=options))
+    return llm.tokenizer.decode(llm.llm_engine.inputs.chat_prompt(messages, options=options))
 
 
 def test_template_variables_reach_the_template(llm):
@@ -39,7 +39,7 @@ def test_template_variables_reach_the_template(llm):
 
 def test_continue_final_message_leaves_the_last_message_open(llm):
     options = ChatOptions(add_generation_prompt=False, continue_final_message=True)
-    ids = llm.engine.chat_prompt(PREFILLED, options=options)
+    ids = llm.llm_engine.inputs.chat_prompt(PREFILLED, options=options)
     assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe capital of France is")
     # closed and followed by a new turn by default; closed and nothing after without the generation prompt
     assert text(llm, PREFILLED).endswith("The capital of France is<|im_end|>\n<|im_start|>assistant\n")
@@ -66,7 +66,7 @@ def test_add_special_tokens_adds_the_tokenizers_own_on_top_of_the_templates(tiny
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
 
-    from pagedserve.chat import ChatTemplate
+    from pagedserve.chat.template import ChatTemplate
 
     # The fixture's tokenizer adds no BOS (SmolLM2's); this copy adds one, as Llama 3's does.
     tokenizer = AutoTokenizer.from_pretrained(tiny_random.removeprefix("random:").removesuffix("config.json"))
@@ -96,8 +96,8 @@ def test_bad_options_are_refused_by_name(kwargs, message):
 
 
 def test_a_final_message_the_template_rewrites_cannot_be_continued(llm):
-    engine = llm.engine
-    template = engine._chat_template()
+    engine = llm.llm_engine.inputs
+    template = engine.chat_template()
     saved = template.tokenizer.chat_template
     template.tokenizer.chat_template = "{% for m in messages %}{{ m.content | upper }}{% endfor %}"
     try:
@@ -109,7 +109,7 @@ def test_a_final_message_the_template_rewrites_cannot_be_continued(llm):
 
 
 def test_chat_options_go_with_messages_not_text(llm):
-    engine = llm.engine
+    engine = llm.llm_engine.inputs
     with pytest.raises(ValueError, match="continue_final_message, chat_template_kwargs: these shape a chat's prompt"):
         engine.tokenize("hi", options=ChatOptions(add_generation_prompt=False, continue_final_message=True,
                                                   chat_template_kwargs={"enable_thinking": False}))
@@ -129,7 +129,7 @@ NAMING_TEMPLATE = ("{% for m in messages %}{{ '[' ~ ('dev' if m.role == 'develop
 def naming(embedded_dir):
     from transformers import AutoTokenizer
 
-    from pagedserve.chat import ChatTemplate
+    from pagedserve.chat.template import ChatTemplate
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
     tokenizer.chat_template = NAMING_TEMPLATE
@@ -146,7 +146,7 @@ def test_names_reach_a_template_that_shows_them(llm, naming):
     assert text(llm, named) == text(llm, unnamed)
     for bad in ("", 7):
         with pytest.raises(ValueError, match=r"messages\[1\]\.name must be a non-empty string"):
-            llm.engine.chat_prompt([named[0], {**named[1], "name": bad}])
+            llm.llm_engine.inputs.chat_prompt([named[0], {**named[1], "name": bad}])
 
 
 def test_a_developer_message_is_the_system_message_unless_the_template_knows_the_role(llm, naming):
@@ -158,7 +158,7 @@ def test_a_developer_message_is_the_system_message_unless_the_template_knows_the
     assert naming(developer) == "[dev] Answer in French.\n[user] What is the capital of France?\n"
     # with tools on a template that ignores them, the instructions join the developer's system turn
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    with_tools = llm.tokenizer.decode(llm.engine.chat_prompt(developer, tools=tools))
+    with_tools = llm.tokenizer.decode(llm.llm_engine.inputs.chat_prompt(developer, tools=tools))
     assert with_tools.startswith("<|im_start|>system\nAnswer in French.\n\n# Tools")
 
 
@@ -173,6 +173,7 @@ def test_a_chat_too_long_for_its_context_loses_its_oldest_messages_whole(tiny_ra
             llm.chat(turns, SamplingParams(max_tokens=8))
         out = llm.chat(turns, SamplingParams(max_tokens=8, truncate_prompt_tokens=-1))[0]
         kept = next(turns[:1] + turns[i:] for i in range(1, len(turns), 2)  # whole turns: user, then answer
-                    if len(llm.engine.chat_prompt(turns[:1] + turns[i:])) <= 128 - 8)
-        assert out.prompt_token_ids == llm.engine.chat_prompt(kept)  # the system message and the latest turns
+                    if len(llm.llm_engine.inputs.chat_prompt(turns[:1] + turns[i:])) <= 128 - 8)
+        # the system message and the latest turns
+        assert out.prompt_token_ids == llm.llm_engine.inputs.chat_prompt(kept)
         assert kept[1]["role"] == "user" and len(kept) < len(turns)

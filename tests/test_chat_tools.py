@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.chat import ChatTemplate
-from pagedserve.tool_calls import parse_tools
+from pagedserve.chat.template import ChatTemplate
+from pagedserve.chat.tool_calls import parse_tools
 from tests.test_tool_calls import REF_PARAMETERS, REF_TOOLS
 from tests.tools_data import ASK, HERMES_CALL, PARAMETERS, TOOLS
 
@@ -142,16 +142,16 @@ def test_template_formats_are_told_apart(tokenizer):
 
 
 def test_a_template_without_tools_gets_hermes_instructions(smol):
-    t = smol.engine._chat_template()
+    t = smol.llm_engine.inputs.chat_template()
     assert (t.renders_tools, t.tool_format) == (False, "hermes")
-    text = smol.tokenizer.decode(smol.engine.chat_prompt(HISTORY, tools=TOOLS))
+    text = smol.tokenizer.decode(smol.llm_engine.inputs.chat_prompt(HISTORY, tools=TOOLS))
     assert text.index("<tools>") < text.index('{"type": "function", "function": {"name": "get_weather"')
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' \
         in text
     assert '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response>' in text
     # without tools offered, the history is still written out
-    assert "<tool_call>" in smol.tokenizer.decode(smol.engine.chat_prompt(HISTORY))
-    assert "<tools>" not in smol.tokenizer.decode(smol.engine.chat_prompt(HISTORY))
+    assert "<tool_call>" in smol.tokenizer.decode(smol.llm_engine.inputs.chat_prompt(HISTORY))
+    assert "<tools>" not in smol.tokenizer.decode(smol.llm_engine.inputs.chat_prompt(HISTORY))
 
 
 def test_required_and_named_calls_follow_the_parameters(smol):
@@ -183,7 +183,7 @@ def test_auto_parses_a_forced_hermes_call_and_keeps_the_text(smol):
 def test_calls_stay_valid_with_n_3_under_preemption(embedded_dir, smol):
     """3 samples in a pool with room for the prompt and 3 more blocks: preemption by recompute must not
     disturb the grammar that enforces the calls."""
-    prompt_len = len(smol.engine.chat_plan(ASK, greedy(), TOOLS, "required").prompt_token_ids)
+    prompt_len = len(smol.llm_engine.inputs.chat_plan(ASK, greedy(), TOOLS, "required").prompt_token_ids)
     blocks = -(-prompt_len // 16) + 3
     llm = LLM(str(embedded_dir), kv_cache_memory=blocks * 16 * 30 * 2 * 3 * 64 * 4, block_size=16)  # SmolLM2's KV
     try:
@@ -203,8 +203,8 @@ def test_a_llama3_template_gets_llama3_calls(tmp_path, embedded_dir, tiny_random
     shutil.copytree(tiny_random.removeprefix("random:").rsplit("/", 1)[0], model_dir)
     (model_dir / "chat_template.jinja").write_text(LLAMA3_TEMPLATE)
     with LLM(f"random:{model_dir / 'config.json'}") as llm:
-        assert llm.engine._chat_template().tool_format == "llama3_json"
-        plan = llm.engine.chat_plan(ASK, greedy(), TOOLS, "required")
+        assert llm.llm_engine.inputs.chat_template().tool_format == "llama3_json"
+        plan = llm.llm_engine.inputs.chat_plan(ASK, greedy(), TOOLS, "required")
         assert "parameters" in plan.params.structured_outputs.json["items"]["anyOf"][0]["required"]
         out = llm.chat(ASK, greedy(max_tokens=150), tools=TOOLS, tool_choice="required",
                        parallel_tool_calls=False)[0].outputs[0]
@@ -234,8 +234,8 @@ def test_a_forced_call_replaces_the_response_format(smol, tool_choice):
     own constraint is the one the request runs under (OpenAI and vLLM accept the pair)."""
     formatted = greedy(max_tokens=150, structured_outputs={"json": {"type": "object", "properties": {
         "answer": {"type": "string"}}, "required": ["answer"]}})
-    plan = smol.engine.chat_plan(ASK, formatted, TOOLS, tool_choice)
-    assert plan.params.structured_outputs == smol.engine.chat_plan(ASK, greedy(max_tokens=150), TOOLS,
+    plan = smol.llm_engine.inputs.chat_plan(ASK, formatted, TOOLS, tool_choice)
+    assert plan.params.structured_outputs == smol.llm_engine.inputs.chat_plan(ASK, greedy(max_tokens=150), TOOLS,
                                                                    tool_choice).params.structured_outputs
     out = smol.chat(ASK, formatted, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)[0].outputs[0]
     check_calls(out.tool_calls)
@@ -256,11 +256,11 @@ def test_a_forced_call_replaces_the_response_format(smol, tool_choice):
 def test_bad_tool_requests_are_refused_by_name(smol, kwargs, message):
     kwargs = {"messages": ASK, "params": greedy(), "tools": TOOLS, **kwargs}
     with pytest.raises(ValueError, match=message):
-        smol.engine.chat_plan(kwargs.pop("messages"), kwargs.pop("params"), **kwargs)
+        smol.llm_engine.inputs.chat_plan(kwargs.pop("messages"), kwargs.pop("params"), **kwargs)
 
 
 def test_auto_is_refused_where_the_format_is_unknown(smol, tokenizer):
-    engine = smol.engine
+    engine = smol.llm_engine.inputs
     saved = engine._template
     engine._template = template(tokenizer, OTHER_TEMPLATE)
     try:

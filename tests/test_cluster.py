@@ -15,8 +15,8 @@ import ray
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.async_engine import AsyncEngine, RequestFailed
 from pagedserve.config import EngineConfig, ray_hosted_config
+from pagedserve.engine.async_engine import AsyncEngine, RequestFailed
 from pagedserve.executors.ray_executor import StepOrder
 
 from .conftest import launched_batches
@@ -63,8 +63,8 @@ def tokens(outs):
 def test_tensor_parallel_matches_transformers(tiny_qwen2, tp, async_scheduling):
     path, prompts, expected = tiny_qwen2
     with LLM(path, executor="ray", tensor_parallel_size=tp, async_scheduling=async_scheduling) as llm:
-        assert llm.engine.schedules_ahead == async_scheduling
-        with launched_batches(llm.engine) as batches:
+        assert llm.llm_engine.schedules_ahead == async_scheduling
+        with launched_batches(llm.llm_engine) as batches:
             assert tokens(llm.generate(prompts, GREEDY)) == expected
         sent = [bool(b.deferred_inputs) for b in batches]
         assert sum(sent) > 5 if async_scheduling else not any(sent), sent
@@ -89,8 +89,8 @@ def test_grammar_masks_reach_a_worker_actor_after_the_launch(embedded_dir, tp):
 def test_a_failed_step_releases_a_worker_waiting_for_grammar_masks(embedded_dir, monkeypatch):
     """An engine error while a step waits for its masks fails the requests; the waiting step is let go, so
     the next request runs at once instead of queueing behind it until the step timeout."""
-    from pagedserve.engine import LLMEngine
-    from pagedserve.structured_output import GrammarManager
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.structured_output.grammars import GrammarManager
 
     engine = LLMEngine(EngineConfig(model=str(embedded_dir), executor="ray", async_scheduling=True))
     try:
@@ -170,19 +170,19 @@ def test_smollm2_tp3_matches_tp1_and_transformers(embedded_dir):
 
 
 def test_worker_cpus_are_reserved_and_computed_on(tiny_qwen2, caplog):
-    from pagedserve.cluster.engine_server import engine_options
+    from pagedserve.serving.model_server import model_server_options
 
     path, prompts, expected = tiny_qwen2
     with LLM(path, executor="ray", tensor_parallel_size=2, worker_cpus=3) as llm:
-        executor = llm.engine.executor
+        executor = llm.llm_engine.executor
         assert executor.placement_group.bundle_specs == [{"CPU": 3.0}, {"CPU": 3.0}]
         threads = ray.get([w.__ray_call__.remote(lambda actor: torch.get_num_threads()) for w in executor.workers])
         assert threads == [3, 3]
         assert tokens(llm.generate(prompts, GREEDY)) == expected
     config = EngineConfig(model=path, worker_cpus=2, device="cpu")
-    assert engine_options(config, num_replicas=2)["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 2}]
+    assert model_server_options(config, num_replicas=2)["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 2}]
     assert "without worker_cpus" not in caplog.text
-    engine_options(EngineConfig(model=path, device="cpu"), num_replicas=2)
+    model_server_options(EngineConfig(model=path, device="cpu"), num_replicas=2)
     assert "several model replicas on CPUs without worker_cpus" in caplog.text
     with pytest.raises(ValueError, match="worker_cpus=0 must be an integer >= 1"):
         EngineConfig(worker_cpus=0)
@@ -195,7 +195,7 @@ def test_tensor_parallel_needs_ray_executor(tiny_qwen2):
 
 @contextlib.contextmanager
 def ray_hosted_engine(stream_interval_ms=0, **config):
-    """The engine as a Serve replica hosts it (`EngineServer`: an `AsyncEngine` whose workers are Ray actors),
+    """The engine as a Serve replica hosts it (`ModelServer`: an `AsyncEngine` whose workers are Ray actors),
     for one test; its workers go away afterwards. Used on one event loop (one `asyncio.run`)."""
     engine = AsyncEngine(ray_hosted_config(EngineConfig(**config)), stream_interval_ms=stream_interval_ms)
     try:
@@ -305,7 +305,7 @@ def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2, async_sch
 
 @pytest.mark.parametrize("bad", [-1, "fast", None])
 def test_a_bad_stream_interval_fails_the_deploy_by_name(bad):
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     with pytest.raises(ValueError, match=r"stream_interval_ms=.* must be a number of milliseconds"):
         build_app({"stream_interval_ms": bad})

@@ -42,9 +42,9 @@ def generate(model: str, backend: str, static: bool, capture: bool = False, **co
     # KV pool: on a GPU, engines in parallel test processes each get one (the default takes 0.9 of the card).
     with LLM(model, attention_backend=backend, max_model_len=256, dtype="float32", cuda_graphs=capture,
              kv_cache_memory="64MiB", **config) as llm:
-        runner = llm.engine.executor.worker.runner
+        runner = llm.llm_engine.executor.worker.runner
         if static and not capture:  # captured graphs come from the engine setting, as users get them
-            runner.use_decode_graphs(llm.engine.config.max_num_seqs, llm.engine.max_model_len, capture=False)
+            runner.use_decode_graphs(llm.llm_engine.config.max_num_seqs, llm.llm_engine.max_model_len, capture=False)
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
         outs = llm.generate(PROMPTS, params)
         runs = runner.decode_graphs.num_runs if static else 0
@@ -89,5 +89,5 @@ def test_graphs_are_on_by_default_for_cuda_workers_only():
 
 def test_a_cpu_engine_left_at_the_default_replays_no_graphs(tiny_llama):
     with LLM(tiny_llama, max_model_len=256, device="cpu") as llm:
-        assert llm.engine.config.cuda_graphs is None
-        assert llm.engine.executor.worker.runner.decode_graphs is None
+        assert llm.llm_engine.config.cuda_graphs is None
+        assert llm.llm_engine.executor.worker.runner.decode_graphs is None

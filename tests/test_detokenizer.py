@@ -8,7 +8,7 @@ import random
 import pytest
 
 from benchmarks.synthetic_tokenizer import write_synthetic_tokenizer
-from pagedserve.detokenizer import Detokenizer
+from pagedserve.engine.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def test_named_files_classes_and_members_exist(doc):
         # Paths; a bare name only for source files (`config.json` is a model's file, not ours).
         if (re.fullmatch(r"[\w.-]+/[\w./-]+\.(py|c|md|proto|yaml|json|sh)", path)
                 or re.fullmatch(r"[\w.-]+\.(py|c|proto|sh)", path)):
-            # A path from the root, or a file under the package (the docs often name `cluster/errors.py`).
+            # A path from the root, or a file under the package (the docs often name `serving/error_status.py`).
             if path not in FILES and not any(f.endswith("/" + path) for f in FILES):
                 missing.append(span)
         elif m := re.fullmatch(r"([A-Z][A-Za-z]+)\.([A-Za-z_]\w*)", span):

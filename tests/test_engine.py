@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from pagedserve import LLM, LLMEngine, SamplingParams
-from pagedserve.async_engine import AsyncEngine, RequestFailed, _Stream
 from pagedserve.config import EngineConfig
+from pagedserve.engine.async_engine import AsyncEngine, RequestFailed, _Stream
 from pagedserve.executors import WorkerFailure
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
@@ -110,7 +110,7 @@ def test_an_engine_bug_fails_every_request_and_the_engine_serves_on(tiny_random,
 
 def test_offline_generate_raises_request_failed(tiny_random):
     with LLM(tiny_random, max_model_len=256) as llm:
-        fail_next_step(llm.engine, WorkerFailure("worker 0 died"))
+        fail_next_step(llm.llm_engine, WorkerFailure("worker 0 died"))
         with pytest.raises(RequestFailed, match="1 of 1 requests failed: worker 0 died"):
             llm.generate([[1, 2, 3]], greedy())
         assert llm.generate([[1, 2, 3]], greedy())[0].outputs[0].finish_reason == "length"
@@ -127,7 +127,7 @@ def test_async_engine_streams_fails_and_recovers(tiny_random, reference):
         core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256))
         try:
             ok = await asyncio.gather(*[collect(core, [9, 8, 7]) for _ in range(3)])
-            fail_next_step(core.engine, WorkerFailure("worker 0 died"))
+            fail_next_step(core.llm_engine, WorkerFailure("worker 0 died"))
             with pytest.raises(RequestFailed, match="worker 0 died"):
                 await collect(core, [5, 6, 7, 8])
             after = await collect(core, [5, 6, 7, 8])
@@ -177,7 +177,7 @@ def test_a_stream_interval_merges_outputs_and_loses_nothing(tiny_random, referen
             stream = core.generate([1, 2, 3], greedy(100))
             await anext(stream)
             await stream.aclose()  # a caller gone after its first output
-            return outs, last, metrics, core.stats(), dict(core.engine.detokenizer._states)
+            return outs, last, metrics, core.stats(), dict(core.llm_engine.outputs.detokenizer._states)
         finally:
             core.shutdown()
 
@@ -252,11 +252,11 @@ def test_an_abort_while_an_output_is_held_ends_the_stream_at_once(tiny_random):
             params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=200, ignore_eos=True)
             stream = core.generate([9, 8, 7], params, request_id="held")
             first = await anext(stream)
-            while core.engine.scheduler.requests["held"].sequences[0].num_output_tokens < 5:
+            while core.llm_engine.scheduler.requests["held"].sequences[0].num_output_tokens < 5:
                 await asyncio.sleep(0.01)  # tokens come, their output is held
             assert core.abort("held")
             rest = [out async for out in stream]
-            return first, rest, core.stats(), dict(core.engine.detokenizer._states)
+            return first, rest, core.stats(), dict(core.llm_engine.outputs.detokenizer._states)
         finally:
             core.shutdown()
 
@@ -280,7 +280,7 @@ def test_a_final_only_request_gets_one_output_equal_to_a_streamed_ones_last(tiny
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256))
     try:
-        streamed, final = (engine.make_request([9, 8, 7, 6], params) for _ in range(2))
+        streamed, final = (engine.inputs.make_request([9, 8, 7, 6], params) for _ in range(2))
         final.final_output_only = True
         engine.enqueue(streamed)
         engine.enqueue(final)
@@ -309,14 +309,14 @@ def test_chat_prompt_is_checked_in_one_place(tiny_random):
     with LLM(tiny_random, max_model_len=256) as llm:
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                     {"role": "assistant", "content": "hello"}, {"role": "tool", "content": "42"}]
-        ids = llm.engine.chat_prompt(messages)
+        ids = llm.llm_engine.inputs.chat_prompt(messages)
         assert ids == llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                         return_dict=False)
         for bad, field in [([{"role": "robot", "content": "x"}], r"messages\[0\].role='robot'"),
                            ([{"role": "user", "content": 3}], r"messages\[0\].content"),
                            ([], "messages is empty"), (["hi"], r"messages\[0\] must be an object")]:
             with pytest.raises(ValueError, match=field):
-                llm.engine.chat_prompt(bad)
+                llm.llm_engine.inputs.chat_prompt(bad)
         with pytest.raises(ValueError, match=r"conversation 1: messages\[0\].role"):
             llm.chat([[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]], greedy())
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
@@ -341,7 +341,8 @@ def test_the_engine_and_its_asyncio_wrapper_import_without_ray_or_grpc():
     import subprocess
     import sys
 
-    code = "import sys, pagedserve.async_engine, pagedserve.llm; print(sorted({'ray', 'grpc'} & set(sys.modules)))"
+    code = ("import sys, pagedserve.engine.async_engine, pagedserve.llm; "
+            "print(sorted({'ray', 'grpc'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -350,7 +351,7 @@ def test_the_engine_and_its_asyncio_wrapper_import_without_ray_or_grpc():
 def test_priority_scheduling_runs_the_urgent_first_with_the_same_tokens(tiny_random, reference, async_scheduling):
     config = dict(max_model_len=256, max_num_seqs=2, async_scheduling=async_scheduling)
     with LLM(tiny_random, scheduling_policy="priority", **config) as llm:
-        engine = llm.engine
+        engine = llm.llm_engine
         for i in range(3):
             engine.add_request([9, 8, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, priority=1),
                                f"batch{i}")
@@ -402,7 +403,7 @@ def test_a_request_is_prepared_off_the_event_loop_while_the_streams_go_on(tiny_r
             running = core.generate([9, 8, 7], greedy(200), request_id="running")
             await anext(running)
             moved = threading.Event()
-            make_request = core.engine.make_request
+            make_request = core.llm_engine.inputs.make
             prepared: list[str] = []
 
             def slow_make_request(prompt, params, request_id=None):
@@ -411,7 +412,7 @@ def test_a_request_is_prepared_off_the_event_loop_while_the_streams_go_on(tiny_r
                 prepared.append(request_id)
                 return make_request(prompt, params, request_id)
 
-            core.engine.make_request = slow_make_request
+            core.llm_engine.inputs.make = slow_make_request
 
             async def read_running():
                 seen = 0
@@ -455,7 +456,7 @@ def test_a_tokenizer_that_carries_truncation_settings_never_truncates_a_prompt(t
         backend = engine.tokenizer._tokenizer
         assert backend.truncation is None and backend.padding is None
         text = "one two three four five six seven eight nine ten eleven twelve"
-        ids = engine.encode_prompt(text)
+        ids = engine.inputs.encode_prompt(text)
         assert len(ids) > 8 and engine.tokenizer.decode(ids) == text
     finally:
         engine.shutdown()
@@ -464,7 +465,7 @@ def test_a_tokenizer_that_carries_truncation_settings_never_truncates_a_prompt(t
 def test_requests_being_prepared_count_toward_the_waiting_bound(tiny_random):
     """Requests that arrive together are all prepared on the preparing thread before any is queued: they count
     as waiting from the moment they pass the bound, so max_waiting_requests still refuses the ones beyond it."""
-    from pagedserve.async_engine import QueueFull
+    from pagedserve.engine.async_engine import QueueFull
 
     async def main():
         core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256), max_waiting_requests=2)

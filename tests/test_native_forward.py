@@ -14,8 +14,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.kernels.backend import AttentionContext, get_attention_backend
 from pagedserve.workers import model_runner
 from pagedserve.workers.models import quant_linear
-from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.native_forward import NativeForward, native_forward
 from pagedserve.workers.models.quant_linear import QuantLinear
 
@@ -124,7 +124,7 @@ def test_the_engine_gives_the_same_outputs_with_it_as_without(embedded_dir, monk
 
     def outputs() -> list:
         with LLM(str(embedded_dir), max_num_batched_tokens=64) as llm:
-            used = llm.engine.executor.worker.runner.native_forward is not None
+            used = llm.llm_engine.executor.worker.runner.native_forward is not None
             return used, [(o.prompt_logprobs, [(c.token_ids, c.logprobs) for c in o.outputs])
                           for o in llm.generate(PROMPTS, params)]
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.backend import AttentionContext, get_attention_backend
 from pagedserve.workers.loader import build_model, resolve_model
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.packed_linear import PackedLinear, can_pack, linear_product, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.kv_pool import bytes_per_block
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 
 NEW_TOKENS = 32
 BS = 16

@@ -12,10 +12,10 @@ with warnings.catch_warnings():  # Ray Serve's own pydantic deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
     import ray.serve  # noqa: F401
 
-from pagedserve.cluster.prefix_router import PrefixRouting, cached_mask, leading, summarize
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.block_manager import BlockManager, prefix_hashes
 from pagedserve.scheduler.request import Request, Sequence
+from pagedserve.serving.prefix_router import PrefixRouting, cached_mask, leading, summarize
 
 BS = 4
 
@@ -55,7 +55,7 @@ def test_the_router_finds_the_blocks_the_block_manager_cached():
 def test_the_router_hashes_a_salted_prompt_as_the_block_manager_files_it():
     from types import SimpleNamespace
 
-    from pagedserve.cluster.prefix_router import ROUTED_METHOD, PrefixAwareRouter
+    from pagedserve.serving.prefix_router import ROUTED_METHOD, PrefixAwareRouter
 
     bm = BlockManager(64, BS)
     prompt = list(range(3 * BS))

@@ -51,7 +51,7 @@ def test_sampling_fields_come_from_the_proto_and_map_onto_sampling_params():
 
 
 def test_chat_messages_cross_the_wire_whole():
-    from pagedserve.chat import MESSAGE_FIELDS
+    from pagedserve.chat.template import MESSAGE_FIELDS
     from pagedserve.protos.chat import messages_from_proto, messages_to_proto
 
     history = [{"role": "developer", "content": "Be brief.", "name": "ops"},
@@ -70,8 +70,8 @@ def test_chat_messages_cross_the_wire_whole():
 
 
 def test_fields_this_server_does_not_know_are_refused_by_number():
-    from pagedserve.cluster.grpc_service import check_known
     from pagedserve.protos import pagedserve_pb2 as pb
+    from pagedserve.serving.grpc_service import check_known
 
     def newer(message, extra: bytes):  # as a newer client would send it: with a field this proto lacks
         return type(message).FromString(message.SerializeToString() + extra)

@@ -19,8 +19,8 @@ from pagedserve.kernels import native
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.loader import build_model, hf_tensor_shapes, resolve_model
 from pagedserve.workers.models import quant_linear
-from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.models.quant_linear import (
@@ -347,11 +347,11 @@ def _same_tokens_on_blocks_and_fp32(model: str, block_types: set[str], prompts: 
     answers = []
     for gguf_linears in (True, False):
         with LLM(model, gguf_linears=gguf_linears) as llm:
-            engine_model = llm.engine.executor.worker.model
+            engine_model = llm.llm_engine.executor.worker.model
             types = {m.qtype for m in engine_model.modules() if isinstance(m, QuantLinear)}
             assert types == block_types if gguf_linears else types <= set(quant_linear.PLAIN_TYPES), types
             assert engine_model.model.embed_tokens.weight is None  # looked up in panels, no fp32 copy
-            runner = llm.engine.executor.worker.runner
+            runner = llm.llm_engine.executor.worker.runner
             assert runner.native_forward is not None  # the layers in one native call a step
             mixed = any(isinstance(m, quant_linear.ConcatQuantLinear) for m in engine_model.modules())
             assert mixed == (gguf_linears and mixed_parts)
@@ -450,7 +450,7 @@ def test_an_untied_gguf_looks_its_table_up_in_its_own_blocks(tmp_path, monkeypat
     path = rewritten_gguf(src, tmp_path / "untied.gguf", q4_0_table,
                           added={"output.weight": (table.data, table.tensor_type)})
     with LLM(str(path), max_model_len=64) as llm:
-        model = llm.engine.executor.worker.model
+        model = llm.llm_engine.executor.worker.model
         assert not model.config.tie_word_embeddings
         assert model.model.embed_tokens.table.qtype == "Q4_0" and model.lm_head.qtype == "Q8_0"
     _same_tokens_on_blocks_and_fp32(str(path), {"Q4_0", "Q4_1", "Q8_0"}, ["The capital of France is"], 16)
@@ -549,7 +549,7 @@ def test_a_16_bit_checkpoint_keeps_its_weights_16_bit_and_matches_transformers(d
                                 max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
                     .tolist() for p in prompts]
     with LLM(str(tmp_path)) as llm:
-        model = llm.engine.executor.worker.model
+        model = llm.llm_engine.executor.worker.model
         assert {m.qtype for m in model.modules() if isinstance(m, QuantLinear)} == {
             "BF16" if dtype == torch.bfloat16 else "F16"}
         table = model.model.embed_tokens.table  # one of the modules above: held 16-bit too, once

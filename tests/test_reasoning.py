@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.reasoning import ReasoningStream, ReasoningTags, check_reasoning_parser, split_reasoning
+from pagedserve.chat.reasoning import ReasoningStream, ReasoningTags, check_reasoning_parser, split_reasoning
 
 OPEN, CLOSE = 7, 8  # the tags' token ids in the prompts below
 WORDS = {1: "user", 2: "hi", 3: "\n", 4: "assistant", OPEN: "<think>", CLOSE: "</think>"}
@@ -108,11 +108,11 @@ def test_the_setting_needs_a_model_with_thinking_tags(tiny_random):
 
 def test_a_chat_plan_knows_where_its_reasoning_begins(thinker):
     from pagedserve import SamplingParams
-    from pagedserve.chat import ChatOptions
+    from pagedserve.chat.template import ChatOptions
 
     def start(**kwargs):
-        return thinker.engine.chat_plan(ASK, SamplingParams(), options=ChatOptions(chat_template_kwargs=kwargs)
-                                        ).reasoning
+        options = ChatOptions(chat_template_kwargs=kwargs)
+        return thinker.llm_engine.inputs.chat_plan(ASK, SamplingParams(), options=options).reasoning
 
     assert start() == "may_open"  # the model may open a block itself
     assert start(thinking=True) == "reasoning"  # the template opened it
@@ -164,7 +164,7 @@ def test_a_sample_that_opens_a_block_draws_freely_inside_it(thinker):
 
 
 def test_an_answer_that_is_only_reasoning_may_come_back_without_content():
-    from pagedserve.chat import check_messages
+    from pagedserve.chat.template import check_messages
 
     history = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": None, "reasoning": "Two"}]
     assert check_messages(history)[1] == {"role": "assistant", "content": "", "reasoning": "Two",
@@ -187,7 +187,7 @@ def test_reasoning_sent_back_crosses_the_wire_under_one_name():
 
 
 def test_reasoning_tokens_run_to_the_tag_that_ends_the_thought():
-    from pagedserve.reasoning import reasoning_tokens
+    from pagedserve.chat.reasoning import reasoning_tokens
 
     end = 9
     assert reasoning_tokens("reasoning", [1, 2, end, 4, 5], end, "12") == 3  # the closing tag is the thought's

@@ -11,7 +11,7 @@ import triton  # noqa: F401
 
 from pagedserve.kernels import cpu
 from pagedserve.kernels.rope import rotate_qk as triton_rotate_qk
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.rope import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

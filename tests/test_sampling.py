@@ -318,7 +318,7 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 def test_chat_answer_and_eos(smol):
     out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
     assert out.text == "The capital of France is Paris."
-    assert out.finish_reason == "stop" and out.token_ids[-1] in smol.engine.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in smol.llm_engine.eos_token_ids
 
 
 def test_stop_strings_are_cut_from_text(smol):
@@ -396,7 +396,7 @@ def test_prompt_logprobs_of_several_requests_in_one_step(smol, embedded_dir):
                smol.tokenizer.encode("The capital of France is"), smol.tokenizer.encode("Two plus two is")]
     assert len(prompts[0]) > 300
     ks = [0, 3, 1]
-    with launched_batches(smol.engine) as batches:
+    with launched_batches(smol.llm_engine) as batches:
         outs = smol.generate(prompts, [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in ks])
     assert len(batches[0].prompt_logprobs) == 3
     for prompt, out, k in zip(prompts, outs, ks, strict=True):
@@ -450,7 +450,7 @@ def test_allowed_token_ids_hold_greedy_sampled_and_min_tokens_draws(smol):
                                                       allowed_token_ids=allowed, repetition_penalty=1.3))[0].outputs]:
         assert len(c.token_ids) == 6 and set(c.token_ids) <= set(allowed), c.token_ids
     # only EOS allowed, and min_tokens would ban it: EOS is still drawn, nothing else
-    eos = smol.engine.eos_token_ids[0]
+    eos = smol.llm_engine.eos_token_ids[0]
     out = smol.generate("Hello", SamplingParams(temperature=0, max_tokens=5, min_tokens=3,
                                                 allowed_token_ids=[eos]))[0].outputs[0]
     assert out.token_ids == [eos] and out.finish_reason == "stop"
@@ -512,7 +512,7 @@ def test_bad_words_are_never_completed_with_or_without_async_scheduling(smol, em
     plain = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
     assert plain.text == "The capital of France is Paris."
     words = ["Paris", "France is"]  # one token after a space; two tokens, the second banned after the first
-    spelled = smol.engine._bad_words_token_ids(words)
+    spelled = smol.llm_engine.inputs.bad_words_token_ids(words)
     assert [smol.tokenizer.decode(ids) for ids in spelled] == ["Paris", " Paris", "France is", " France is"]
     assert any(len(ids) == 2 and contains(plain.token_ids, ids) for ids in spelled)
     params = [SamplingParams(temperature=0, max_tokens=40, bad_words=words),
@@ -522,7 +522,7 @@ def test_bad_words_are_never_completed_with_or_without_async_scheduling(smol, em
         assert not any(contains(c.token_ids, ids) for ids in spelled), c.text
     assert outs[0].text.startswith("The capital of France") and "Paris" not in outs[0].text
     with LLM(str(embedded_dir), async_scheduling=True) as ahead:
-        with launched_batches(ahead.engine) as batches:
+        with launched_batches(ahead.llm_engine) as batches:
             again = ahead.chat(CAPITAL, params[0])[0].outputs + ahead.chat(CAPITAL, params[1])[0].outputs
         # a draw whose bans read the draw before it is never scheduled ahead of it
         assert not any(b.deferred_inputs for b in batches)

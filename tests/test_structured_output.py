@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from pagedserve import LLM, SamplingParams, structured_output
-from pagedserve.lark_grammar import looks_like_lark
+from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import StructuredOutputs
-from pagedserve.structured_output import GrammarManager
+from pagedserve.structured_output import grammars as grammars_module
+from pagedserve.structured_output.grammars import GrammarManager
+from pagedserve.structured_output.lark_grammar import looks_like_lark
 
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMAS = [
@@ -45,7 +46,7 @@ def constrained(so: StructuredOutputs, **kw) -> SamplingParams:
 
 def test_json_schemas_mixed_with_unconstrained_requests(smol):
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [smol.engine.chat_prompt(ASK)] * (len(SCHEMAS) + 2)
+    prompts = [smol.llm_engine.inputs.chat_prompt(ASK)] * (len(SCHEMAS) + 2)
     alone = smol.generate(prompts[:2], [plain, plain])
     params = [plain, plain] + [constrained(StructuredOutputs(json=s)) for s in SCHEMAS]
     mixed = smol.generate(prompts, params)
@@ -76,7 +77,7 @@ def assorted_schema(i: int) -> dict:
 
 def test_fifty_assorted_schemas_in_one_batch(smol):
     schemas = [assorted_schema(i) for i in range(50)]
-    prompt = smol.engine.chat_prompt(ASK)
+    prompt = smol.llm_engine.inputs.chat_prompt(ASK)
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     params = [constrained(StructuredOutputs(json=s), seed=i, max_tokens=160) for i, s in enumerate(schemas)]
     outs = smol.generate([prompt] * 52, [plain] + params + [plain])
@@ -104,11 +105,11 @@ def test_no_step_compiles_a_grammar(smol):
     """A request's grammar is compiled when it is made (on the served engine's preparing thread) and kept with
     it: its steps never compile, even when a burst of other schemas has pushed it out of the compile cache
     meanwhile (a compile on the step loop would hold every running stream)."""
-    engine = smol.engine
+    engine = smol.llm_engine
     schema = SCHEMAS[0]
-    request = engine.make_request(engine.chat_prompt(ASK), constrained(StructuredOutputs(json=schema)))
+    request = engine.inputs.make_request(engine.inputs.chat_prompt(ASK), constrained(StructuredOutputs(json=schema)))
     assert request.grammar is not None
-    grammars = engine.grammars()
+    grammars = engine.grammars
     compile_ = grammars.compile
     empty_cache(grammars)  # as if a burst of other schemas had filled the cache since
 
@@ -135,9 +136,10 @@ def empty_cache(grammars: GrammarManager) -> None:
 def test_compiled_grammars_are_cached_within_a_byte_bound(smol, monkeypatch):
     """The compile cache is bounded by the grammars' size, not their count: past the bound the least recently
     used are dropped (and compiled again when asked for), and one larger than the bound is not kept."""
-    engine = smol.engine
+    engine = smol.llm_engine.inputs
     grammars = GrammarManager(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
     compiles = []
+    grammars._make_compiler()
     compile_json = grammars._compiler.compile_json_schema
 
     def counted(schema, **kw):
@@ -149,7 +151,7 @@ def test_compiled_grammars_are_cached_within_a_byte_bound(smol, monkeypatch):
     s1, s2, s3 = (grammars.compile(c).memory_size_bytes + len(c.key()[1]) for c in (first, second, third))
     assert len(compiles) == 3 and grammars._compiled_bytes == s1 + s2 + s3
     bound = max(s1 + s2, s1 + s3)  # room for first and either other, not for all three
-    monkeypatch.setattr(structured_output, "_CACHE_BYTES", bound)
+    monkeypatch.setattr(grammars_module, "_CACHE_BYTES", bound)
     empty_cache(grammars)
     for c in (first, second, first, third):  # first used again before third comes: second is dropped
         grammars.compile(c)
@@ -159,7 +161,7 @@ def test_compiled_grammars_are_cached_within_a_byte_bound(smol, monkeypatch):
     assert len(compiles) == 6  # both still cached
     grammars.compile(second)
     assert len(compiles) == 7  # compiled again
-    monkeypatch.setattr(structured_output, "_CACHE_BYTES", s1 - 1)
+    monkeypatch.setattr(grammars_module, "_CACHE_BYTES", s1 - 1)
     empty_cache(grammars)
     grammars.compile(first)
     grammars.compile(first)
@@ -172,7 +174,7 @@ def test_n_samples_under_preemption_stay_valid(embedded_dir):
     blocks = 5
     llm = LLM(str(embedded_dir), kv_cache_memory=blocks * 16 * 30 * 2 * 3 * 64 * 4, block_size=16)  # SmolLM2's KV
     try:
-        room = blocks * 16 - len(llm.engine.chat_prompt(ASK))
+        room = blocks * 16 - len(llm.llm_engine.inputs.chat_prompt(ASK))
         outs = llm.chat(ASK, constrained(StructuredOutputs(json=SCHEMAS[0]), n=3, max_tokens=room))[0].outputs
         assert len(outs) == 3
         for out in outs:
@@ -237,7 +239,7 @@ SETTINGS_TEXT = rf"{_PAIR}(,{_PAIR}){{0,2}}"
 
 def test_lark_grammar_constrains_as_its_ebnf_twin(smol):
     """vLLM's SQL grammar in Lark gives the same masks as its EBNF twin, hence the same draws."""
-    prompt = smol.engine.chat_prompt([{"role": "user", "content": "Write a SQL query."}])
+    prompt = smol.llm_engine.inputs.chat_prompt([{"role": "user", "content": "Write a SQL query."}])
     lark, ebnf = (smol.generate(prompt, constrained(StructuredOutputs(grammar=g), n=2, max_tokens=40))[0].outputs
                   for g in (SQL_LARK, SQL_EBNF))
     for a, b in zip(lark, ebnf, strict=True):
@@ -277,7 +279,7 @@ LARK_CASES = [
 
 @pytest.mark.parametrize("grammar, taken, refused", LARK_CASES)
 def test_lark_conversion_takes_what_lark_takes(smol, grammar, taken, refused):
-    grammars = smol.engine.grammars()
+    grammars = smol.llm_engine.grammars
     for text in taken:
         assert lark_accepts(grammars, grammar, text), text
     for text in refused:

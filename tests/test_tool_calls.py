@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.tool_calls import (
+from pagedserve.chat.tool_calls import (
     Tool,
     ToolCallStream,
     ToolChoice,

@@ -187,7 +187,7 @@ HARMLESS_BESIDE = [("temperature", 1e-300), ("temperature", 1e-320), ("repetitio
 
 
 def test_a_bad_value_never_fails_a_good_request_beside_it(llm):
-    engine = llm.engine
+    engine = llm.llm_engine
     good = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     expected = llm.generate([[9, 8, 7]], good)[0].outputs[0].token_ids
     failures = engine.stats()["num_worker_failures"]

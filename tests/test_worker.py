@@ -9,7 +9,7 @@ import weakref
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine import LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.workers.worker import kv_budget, profile_batch
 
 

@@ -1,6 +1,6 @@
 """Client SDK for a pagedserve server: `Client` (sync) and `AsyncClient` (asyncio) over gRPC.
 
-Exports resolve lazily so that `pagedserve.client.cli`, whose parser the offline `pagedserve generate`
+Exports resolve lazily so that `pagedserve.client.commands`, whose parser the offline `pagedserve generate`
 command also builds, can be imported without loading grpc.
 """
 

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from pagedserve.chat.tool_calls import ToolCall, ToolCallDelta, join_deltas
 from pagedserve.client.errors import Cancelled, from_rpc_error
 from pagedserve.protos import API_KEY_ENV
 from pagedserve.protos import pagedserve_pb2 as pb
@@ -41,7 +42,6 @@ from pagedserve.protos.chat import (
     tools_to_proto,
 )
 from pagedserve.protos.sampling import sampling_to_proto
-from pagedserve.tool_calls import ToolCall, ToolCallDelta, join_deltas
 
 __all__ = ["Client", "AsyncClient", "Completion", "Choice", "StreamChunk", "TokenLogprob", "ToolCall",
            "ToolCallDelta", "ResponseStream", "AsyncResponseStream"]

@@ -9,7 +9,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.executors.base import Executor, WorkerFailure
 from pagedserve.executors.local import LocalExecutor
 from pagedserve.workers.loader import ModelSource
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 
 __all__ = ["Executor", "LocalExecutor", "WorkerFailure", "make_executor"]
 

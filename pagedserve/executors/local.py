@@ -13,7 +13,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.loader import ModelSource
 from pagedserve.workers.model_runner import LaunchedStep
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.executors.base import WorkerFailure
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.loader import ModelSource
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def worker_threads(config: EngineConfig) -> int:
 
 class RayExecutor:
     """The workers of one model replica. Inside a placement group of `worker_bundle`s after one bundle of
-    its own (a Serve replica's, see `EngineServer`), the workers take those bundles; anywhere else it makes
+    its own (a Serve replica's, see `ModelServer`), the workers take those bundles; anywhere else it makes
     a placement group of its own."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,

@@ -1,6 +1,6 @@
 """Chat messages, tools and tool choices: OpenAI's dict shapes <-> the proto's messages, both ways, so the
-SDK and the gRPC service speak the shapes the engine (and every OpenAI client) uses. Values are checked
-by the engine (pagedserve.chat, pagedserve.tool_calls); here only what the wire cannot carry is refused."""
+SDK and the gRPC service speak the shapes the engine (and every OpenAI client) uses. Values are checked by the
+engine (pagedserve.chat.template, pagedserve.chat.tool_calls); here only what the wire cannot carry is refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from pagedserve.chat import MESSAGE_FIELDS, ChatOptions, message_reasoning
+from pagedserve.chat.template import MESSAGE_FIELDS, ChatOptions, message_reasoning
 from pagedserve.protos import pagedserve_pb2 as pb
 
 

@@ -64,6 +64,14 @@ class Request:
         # A sequence only finishes after the fork (or by abort, which ends all of them).
         return bool(self.sequences) and all(s.finished for s in self.sequences)
 
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(seq.num_output_tokens for seq in self.sequences)
+
+    def finish_reasons(self) -> list[str]:
+        """Each sample's finish reason ("abort" for one not finished)."""
+        return [seq.finish_reason or "abort" for seq in self.sequences]
+
 
 class Sequence:
     """One token stream. `num_computed_tokens` catches up with `token_ids` step by step:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
-from pagedserve.workers.models.config import ModelConfig
 from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout, shard_range
 from pagedserve.workers.models.rope import RotaryEmbedding
 

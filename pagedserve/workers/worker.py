@@ -18,7 +18,7 @@ from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_
 from pagedserve.workers.loader import ModelSource, build_model
 from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models import quant_linear
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.packed_linear import can_pack, pack_linears
 from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.sampler import Sampler

@@ -28,7 +28,7 @@ METRICS_PORT = free_port()
 def engine_stats(app_name: str = "pagedserve") -> dict:
     from ray import serve
 
-    return serve.get_deployment_handle("EngineServer", app_name).stats.remote().result()
+    return serve.get_deployment_handle("ModelServer", app_name).stats.remote().result()
 
 
 def wait_idle(app_name: str = "pagedserve", timeout: float = 30) -> dict:

@@ -24,7 +24,7 @@ from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN
 
 @pytest.fixture(scope="package")
 def app(tiny_random):
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     config = yaml.safe_load(CONFIG.read_text())
     ray.init(num_cpus=16, include_dashboard=False, _metrics_export_port=METRICS_PORT,

@@ -63,7 +63,7 @@ def test_finish_and_stop_reasons_logprob_text_and_prompt_logprobs(client, offlin
     out = client.generate(PROMPT, **params, stop=[word], include_stop_str_in_output=True)
     assert out.choices[0].stop_reason == word and out.text.endswith(word)
     info = client.model_info()
-    assert info["eos_token_ids"] == list(offline.engine.eos_token_ids) and info["num_replicas"] == 1
+    assert info["eos_token_ids"] == list(offline.llm_engine.eos_token_ids) and info["num_replicas"] == 1
 
 
 def test_abort_by_request_id_ends_the_stream_and_frees_blocks(client):

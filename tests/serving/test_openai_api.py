@@ -78,7 +78,7 @@ def test_min_tokens_logit_bias_stop_reason_include_stop_str(oai, model, offline)
 
 def first_token(llm, out) -> str:
     """The text of a prompt's first token, which offline prompt logprobs leave out (None, as vLLM's)."""
-    return llm.engine.detokenizer.token_texts(out.prompt_token_ids[:1])[0]
+    return llm.llm_engine.outputs.detokenizer.token_texts(out.prompt_token_ids[:1])[0]
 
 
 def test_echo_and_logprobs_in_openai_shape(oai, model, offline):
@@ -177,7 +177,7 @@ def test_tokenize_detokenize_and_model_routes(model, offline):
     assert status == 200 and body["tokens"] == ids and body["count"] == len(ids)
     assert body["token_strs"] == offline.tokenizer.convert_ids_to_tokens(ids)
     status, body = post("/tokenize", {"messages": MESSAGES})
-    assert status == 200 and body["tokens"] == offline.engine.chat_prompt(MESSAGES)
+    assert status == 200 and body["tokens"] == offline.llm_engine.inputs.chat_prompt(MESSAGES)
     status, body = post("/detokenize", {"model": model, "tokens": ids})
     assert status == 200 and body["prompt"] == offline.tokenizer.decode(ids)
     status, body = post("/detokenize", {"tokens": [10**7]})
@@ -208,7 +208,7 @@ def test_chat_template_options_as_offline(oai, model, offline, messages, options
                                       extra_body={"ignore_eos": True, **options})
     assert out.choices[0].message.content == ref.outputs[0].text
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
-    assert ref.prompt_token_ids != offline.engine.chat_prompt(messages)  # the options did change the prompt
+    assert ref.prompt_token_ids != offline.llm_engine.inputs.chat_prompt(messages)  # the options did change the prompt
     status, body = post("/tokenize", {"messages": messages, **options})
     assert status == 200 and body["tokens"] == ref.prompt_token_ids
 
@@ -243,7 +243,7 @@ def test_allowed_token_ids_truncate_prompt_tokens_and_bad_words_as_offline(oai, 
         assert grpc.usage["prompt_tokens"] == len(ref.prompt_token_ids)
     assert len(ref.prompt_token_ids) == len(offline.tokenizer.encode(PROMPT))  # bad_words cut nothing
     tokens = ref.outputs[0].token_ids
-    for ids in offline.engine._bad_words_token_ids([first]):  # the word, never spelled as tokenized
+    for ids in offline.llm_engine.inputs.bad_words_token_ids([first]):  # the word, never spelled as tokenized
         assert not any(tokens[i:i + len(ids)] == ids for i in range(len(tokens))), (first, tokens)
     cut = offline.generate(PROMPT, SamplingParams(**greedy, allowed_token_ids=allowed, truncate_prompt_tokens=3))[0]
     assert len(cut.prompt_token_ids) == 3 and set(cut.outputs[0].token_ids) <= set(allowed)
@@ -352,8 +352,8 @@ def test_unsupported_fields_are_refused_by_name(oai, model):
 
 def test_return_token_ids_puts_the_prompt_and_output_ids_where_vllm_does(oai, model, client, offline):
     messages = [{"role": "user", "content": "Say hello."}]
-    chat_prompt = offline.engine.chat_prompt(messages)
-    text_prompt = offline.engine.encode_prompt(PROMPT)
+    chat_prompt = offline.llm_engine.inputs.chat_prompt(messages)
+    text_prompt = offline.llm_engine.inputs.encode_prompt(PROMPT)
     kw = dict(model=model, temperature=0, max_tokens=5, extra_body={"ignore_eos": True, "return_token_ids": True})
     chat = oai.chat.completions.create(messages=messages, **kw)
     assert chat.model_extra["prompt_token_ids"] == chat_prompt
@@ -463,7 +463,7 @@ def test_beam_search_answers_as_offline_through_completions_chat_and_grpc(oai, m
         (i, c.text, c.finish_reason) for i, c in enumerate(want)]
     assert out.usage.completion_tokens == sum(len(c.token_ids) for c in want)
 
-    ask = offline.engine.chat_prompt(MESSAGES)
+    ask = offline.llm_engine.inputs.chat_prompt(MESSAGES)
     chat_want = offline.generate(ask, SamplingParams(n=2, max_tokens=10, temperature=0, **beams))[0].outputs
     texts = ["", ""]
     for chunk in oai.chat.completions.create(model=model, messages=MESSAGES, n=2, max_tokens=10, stream=True,

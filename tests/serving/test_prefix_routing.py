@@ -18,8 +18,8 @@ from ray import serve
 
 from pagedserve.client import AsyncClient, Client
 from pagedserve.client.errors import Unavailable
-from pagedserve.cluster.engine_server import replica_stats
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.model_server import replica_stats
 from tests.serving.app import BLOCK_BYTES, GRPC, MAX_MODEL_LEN
 
 ROUTED = "routed"
@@ -30,7 +30,7 @@ VOCAB = range(100, 49_000)  # tiny_random shares SmolLM2's vocabulary
 
 @pytest.fixture(scope="module")
 def routed(app, tiny_random):
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN, "num_replicas": 2, "max_num_seqs": 4,
                          "kv_cache_memory": 160 * BLOCK_BYTES, "prefix_routing": {"imbalance_threshold": 2}}),
@@ -70,7 +70,7 @@ def test_a_new_caller_routes_by_what_the_replicas_publish(routed):
         for turn in turns:
             c.generate(turn, max_tokens=1)
     time.sleep(3)  # a stats period or two, and Serve's broadcast of them
-    handle = serve.get_deployment_handle("EngineServer", routed)
+    handle = serve.get_deployment_handle("ModelServer", routed)
     for turn in turns:
         before = replica_stats(routed)
         prompt = turn + _tokens(rng, 3)

@@ -21,7 +21,7 @@ NEVER_CLOSES = dict(seed=3, max_tokens=10, extra_body={**THINKING, "logit_bias":
 def thinking(app, thinking_random):
     from ray import serve
 
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     serve.run(build_app({"model": thinking_random, "max_model_len": MAX_MODEL_LEN, "reasoning_parser": "qwen3",
                          "kv_cache_memory": POOL_BLOCKS * BLOCK_BYTES}), name="thinking", route_prefix="/thinking")

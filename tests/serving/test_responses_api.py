@@ -133,8 +133,8 @@ def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_too_long(plain
 
 
 def test_input_items_become_the_chat_messages_of_the_same_conversation():
-    from pagedserve.cluster.openai_protocol import parse
-    from pagedserve.cluster.openai_responses import ResponsesRequest
+    from pagedserve.serving.openai_api.protocol import parse
+    from pagedserve.serving.openai_api.responses import ResponsesRequest
 
     body = parse(ResponsesRequest, json.dumps({"instructions": "Be brief.", "input": [
         {"role": "user", "content": "Weather and time in Paris?"},

@@ -1,4 +1,4 @@
-"""Replicas Serve can place and heal: each EngineServer replica declares its placement group (the engine's
+"""Replicas Serve can place and heal: each ModelServer replica declares its placement group (the engine's
 bundle and one per worker, packed) so Serve places it whole and the workers live in it; a replica that no
 node could hold is refused at deploy time by name; `check_health` fails once a worker is gone, and Serve
 replaces the replica."""
@@ -20,16 +20,16 @@ TWO = "two_replicas"
 
 @pytest.fixture(scope="module")
 def two_replicas(app, tiny_random):
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN, "num_replicas": 2,
                          "kv_cache_memory": POOL_BLOCKS * BLOCK_BYTES}), name=TWO, route_prefix=f"/{TWO}")
-    yield serve.get_deployment_handle("EngineServer", TWO)
+    yield serve.get_deployment_handle("ModelServer", TWO)
     serve.delete(TWO)
 
 
 def test_settings_that_cannot_work_are_refused_at_deploy_time(app):
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size=64: one replica needs \{'CPU': 65"):
         build_app({"tensor_parallel_size": 64})  # no node of this 16-CPU cluster holds 65 CPUs
@@ -46,12 +46,12 @@ def test_settings_that_cannot_work_are_refused_at_deploy_time(app):
 
 def test_each_replica_is_one_packed_placement_group_holding_its_workers(two_replicas):
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
-    # One group per EngineServer replica, created by Serve: the engine's bundle, then the worker's. The
+    # One group per ModelServer replica, created by Serve: the engine's bundle, then the worker's. The
     # replicas make none of their own (they used to: one single-bundle group each).
     replica_groups = [g for g in groups if list(g["bundles"].values()) == [{"CPU": 1.0}, {"CPU": 1.0}]]
     assert all(g["strategy"] == "STRICT_PACK" for g in replica_groups)
     assert not [g for g in groups if len(g["bundles"]) == 1], groups
-    engine_servers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineServer" in a["name"]]
+    engine_servers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ModelServer" in a["name"]]
     assert len(replica_groups) == len(engine_servers) >= 2
     # and each replica's engine and worker run in them: both bundles' CPUs are in use
     total, free = ray.cluster_resources(), ray.available_resources()
@@ -72,13 +72,13 @@ def test_model_info_counts_the_replicas_running(two_replicas):
 
 def test_check_health_fails_when_a_worker_is_gone_and_serve_replaces_the_replica(app, tiny_random):
     from pagedserve.client import Client
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
     from tests.serving.app import GRPC
 
     serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN,
                          "kv_cache_memory": POOL_BLOCKS * BLOCK_BYTES}), name="healing", route_prefix="/healing")
     try:
-        handle = serve.get_deployment_handle("EngineServer", "healing")
+        handle = serve.get_deployment_handle("ModelServer", "healing")
         handle.check_health.remote().result()
         (pid,) = handle.worker_pids.remote().result()
         os.kill(pid, signal.SIGKILL)

@@ -12,12 +12,12 @@ import pytest
 import ray
 
 from pagedserve import SamplingParams
-from pagedserve.chat import ChatOptions
+from pagedserve.chat.template import ChatOptions
 from tests.serving.app import GREEDY, GRPC, HTTP, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, wait_idle
 
 
 def test_build_app_refuses_bad_settings_before_deploying():
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.serving.serve_app import build_app
 
     with pytest.raises(ValueError, match="executor='local': a served engine runs its workers as Ray actors"):
         build_app({"executor": "local"})
@@ -59,13 +59,14 @@ def test_chat_template_options_over_grpc_as_offline(client, offline):
     assert client.tokenize(messages=prefilled, **options) == ref.prompt_token_ids
     thinking_off = {"enable_thinking": False}
     ids = client.tokenize(messages=prefilled[:1], chat_template_kwargs=thinking_off)
-    assert ids == offline.engine.chat_prompt(prefilled[:1], options=ChatOptions(chat_template_kwargs=thinking_off))
+    assert ids == offline.llm_engine.inputs.chat_prompt(prefilled[:1],
+                                                        options=ChatOptions(chat_template_kwargs=thinking_off))
     assert offline.tokenizer.decode(ids).endswith("<think>\n\n</think>\n\n")
     docs = [{"title": "Greeting", "text": "Hello is said on meeting."}]
     ref = offline.chat(prefilled[:1], SamplingParams(**GREEDY), documents=docs)[0]
     assert client.chat(prefilled[:1], documents=docs, **GREEDY).token_ids == ref.outputs[0].token_ids
     assert client.tokenize(messages=prefilled[:1], documents=docs) == ref.prompt_token_ids
-    assert ref.prompt_token_ids != offline.engine.chat_prompt(prefilled[:1])
+    assert ref.prompt_token_ids != offline.llm_engine.inputs.chat_prompt(prefilled[:1])
     with pytest.raises(ValueError, match=r"documents\[0\] must be a dict of strings"):
         client.chat(prefilled[:1], documents=[{"title": 1}], **GREEDY)
 
@@ -256,8 +257,8 @@ def test_engine_gone_is_unavailable(app):
         stream = c.stream("x", max_tokens=300, ignore_eos=True)
         assert next(iter(stream)).token_ids
         replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                    if "bounded" in a["name"] and "EngineServer" in a["name"]]
-        assert replicas, "no EngineServer replica of the bounded app"
+                    if "bounded" in a["name"] and "ModelServer" in a["name"]]
+        assert replicas, "no ModelServer replica of the bounded app"
         ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
         with pytest.raises(Unavailable, match="engine unavailable"):
             for _ in stream:

@@ -92,7 +92,7 @@ def test_completion_top_logprobs_hold_the_chosen_token_first_then_the_top_k(oai,
 
 def test_completion_echo_scores_each_prompt_token_first(oai, offline):
     lp = completion_logprobs(oai, logprobs=2, echo=True)
-    prompt = offline.engine.detokenizer.token_texts(offline.tokenizer.encode(PROMPT))
+    prompt = offline.llm_engine.outputs.detokenizer.token_texts(offline.tokenizer.encode(PROMPT))
     assert lp.tokens[:len(prompt)] == prompt
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first
     for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.backend import AttentionContext, RMSNormHeads, RMSNormRows, SiluMul
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
 from pagedserve.workers.models.rope import RotaryEmbedding

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pagedserve.workers.models.config import ModelConfig
+from pagedserve.workers.models.model_config import ModelConfig
 
 
 def _inv_freq(base: float, dim: int, device: torch.device | None = None) -> torch.Tensor:

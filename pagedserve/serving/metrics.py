@@ -12,7 +12,7 @@ _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 
 
-class EngineMetrics:
+class ServerMetrics:
     def __init__(self, model: str) -> None:
         tags = ("model",)
         self.running = Gauge("pagedserve_requests_running", "Requests with sequences in the running batch.", tags)

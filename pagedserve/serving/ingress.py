@@ -10,20 +10,27 @@ import asyncio
 import functools
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import anyio
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
-from pagedserve.chat import ChatPlan
-from pagedserve.cluster.deltas import prompt_only
-from pagedserve.cluster.errors import ClientError, classify
-from pagedserve.cluster.grpc_service import GrpcService
-from pagedserve.cluster.openai_format import ResponseFormatter, error_response
-from pagedserve.cluster.openai_protocol import (
+from pagedserve.chat.template import ChatPlan
+from pagedserve.protos import pagedserve_pb2 as pb
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.auth import ApiKeys
+from pagedserve.serving.deltas import prompt_only
+from pagedserve.serving.error_status import ClientError, classify
+from pagedserve.serving.grpc_service import GrpcService
+from pagedserve.serving.model_client import ModelClient
+from pagedserve.serving.openai_api.completions import ResponseFormatter, error_response
+from pagedserve.serving.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -31,8 +38,7 @@ from pagedserve.cluster.openai_protocol import (
     as_sent,
     parse,
 )
-from pagedserve.cluster.openai_responses import ResponseBuilder, ResponsesRequest
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.openai_api.responses import ResponseBuilder, ResponsesRequest
 
 BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
                 DetokenizeRequest)
@@ -89,15 +95,56 @@ def _as_sent(e: Exception, names: dict[str, str]) -> ClientError:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(api)
-class Ingress(GrpcService):
-    """The application's ingress deployment: the gRPC methods (`GrpcService`) and these HTTP routes.
+class Ingress:
+    """The application's ingress deployment: the OpenAI-compatible HTTP routes, and the gRPC methods of
+    `GrpcService` under their own names; both stream through one `ModelClient`.
 
     The routes are methods of the decorated class itself, not of a base class: the module-level name is
     then the deployment, so the methods travel to the replicas by value, with the signature
-    `serve.ingress` gives them (by reference, a replica would import them without it)."""
+    `serve.ingress` gives them (by reference, a replica would import them without it). Serve's gRPC proxy calls
+    the ingress's methods by name, so each gRPC method is one here, handing the call to the service."""
+
+    def __init__(self, server: DeploymentHandle, api_keys: ApiKeys | None = None,
+                 routes_on_token_ids: bool = False) -> None:
+        self.client = ModelClient(server, api_keys, routes_on_token_ids)
+        self.server = server
+        self.grpc = GrpcService(self.client)
+
+    # ---- gRPC: pagedserve.v1.PagedServe and grpc.health.v1.Health ----
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self.grpc.Generate(request, grpc_context):
+            yield response
+
+    async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self.grpc.Chat(request, grpc_context):
+            yield response
+
+    async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:
+        return await self.grpc.Tokenize(request, grpc_context)
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, grpc_context=None) -> pb.ModelInfoResponse:
+        return await self.grpc.ModelInfo(request, grpc_context)
+
+    async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
+        return await self.grpc.Abort(request, grpc_context)
+
+    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        return await self.grpc.Health(request, grpc_context)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    grpc_context=None) -> health_pb2.HealthCheckResponse:
+        return await self.grpc.Check(request, grpc_context)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest,
+                    grpc_context=None) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        async for response in self.grpc.Watch(request, grpc_context):
+            yield response
+
+    # ---- HTTP: the OpenAI-compatible routes ----
 
     def _authorize_request(self, request: Request) -> None:
-        self.authorize(request.headers.get("authorization"), "the header 'Authorization: Bearer <key>'")
+        self.client.authorize(request.headers.get("authorization"), "the header 'Authorization: Bearer <key>'")
 
     async def _read(self, request: Request, body_type: type[BodyT]) -> tuple[BodyT, str]:
         """The request's body as `body_type` and the served model's name: the key checked first, then the
@@ -107,14 +154,14 @@ class Ingress(GrpcService):
         return body, await self._check_model(body.model)
 
     async def _check_model(self, asked: str | None) -> str:
-        name = (await self.model_info_dict())["model"]
+        name = (await self.client.model_info_dict())["model"]
         if asked not in (None, "", name):
             raise ClientError(grpc.StatusCode.NOT_FOUND, 404, f"model={asked!r} is not served here (serving {name!r})",
                               "model")
         return name
 
     async def _model_card(self) -> dict[str, Any]:
-        info = await self.model_info_dict()
+        info = await self.client.model_info_dict()
         # root: the model the card's weights are (vLLM's); parent: the base model of an adapter, none here
         return {"id": info["model"], "object": "model", "created": 0, "owned_by": "pagedserve",
                 "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
@@ -122,7 +169,7 @@ class Ingress(GrpcService):
     @api.get("/health")
     @_answers_errors
     async def health(self) -> JSONResponse:
-        await self.engine.stats.remote()
+        await self.server.stats.remote()
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
@@ -145,9 +192,9 @@ class Ingress(GrpcService):
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("prompt: give exactly one of prompt and messages")
         messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
-        ids, tokens = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, body.tools,
+        ids, tokens = await self.server.tokenize.remote(body.prompt, messages, body.add_special_tokens, body.tools,
                                                         body.chat_options())
-        info = await self.model_info_dict()
+        info = await self.client.model_info_dict()
         return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids,
                              "token_strs": tokens if body.return_token_strs else None})
 
@@ -155,7 +202,7 @@ class Ingress(GrpcService):
     @_answers_errors
     async def detokenize_route(self, request: Request) -> JSONResponse:
         body, _ = await self._read(request, DetokenizeRequest)
-        return JSONResponse({"prompt": await self.engine.detokenize.remote(body.tokens)})
+        return JSONResponse({"prompt": await self.server.detokenize.remote(body.tokens)})
 
     @api.post("/v1/completions")
     @_answers_errors
@@ -166,11 +213,11 @@ class Ingress(GrpcService):
         echoed = None
         if body.echo:
             async def text(prompt: str | list[int]) -> str:
-                return prompt if isinstance(prompt, str) else await self.engine.detokenize.remote(prompt)
+                return prompt if isinstance(prompt, str) else await self.server.detokenize.remote(prompt)
             echoed = list(await asyncio.gather(*(text(p) for p in prompts)))
         if not body.add_special_tokens:  # the batch's texts tokenized side by side
             texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-            encoded = await asyncio.gather(*(self.engine.tokenize.remote(prompts[i], None, False) for i in texts))
+            encoded = await asyncio.gather(*(self.server.tokenize.remote(prompts[i], None, False) for i in texts))
             for i, (ids, _) in zip(texts, encoded, strict=True):
                 prompts[i] = ids
         return await self._respond(prompts, params, body, model, chat=False, echoed=echoed)
@@ -192,7 +239,7 @@ class Ingress(GrpcService):
         plan = await self._chat_plan(body, body.messages(), body.sampling_params(), body.chat_tools(),
                                      body.chat_tool_choice())
         rid = body.request_id or "resp_" + uuid.uuid4().hex
-        deltas = self.chat_deltas(plan, rid)
+        deltas = self.client.chat_deltas(plan, rid)
         first = await _first(deltas, body.engine_names())
         build = ResponseBuilder(rid, int(time.time()), model, body, plan.reasoning, plan.reasoning_end_id)
         if body.stream:
@@ -204,7 +251,7 @@ class Ingress(GrpcService):
                          tool_choice: str | dict[str, Any] | None) -> ChatPlan:
         """The engine's plan of a chat (`LLMEngine.chat_plan`); its errors in the body's field names."""
         try:
-            return await self.engine.chat_plan.remote(messages, params, tools, tool_choice,
+            return await self.server.chat_plan.remote(messages, params, tools, tool_choice,
                                                       body.parallel_tool_calls, body.chat_options())
         except Exception as e:
             raise _as_sent(e, body.engine_names()) from None
@@ -215,8 +262,8 @@ class Ingress(GrpcService):
         rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
         prompt_ids = bool(body.return_token_ids)
-        deltas = self.chat_deltas(prompt, rid, body.include_reasoning, prompt_ids) if chat else \
-            self.batch_deltas(prompt, params, rid, prompt_ids)
+        deltas = self.client.chat_deltas(prompt, rid, body.include_reasoning, prompt_ids) if chat else \
+            self.client.batch_deltas(prompt, params, rid, prompt_ids)
         if not chat and body.scores_only():
             deltas = prompt_only(deltas)
         first = await _first(deltas, body.engine_names())

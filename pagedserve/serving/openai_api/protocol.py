@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagedserve.chat import ChatOptions
+from pagedserve.chat.template import ChatOptions
 from pagedserve.sampling_params import SamplingParams, StructuredOutputs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat runs until the model stops or the context is full
@@ -79,7 +79,7 @@ class _Sampling(StrictBody):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens as "token_id:<id>" (vLLM's)
     # vLLM's: true adds the prompt's token ids; false leaves out the choices' token ids too (unset: sent)
     return_token_ids: bool | None = None
-    use_beam_search: bool | None = None  # the n most likely sequences, best first (pagedserve.beam_search)
+    use_beam_search: bool | None = None  # the n most likely sequences, best first (pagedserve.engine.beam_search)
     length_penalty: float | None = None  # a beam's score: its log-probability over its length ** this
     # Fields that change nothing when asked for nothing: accepted then, refused by name otherwise (`_NOTHING`)
     # Either value gives the same text: the (fast) tokenizer's decode puts no space between special tokens, as
@@ -287,7 +287,7 @@ class ToolCallParam(StrictBody):
 
 
 class ChatMessage(StrictBody):
-    role: str  # which roles exist, and what each may carry, is the engine's to say (pagedserve.chat)
+    role: str  # which roles exist, and what each may carry, is the engine's to say (pagedserve.chat.template)
     content: str | list[TextPart] | None = None
     name: str | None = None  # the participant's name, for a template that shows it
     tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
@@ -312,7 +312,7 @@ class ChatMessage(StrictBody):
 
 
 class _Templated(StrictBody):
-    """How the chat template renders the messages (`pagedserve.chat.ChatOptions`)."""
+    """How the chat template renders the messages (`pagedserve.chat.template.ChatOptions`)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -331,7 +331,7 @@ class ChatCompletionRequest(_Sampling, _Templated):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # checked by the engine (pagedserve.tool_calls), as for gRPC
+    tools: list[dict[str, Any]] | None = None  # checked by the engine (pagedserve.chat.tool_calls), as for gRPC
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False  # vLLM's: the answer starts with the last message when that is the assistant's

@@ -12,16 +12,26 @@ last, as Lark's lexer skips them there: each terminal, string or regex used in a
 ignored ones. `%import common.X` brings Lark's common terminals (`COMMON`), written here as EBNF with the
 meaning Lark's lexer gives them. What cannot be converted is refused, naming the line and the construct:
 templates, `%declare` / `%override` / `%extend`, imports from elsewhere, and the regex constructs
-`pagedserve.lark_regex` names.
+`pagedserve.structured_output.lark_regex` names.
 """
 
 from __future__ import annotations
 
 import re
 
-from pagedserve.lark_regex import ALT, ATOM, SEQ, Expr, RegexError, char_class, paren, quote, regex_to_ebnf
-from pagedserve.lark_regex import repeat as repeat_expr
-from pagedserve.lark_syntax import (
+from pagedserve.structured_output.lark_regex import (
+    ALT,
+    ATOM,
+    SEQ,
+    Expr,
+    RegexError,
+    char_class,
+    paren,
+    quote,
+    regex_to_ebnf,
+)
+from pagedserve.structured_output.lark_regex import repeat as repeat_expr
+from pagedserve.structured_output.lark_syntax import (
     Alt,
     Grammar,
     LarkSyntaxError,

@@ -1,19 +1,19 @@
-"""The Ray Serve application: `EngineServer` (one deployment replica per model replica) and `Ingress`
+"""The Ray Serve application: `ModelServer` (one deployment replica per model replica) and `Ingress`
 (the gRPC service and the OpenAI-compatible routes), separate deployments as in Ray Serve LLM.
 
-    serve run deploy/config.yaml      # import_path: pagedserve.cluster.serve_app:build_app
+    serve run deploy/config.yaml      # import_path: pagedserve.serving.serve_app:build_app
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.async_engine import stream_interval_seconds
-from pagedserve.cluster.auth import ApiKeys
-from pagedserve.cluster.engine_server import EngineServer, engine_options
-from pagedserve.cluster.openai_api import Ingress
-from pagedserve.cluster.prefix_router import PrefixRouting
 from pagedserve.config import ray_hosted_config
+from pagedserve.engine.async_engine import stream_interval_seconds
+from pagedserve.serving.auth import ApiKeys
+from pagedserve.serving.ingress import Ingress
+from pagedserve.serving.model_server import ModelServer, model_server_options
+from pagedserve.serving.prefix_router import PrefixRouting
 
 # A served stream sends at most one message per this many milliseconds (see AsyncEngine).
 DEFAULT_STREAM_INTERVAL_MS = 100
@@ -39,6 +39,7 @@ def build_app(args: dict[str, Any] | None = None):
     stream_interval_seconds(stream_interval_ms)  # a bad value fails the deployment now, not in each replica
     api_keys = ApiKeys.resolve(args.pop("api_keys", None))
     config = ray_hosted_config(args)
-    engine = EngineServer.options(**engine_options(config, num_replicas, autoscaling, actor_options, routing))
-    return Ingress.bind(engine.bind(config, max_waiting, routing is not None, stream_interval_ms), api_keys,
+    server = ModelServer.options(**model_server_options(config, num_replicas, autoscaling, actor_options,
+                                                         routing))
+    return Ingress.bind(server.bind(config, max_waiting, routing is not None, stream_interval_ms), api_keys,
                         routing is not None)

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from pagedserve.cluster.deltas import Delta
-from pagedserve.cluster.engine_server import EngineClient
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.deltas import Delta
+from pagedserve.serving.model_client import ModelClient
 
 
 class _Stream:
@@ -34,7 +34,7 @@ class _Stream:
 
 
 class _Replicas:
-    """Stands in for the EngineServer handle: call i streams `runs[i]`."""
+    """Stands in for the ModelServer handle: call i streams `runs[i]`."""
 
     def __init__(self, runs: list[list]) -> None:
         self.runs = runs
@@ -52,7 +52,7 @@ class _Replicas:
         return _Stream(self.runs[self.calls - 1])
 
 
-def _collect(client: EngineClient) -> list[Delta]:
+def _collect(client: ModelClient) -> list[Delta]:
     async def run() -> list[Delta]:
         return [d async for d in client.deltas([1, 2, 3], SamplingParams(max_tokens=2), "r")]
     return asyncio.run(run())
@@ -66,14 +66,14 @@ def _done(text: str) -> Delta:
                          ids=["died", "unavailable"])
 def test_a_request_failed_before_its_first_delta_runs_again(gone):
     replicas = _Replicas([[gone], [gone], [_done("ok")]])
-    assert [d.text for d in _collect(EngineClient(replicas))] == ["ok"]
+    assert [d.text for d in _collect(ModelClient(replicas))] == ["ok"]
     assert replicas.calls == 3
 
 
 def test_a_request_runs_at_most_three_times():
     replicas = _Replicas([[ActorUnavailableError("connection lost", None)]] * 4)
     with pytest.raises(ActorUnavailableError):
-        _collect(EngineClient(replicas))
+        _collect(ModelClient(replicas))
     assert replicas.calls == 3
 
 
@@ -82,7 +82,7 @@ def test_a_request_that_sent_a_delta_ends_with_its_replica():
     seen: list[str] = []
 
     async def run() -> None:
-        async for d in EngineClient(replicas).deltas([1], SamplingParams(max_tokens=2), "r"):
+        async for d in ModelClient(replicas).deltas([1], SamplingParams(max_tokens=2), "r"):
             seen.append(d.text)
 
     with pytest.raises(ActorUnavailableError):
@@ -92,7 +92,7 @@ def test_a_request_that_sent_a_delta_ends_with_its_replica():
 
 
 def test_a_batch_of_prompts_is_numbered_and_counted_as_one_request():
-    from pagedserve.cluster.deltas import merge_prompts, usage
+    from pagedserve.serving.deltas import merge_prompts, usage
 
     closed: list[str] = []  # the prompts' streams whose cleanup ran
 
@@ -131,7 +131,7 @@ def test_a_batch_of_prompts_is_numbered_and_counted_as_one_request():
 
 
 def test_an_event_stream_closes_what_it_reads_when_the_client_leaves():
-    from pagedserve.cluster.openai_api import _EventStream
+    from pagedserve.serving.ingress import _EventStream
 
     closed: list[str] = []
 

@@ -6,13 +6,15 @@ the beams come out the same, best first.
 Each step extends every running beam by one token: one request per beam, its prompt the beam's tokens, one
 greedy token with the `keep` most likely next tokens' log-probabilities (the model's raw distribution). The
 prefix cache holds each beam's blocks, its partial last one as a tail that its step before left
-(`BlockPool.cache_tail`), so a step computes one token per beam. The drivers, `LLM.generate` offline and
-`AsyncEngine.generate` served, run those requests and hand their outputs to `BeamSearch.advance`.
+(`BlockPool.cache_tail`), so a step computes one token per beam. `LLMEngine` runs those requests beside the
+others (offline and served alike) and hands their outputs to `BeamSearch.advance`; to its callers a search is
+one request with one output, its answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -58,10 +60,37 @@ class BeamSearch:
     # Output tokens and cumulative log-probability of each running beam, best first. transformers starts
     # `width` copies of the prompt, all but the first at -1e9; only the first can give candidates, so one runs.
     running: list[tuple[list[int], float]] = field(default_factory=lambda: [([], 0.0)])
-    finished: list[_Finished] = field(default_factory=list)  # at most `width`, best first
+    finished_beams: list[_Finished] = field(default_factory=list)  # at most `width`, best first
     improvable: bool = True  # transformers' early-stop heuristic: a running beam may still beat a finished one
     done: bool = False
     num_cached_tokens: int | None = None  # of the prompt, at the first step
+    # The step running: its requests' ids -> their beams, and the outputs of those that have finished.
+    num_steps: int = 0
+    step_beams: dict[str, int] = field(default_factory=dict)
+    step_outputs: list[RequestOutput | None] = field(default_factory=list)
+    aborted: bool = False
+    error: str | None = None  # why a failed step ended it
+
+    final_output_only: ClassVar[bool] = True  # a search's callers see its answer alone
+
+    @property
+    def finished(self) -> bool:
+        return self.done or self.aborted or self.error is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The answer's tokens, once there is one."""
+        return sum(len(f.tokens) for f in self.finished_hypotheses()) if self.finished else 0
+
+    def finish_reasons(self) -> list[str]:
+        if self.error is not None:
+            return ["error"]
+        if self.aborted:
+            return ["abort"] * self.width
+        return ["stop" if f.ended else "length" for f in self.finished_hypotheses()]
+
+    def finished_hypotheses(self) -> list[_Finished]:
+        return self.finished_beams[:self.width]
 
     @property
     def width(self) -> int:
@@ -78,6 +107,25 @@ class BeamSearch:
 
     def step_prompts(self) -> list[list[int]]:
         return [self.prompt_token_ids + tokens for tokens, _ in self.running]
+
+    def start_step(self, request_ids: list[str]) -> None:
+        """The next step's requests (one per running beam, as `step_prompts`) are made: wait for them."""
+        self.num_steps += 1
+        self.step_beams = {rid: b for b, rid in enumerate(request_ids)}
+        self.step_outputs = [None] * len(request_ids)
+
+    def take(self, out: RequestOutput) -> bool:
+        """A step request's last output; True when the whole step is in, and the search advanced by it (or
+        failed with the request's error)."""
+        beam = self.step_beams.pop(out.request_id)
+        if out.error:
+            self.error = out.error
+            return True
+        self.step_outputs[beam] = out
+        if self.step_beams:
+            return False
+        self.advance(self.step_outputs)
+        return True
 
     def advance(self, outputs: list[RequestOutput]) -> None:
         """One step: the running beams' next-token candidates, from their requests' outputs."""
@@ -105,25 +153,28 @@ class BeamSearch:
             for (cumulative, b, token), ended in zip(candidates[:self.width], ends, strict=False):
                 if ended:
                     stop = token if token in self.params.stop_token_ids else None
-                    self.finished.append(_Finished(cumulative / length ** self.params.length_penalty,
+                    self.finished_beams.append(_Finished(cumulative / length ** self.params.length_penalty,
                                                    beams[b] + [token], token in self.eos_token_ids, stop))
-            self.finished = sorted(self.finished, key=lambda f: -f.score)[:self.width]
+            self.finished_beams = sorted(self.finished_beams, key=lambda f: -f.score)[:self.width]
 
         # transformers' heuristic (early_stopping=False): the best running beam, scored at its length now, can
         # still beat the worst of `width` hypotheses (any, while fewer than `width` are found).
         best_running = self.running[0][1] / length ** self.params.length_penalty
-        worst = self.finished[-1].score if len(self.finished) == self.width else _DROPPED
+        worst = self.finished_beams[-1].score if len(self.finished_beams) == self.width else _DROPPED
         self.improvable = self.improvable and best_running > worst
         self.done = not self.improvable or all(ends)
 
-    def output(self, text_of, aborted: bool = False) -> RequestOutput:
+    def output(self, text_of) -> RequestOutput:
         """The answer: the `width` hypotheses, best first; `text_of(token_ids)` gives an output's text. Aborted:
-        the best beams so far, finished ones first, each ended by the abort."""
-        if aborted:
-            best = [(f.tokens, "abort", None) for f in self.finished]
+        the best beams so far, finished ones first, each ended by the abort. Failed: no output, the error."""
+        if self.error is not None:
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, finished=True,
+                                 error=self.error)
+        if self.aborted:
+            best = [(f.tokens, "abort", None) for f in self.finished_beams]
             best += [(tokens, "abort", None) for tokens, _ in self.running]
         else:
-            best = [(f.tokens, "stop" if f.ended else "length", f.stop_reason) for f in self.finished]
+            best = [(f.tokens, "stop" if f.ended else "length", f.stop_reason) for f in self.finished_beams]
         outputs = [CompletionOutput(index=i, text=text_of(tokens), token_ids=tokens, finish_reason=reason,
                                     stop_reason=stop) for i, (tokens, reason, stop) in enumerate(best[:self.width])]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=True,

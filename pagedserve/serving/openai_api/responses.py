@@ -18,13 +18,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pagedserve.chat import ChatOptions
-from pagedserve.cluster.deltas import Delta, cached_of
-from pagedserve.cluster.errors import classify
-from pagedserve.cluster.openai_protocol import StrictBody, constraint_names, refuse_what_is_asked, spelled_as_sent
-from pagedserve.reasoning import ReasoningStart, reasoning_tokens
+from pagedserve.chat.reasoning import ReasoningStart, reasoning_tokens
+from pagedserve.chat.template import ChatOptions
+from pagedserve.chat.tool_calls import ToolCallDelta
 from pagedserve.sampling_params import SamplingParams, StructuredOutputs
-from pagedserve.tool_calls import ToolCallDelta
+from pagedserve.serving.deltas import Delta, cached_of
+from pagedserve.serving.error_status import classify
+from pagedserve.serving.openai_api.protocol import StrictBody, constraint_names, refuse_what_is_asked, spelled_as_sent
 
 
 class TextFormat(StrictBody):

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.chat.reasoning import ReasoningStart, ReasoningStream
+from pagedserve.chat.tool_calls import ToolCallDelta, ToolCallStream, ToolParsing
 from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.reasoning import ReasoningStart, ReasoningStream
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.tool_calls import ToolCallDelta, ToolCallStream, ToolParsing
 
 
 @dataclass
@@ -138,7 +138,7 @@ async def prompt_only(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
 
 
 def with_reasoning(deltas: AsyncIterator[Delta], start: ReasoningStart, include: bool = True) -> AsyncIterator[Delta]:
-    """The deltas with each sample's text split into reasoning and answer (`pagedserve.reasoning`); without
+    """The deltas with each sample's text split into reasoning and answer (`pagedserve.chat.reasoning`); without
     `include` (a request's `include_reasoning: false`) the reasoning is left out."""
     def split(d: Delta, stream: ReasoningStream, text: str) -> None:
         reasoning, d.text = stream.update(text, final=d.finish_reason is not None)

@@ -3,7 +3,7 @@ constrained sequence, and each step's allowed-token bitmasks for the sampler.
 
 With a reasoning parser (`EngineConfig.reasoning_parser`) a constraint shapes the answer, not the thinking
 before it, as with vLLM: a sequence that begins inside a thinking block draws freely until its closing tag
-(`pagedserve.reasoning`), and the grammar begins after it; one that may open a block may start with the
+(`pagedserve.chat.reasoning`), and the grammar begins after it; one that may open a block may start with the
 opening tag.
 
 xgrammar over llguidance (benchmarks/grammar_backends.py, figures in benchmarks/RESULTS.md): a step's
@@ -20,14 +20,14 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedserve.lark_grammar import lark_to_ebnf, looks_like_lark
-from pagedserve.reasoning import ReasoningStart, ReasoningTags
+from pagedserve.chat.reasoning import ReasoningStart, ReasoningTags
 from pagedserve.sampling_params import StructuredOutputs
 from pagedserve.scheduler.batch import StepBatch
+from pagedserve.structured_output.lark_grammar import lark_to_ebnf, looks_like_lark
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.request import Sequence
@@ -66,12 +66,9 @@ class GrammarManager:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
                  reasoning: ReasoningTags | None = None) -> None:
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(eos_token_ids) or None)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._xgr: Any = None  # xgrammar and its compiler: made on the first compile (reading the vocabulary
+        self._compiler: Any = None  # takes a while, and an engine may never see a constrained request)
+        self._eos_token_ids = eos_token_ids
         self._compiled: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()  # key -> (grammar, bytes)
         self._compiled_bytes = 0
         # Requests compile on the engine's preparing thread while the step loop may look a grammar up; the
@@ -92,6 +89,9 @@ class GrammarManager:
                 self._compiled.move_to_end(key)
                 return cached[0]
         kind, text = key
+        with self._compiled_lock:
+            if self._compiler is None:
+                self._make_compiler()
         if kind == "grammar" and looks_like_lark(text):
             text = _lark_as_ebnf(text)
         try:
@@ -110,6 +110,19 @@ class GrammarManager:
             raise ValueError(f"structured_outputs.{kind} does not compile: {str(e).strip()[:300]}") from None
         self._keep(key, compiled, compiled.memory_size_bytes + len(text))
         return compiled
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any constraint was compiled: until then no sequence is constrained, and a step has no masks."""
+        return self._compiler is not None
+
+    def _make_compiler(self) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=list(self._eos_token_ids) or None)
+        self._xgr = xgr  # before the compiler: the step loop reads `in_use` from another thread
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def _keep(self, key: tuple[str, str], compiled: object, size: int) -> None:
         """Cache a compiled grammar of `size` bytes, dropping the least recently used ones past the bound; one

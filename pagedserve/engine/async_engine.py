@@ -3,7 +3,7 @@
 Requests are added and aborted on the event loop while a step's workers compute. What a request costs to
 prepare (tokenizing it, rendering a chat template, compiling its grammar: a large schema takes a second)
 runs on a thread of its own (`AsyncEngine.prepare`), so the streams already running go on meanwhile. The Serve
-deployment (`cluster/engine_server.py`) wraps one; nothing here depends on Ray.
+deployment (`serving/model_server.py`) wraps one; nothing here depends on Ray.
 
     engine = AsyncEngine(EngineConfig(...))
     async for out in engine.generate(prompt, params):   # RequestOutput, cumulative; the last finished
@@ -15,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from pagedserve.beam_search import BeamSearch
 from pagedserve.config import EngineConfig
-from pagedserve.engine import LLMEngine, Prompt, RequestFailed
+from pagedserve.engine.beam_search import BeamSearch
+from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
@@ -39,7 +37,7 @@ class QueueFull(RuntimeError):
 
 
 class StepMetrics(Protocol):
-    """What the step loop reports (cluster/metrics.py's EngineMetrics records it for Ray)."""
+    """What the step loop reports (serving/metrics.py's ServerMetrics records it for Ray)."""
 
     def on_tokens(self, count: int, first_token_latencies: list[float], inter_token_latencies: list[float]) -> None:
         """A step's tokens: how many, and per request that got some, the time since its arrival (its first)
@@ -67,9 +65,8 @@ class _Stream:
     message per interval however short the steps are, and no output is built that is not sent. The first
     output (time to first token) and the last go at once."""
 
-    def __init__(self, request: Request, arrival: float, counted: bool = True) -> None:
+    def __init__(self, request: Request | BeamSearch, arrival: float) -> None:
         self.request = request
-        self.counted = counted  # its end is a request's in the metrics (not a beam search's step)
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.arrival = arrival
         self.last_tokens = arrival  # when the engine last gave it tokens (for the latency metrics)
@@ -101,14 +98,6 @@ class _Stream:
             self.timer.cancel()
 
 
-@dataclass
-class _Search:
-    """A beam search running on the step loop: its step's requests, and whether `abort` ended it."""
-
-    steps: list[asyncio.Future] = field(default_factory=list)
-    aborted: bool = False
-
-
 class AsyncEngine:
     """`max_waiting_requests` bounds the admission queue (QueueFull beyond it). `stream_interval_ms`: a
     stream yields at most one output per this many milliseconds, the newest (outputs are cumulative), so that
@@ -120,11 +109,10 @@ class AsyncEngine:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
         self.stream_interval = stream_interval_seconds(stream_interval_ms)
-        self.engine = LLMEngine(config)
+        self.llm_engine = LLMEngine(config)
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}
-        self._searches: dict[str, _Search] = {}  # beam searches running, by request id
         self._num_preparing = 0  # requests on the preparing thread, not queued yet
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -132,8 +120,8 @@ class AsyncEngine:
         self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-prepare")
 
     async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` (a request's preparation: `LLMEngine.make_request`, `chat_plan`, `tokenize`,
-        ...) on the preparing thread, off the event loop, so that the step loop goes on while it runs. The
+        """`fn(*args, **kwargs)` (a request's preparation: `InputProcessor.make`, `chat_plan`, `tokenize`, ...)
+        on the preparing thread, off the event loop, so that the step loop goes on while it runs. The
         engine's step state is the event loop's alone; a preparation reads only what does not change (the
         tokenizer, the model's limits) and the grammar cache (locked)."""
         loop = asyncio.get_running_loop()
@@ -147,32 +135,27 @@ class AsyncEngine:
         once, its answer."""
         if self.max_waiting_requests is not None:
             # Requests still being prepared are waiting too: they are queued the moment they are ready.
-            waiting = self.engine.num_waiting_requests() + self._num_preparing
+            waiting = self.llm_engine.num_waiting_requests() + self._num_preparing
             if waiting >= self.max_waiting_requests:
                 raise QueueFull(f"{waiting} requests are waiting "
                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         arrival = time.monotonic()
-        make = self.engine.make_beam_search if params.use_beam_search else self.engine.make_request
         self._num_preparing += 1
         try:
-            made = await self.prepare(make, prompt, params, request_id)
+            made = await self.prepare(self.llm_engine.inputs.make, prompt, params, request_id)
         finally:
             self._num_preparing -= 1
-        if params.use_beam_search:
-            yield await self._beam_search(made, arrival)
-            return
         # Closed with this generator (a caller that stops reading), not when the collector finds it.
         async with contextlib.aclosing(self._run(made, arrival)) as outputs:
             async for out in outputs:
                 yield out
 
-    async def _run(self, request: Request, arrival: float, counted: bool = True) -> AsyncIterator[RequestOutput]:
-        """Queue a made request and yield its outputs (`generate`); `counted`: its end is a request's in the
-        metrics (a beam search's steps are not)."""
+    async def _run(self, request: Request | BeamSearch, arrival: float) -> AsyncIterator[RequestOutput]:
+        """Queue a made request (or beam search) and yield its outputs (`generate`)."""
         rid = request.request_id
         self._check_unused(rid)
-        stream = self._streams[rid] = _Stream(request, arrival, counted)
-        self.engine.enqueue(request)
+        stream = self._streams[rid] = _Stream(request, arrival)
+        self.llm_engine.enqueue(request)
         self._start_loop()
         self._work.set()
         finished = False
@@ -189,62 +172,17 @@ class AsyncEngine:
             stream.close()
             self._streams.pop(rid, None)
             # The caller went away (cancelled, disconnected) before the end: free the blocks now.
-            if not finished and self.engine.abort_request(rid) is not None:
+            if not finished and self.llm_engine.abort_request(rid) is not None:
                 self._record_finish(stream, time.monotonic())
 
-    async def _beam_search(self, search: BeamSearch, arrival: float) -> RequestOutput:
-        """Run a beam search to its end: each step's beams are requests of their own, run side by side. An
-        `abort` ends it with its best beams so far (finish_reason "abort")."""
-        rid = search.request_id
-        self._check_unused(rid)
-        state = self._searches[rid] = _Search()
-        params = search.step_params()
-        try:
-            for step in itertools.count():
-                if search.done or state.aborted:
-                    break
-                requests = await self.prepare(self._beam_requests, search, params, f"{rid}#{step}")
-                if state.aborted:  # while they were made: none of them runs
-                    break
-                state.steps = [asyncio.ensure_future(self._last(r, arrival)) for r in requests]
-                try:
-                    outputs = await asyncio.gather(*state.steps)
-                except BaseException as e:  # a beam's request failed, the caller left, or an abort
-                    for task in state.steps:
-                        task.cancel()
-                    if not (state.aborted and isinstance(e, asyncio.CancelledError)):
-                        raise
-                    break
-                search.advance(outputs)
-        finally:
-            self._searches.pop(rid, None)
-        out = self.engine.beam_output(search, aborted=not search.done)
-        if self.metrics is not None:
-            self.metrics.on_finish([c.finish_reason for c in out.outputs], len(search.prompt_token_ids),
-                                   time.monotonic() - arrival)
-        return out
-
     def _check_unused(self, request_id: str) -> None:
-        """The scheduler knows the ids it runs (`make_request` checks them); here, also those of requests whose
-        last output is not read yet, and of beam searches."""
-        if request_id in self._streams or request_id in self._searches:
+        """The engine knows the ids it runs (`enqueue` checks them); here, also those of requests whose last
+        output is not read yet."""
+        if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is already in use")
 
-    def _beam_requests(self, search: BeamSearch, params: SamplingParams, step_id: str) -> list[Request]:
-        return [self.engine.make_request(ids, params, f"{step_id}.{b}") for b, ids in enumerate(search.step_prompts())]
-
-    async def _last(self, request: Request, arrival: float) -> RequestOutput:
-        outputs = [out async for out in self._run(request, arrival, counted=False)]
-        return outputs[-1]
-
     def abort(self, request_id: str) -> bool:
-        search = self._searches.get(request_id)
-        if search is not None:
-            search.aborted = True
-            for step in search.steps:
-                step.cancel()
-            return True
-        out = self.engine.abort_request(request_id)
+        out = self.llm_engine.abort_request(request_id)
         if out is None:
             return False
         stream = self._streams.get(request_id)
@@ -254,7 +192,7 @@ class AsyncEngine:
             stream.send(out, self.stream_interval, now)
         return True
 
-    def _deliver(self, requests: list[Request], now: float) -> None:
+    def _deliver(self, requests: list[Request | BeamSearch], now: float) -> None:
         """Record a step's tokens, and pass each request it changed to its stream (if its caller is still
         there)."""
         count = 0
@@ -264,9 +202,9 @@ class AsyncEngine:
             stream = self._streams.get(request.request_id)
             if stream is None:
                 if request.finished:
-                    self.engine.output(request)  # frees what the engine keeps for it
+                    self.llm_engine.output(request)  # frees what the engine keeps for it
                 continue
-            total = sum(seq.num_output_tokens for seq in request.sequences)
+            total = request.num_output_tokens
             if total > stream.num_tokens:
                 count += total - stream.num_tokens
                 (later if stream.num_tokens else first).append(now - stream.last_tokens)
@@ -274,40 +212,42 @@ class AsyncEngine:
             finished = request.finished
             if finished:
                 self._record_finish(stream, now)
-            stream.changed(self.engine, self.stream_interval, now, finished)
+            stream.changed(self.llm_engine, self.stream_interval, now, finished)
         if self.metrics is not None and count:
             self.metrics.on_tokens(count, first, later)
 
     def _record_finish(self, stream: _Stream, now: float) -> None:
-        if self.metrics is not None and stream.counted:
+        if self.metrics is not None:
             request = stream.request
-            self.metrics.on_finish([seq.finish_reason or "abort" for seq in request.sequences],
-                                   len(request.prompt_token_ids), now - stream.arrival)
+            self.metrics.on_finish(request.finish_reasons(), len(request.prompt_token_ids), now - stream.arrival)
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats() | {"num_streams": len(self._streams)}
+        return self.llm_engine.stats() | {"num_streams": len(self._streams)}
 
     def model_info(self) -> dict[str, Any]:
-        return self.engine.model_info()
+        return self.llm_engine.model_info()
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.llm_engine.cached_block_hashes()
 
     async def check_health(self) -> None:
         """RuntimeError naming what is gone: the step loop (it died of an error) or a worker."""
         task = self._loop_task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"the engine's step loop died: {task.exception()!r}")
-        if self.engine.executor is None:
+        if self.llm_engine.executor is None:
             raise RuntimeError("the engine is shut down")
-        await self.engine.executor.check_health()
+        await self.llm_engine.executor.check_health()
 
     async def worker_pids(self) -> list[int]:
-        return await asyncio.to_thread(self.engine.worker_pids)
+        return await asyncio.to_thread(self.llm_engine.worker_pids)
 
     def _start_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
 
     async def _step_loop(self) -> None:
-        engine = self.engine
+        engine = self.llm_engine
         while True:
             if not engine.has_unfinished_requests():
                 self._work.clear()
@@ -329,4 +269,4 @@ class AsyncEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._preparing.shutdown(wait=False, cancel_futures=True)
-        self.engine.shutdown()
+        self.llm_engine.shutdown()

@@ -9,12 +9,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pagedserve.cluster.deltas import Delta
-from pagedserve.cluster.errors import classify
-from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.chat.tool_calls import ToolCallDelta, join_deltas
 from pagedserve.outputs import PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.tool_calls import ToolCallDelta, join_deltas
+from pagedserve.serving.deltas import Delta
+from pagedserve.serving.error_status import classify
+from pagedserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 429: "rate_limit_error", 503: "service_unavailable"}

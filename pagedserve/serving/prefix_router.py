@@ -1,6 +1,6 @@
 """Routing by the exact cached prefix.
 
-Each `EngineServer` replica publishes which blocks its prefix cache holds through Serve's routing stats:
+Each `ModelServer` replica publishes which blocks its prefix cache holds through Serve's routing stats:
 the low 32 bits of every cached block's chained hash, sorted (4 bytes a block, `summarize`). The
 `PrefixAwareRouter` runs in each caller's deployment handle (the ingress); for a prompt given as token ids
 it computes the same chained hashes (`prefix_hashes`, the block manager's) and sends the request to the
@@ -26,7 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from pagedserve.scheduler.block_manager import prefix_hashes
 
-ROUTED_METHOD = "generate_deltas"  # the one EngineServer method taking (prompt, params, ...)
+ROUTED_METHOD = "generate_deltas"  # the one ModelServer method taking (prompt, params, ...)
 _MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
 
 
@@ -93,11 +93,11 @@ class PrefixRouting:
 
 
 class PrefixAwareRouter(RequestRouter):
-    """Serve request router for `EngineServer` (see the module's docstring). Calls other than
+    """Serve request router for `ModelServer` (see the module's docstring). Calls other than
     `generate_deltas` with token ids go to the less loaded of two random replicas, as Serve's default."""
 
     def initialize_state(self, block_size: int, imbalance_threshold: int, memory_s: float) -> None:
-        """Serve calls this with `request_router_kwargs` (`engine_options` sets them from `PrefixRouting`)."""
+        """Serve calls this with `request_router_kwargs` (`model_server_options` sets them from `PrefixRouting`)."""
         self.block_size = block_size
         self.imbalance_threshold = imbalance_threshold
         self.memory_s = memory_s

@@ -15,9 +15,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pagedserve.reasoning import ReasoningStart
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.tool_calls import (
+from pagedserve.chat.reasoning import ReasoningStart
+from pagedserve.chat.tool_calls import (
     HERMES_CLOSE,
     HERMES_OPEN,
     LLAMA_PYTHON_TAG,
@@ -25,6 +24,7 @@ from pagedserve.tool_calls import (
     ToolCallFormat,
     ToolParsing,
 )
+from pagedserve.sampling_params import SamplingParams
 
 # "developer": OpenAI's newer name for the system role, which the models served here know as "system"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -50,7 +50,7 @@ XML tags:
 class ChatPlan:
     """What a chat request becomes: the prompt's token ids, the sampling parameters (with the output
     constraint the tool choice asks for), how to parse the samples' tool calls (None: no tools in play), and
-    where their reasoning begins (None: no reasoning parser; see `pagedserve.reasoning`) and the token that
+    where their reasoning begins (None: no reasoning parser; see `pagedserve.chat.reasoning`) and the token that
     ends it (`</think>`'s id)."""
 
     prompt_token_ids: list[int]

@@ -17,9 +17,6 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
-from pagedserve.cluster.deltas import Delta, cached_of
-from pagedserve.cluster.engine_server import EngineClient
-from pagedserve.cluster.errors import ClientError, classify
 from pagedserve.outputs import Logprob
 from pagedserve.protos import SERVICE_NAME
 from pagedserve.protos import pagedserve_pb2 as pb
@@ -31,17 +28,27 @@ from pagedserve.protos.chat import (
 )
 from pagedserve.protos.sampling import sampling_from_proto
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.deltas import Delta, cached_of
+from pagedserve.serving.error_status import ClientError, classify
+from pagedserve.serving.model_client import ModelClient
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
                    "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 _HEALTH_SERVICES = ("", SERVICE_NAME)  # "": the server as a whole
 
 
-class GrpcService(EngineClient):
+class GrpcService:
+    """The methods of `pagedserve.v1.PagedServe` and of `grpc.health.v1.Health`, over the ingress's `ModelClient`.
+    The ingress deployment exposes them under the same names (Serve's gRPC proxy calls its methods by name)."""
+
+    def __init__(self, client: ModelClient) -> None:
+        self.client = client
+        self.server = client.server  # the ModelServer deployment's handle
+
     def _accept(self, request, grpc_context) -> None:
         """The key checked, then the request's fields: each one this server's proto has (`check_known`)."""
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
-        self.authorize(metadata.get("authorization"), "the metadata ('authorization', 'Bearer <key>')")
+        self.client.authorize(metadata.get("authorization"), "the metadata ('authorization', 'Bearer <key>')")
         check_known(request)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
@@ -52,7 +59,8 @@ class GrpcService(EngineClient):
                 raise ValueError("prompt is empty (set text or token_ids)")
             prompt = request.text if which == "text" else list(request.token_ids.ids)
             params = SamplingParams(**sampling_from_proto(request.sampling))  # ValueError names the field
-            async for d in self.deltas(prompt, params, request.request_id or None, request.return_prompt_token_ids):
+            async for d in self.client.deltas(prompt, params, request.request_id or None,
+                                              request.return_prompt_token_ids):
                 yield _delta_to_proto(d)
         except Exception as e:
             yield _error(grpc_context, e, pb.GenerateResponse())
@@ -64,11 +72,11 @@ class GrpcService(EngineClient):
             # A chat answer runs until the model stops or the context is full, unless max_tokens says otherwise.
             params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
             parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
-            plan = await self.engine.chat_plan.remote(messages, params, tools_from_proto(request.tools),
+            plan = await self.server.chat_plan.remote(messages, params, tools_from_proto(request.tools),
                                                       tool_choice_from_proto(request), parallel,
                                                       chat_options_from_proto(request.template))
             include = request.include_reasoning if request.HasField("include_reasoning") else True
-            async for d in self.chat_deltas(plan, request.request_id or None, include,
+            async for d in self.client.chat_deltas(plan, request.request_id or None, include,
                                             request.return_prompt_token_ids):
                 yield _delta_to_proto(d)
         except Exception as e:
@@ -79,7 +87,7 @@ class GrpcService(EngineClient):
             self._accept(request, grpc_context)
             messages = messages_from_proto(request.messages)
             special = request.add_special_tokens if request.HasField("add_special_tokens") else None
-            ids, tokens = await self.engine.tokenize.remote(request.text, messages, special,
+            ids, tokens = await self.server.tokenize.remote(request.text, messages, special,
                                                             tools_from_proto(request.tools),
                                                             chat_options_from_proto(request.template))
             return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
@@ -89,12 +97,12 @@ class GrpcService(EngineClient):
     async def ModelInfo(self, request: pb.ModelInfoRequest, grpc_context=None) -> pb.ModelInfoResponse:
         try:
             self._accept(request, grpc_context)
-            info = await self.model_info_dict()
+            info = await self.client.model_info_dict()
             return pb.ModelInfoResponse(
                 model=info["model"], max_model_len=info["max_model_len"], block_size=info["block_size"],
                 tensor_parallel_size=info["tensor_parallel_size"], num_kv_blocks=info["num_kv_blocks"],
                 kv_capacity_tokens=info["num_kv_blocks"] * info["block_size"], vocab_size=info["vocab_size"],
-                num_replicas=await self.replicas_running(), eos_token_ids=info["eos_token_ids"])
+                num_replicas=await self.client.replicas_running(), eos_token_ids=info["eos_token_ids"])
         except Exception as e:
             return _error(grpc_context, e, pb.ModelInfoResponse())
 
@@ -103,13 +111,13 @@ class GrpcService(EngineClient):
             self._accept(request, grpc_context)
             if not request.request_id:
                 raise ValueError("request_id is empty")
-            return pb.AbortResponse(aborted=self.abort(request.request_id))
+            return pb.AbortResponse(aborted=self.client.abort(request.request_id))
         except Exception as e:
             return _error(grpc_context, e, pb.AbortResponse())
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         try:
-            await self.engine.stats.remote()
+            await self.server.stats.remote()
             return pb.HealthResponse(status="SERVING")
         except Exception as e:
             return _error(grpc_context, e, pb.HealthResponse())
@@ -140,7 +148,7 @@ class GrpcService(EngineClient):
 
     async def _serving_status(self) -> int:
         try:
-            await self.engine.stats.remote()
+            await self.server.stats.remote()
             return health_pb2.HealthCheckResponse.SERVING
         except Exception:
             return health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,0 +1,393 @@
+"""LLMEngine, the core loop: the scheduler, the block manager and an executor, stepped one batch at a time,
+between input processing (`InputProcessor`: requests made ready) and output processing (`OutputProcessor`:
+stops, outputs). A beam search runs here too, as requests of its own, so every caller sees it as one request.
+
+Everything that drives it (the offline `LLM`, the asyncio `AsyncEngine`, the benchmarks) goes through
+the methods here, never through the scheduler or the executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import gc
+import json
+import logging
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.beam_search import BeamSearch
+from pagedserve.engine.input_processor import InputProcessor, Prompt, reasoning_tags
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.executors import Executor, WorkerFailure, make_executor
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.batch import StepBatch, StepOutput
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.request import Request, SequenceStatus
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.workers.loader import ModelSource, resolve_model
+from pagedserve.workers.models.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """A failed step ended the request; the engine has recovered and serves new requests."""
+
+
+class LLMEngine:
+    """Owns the scheduler and the executor. `add_request` (or `inputs.make` then `enqueue`), then `step()` until
+    nothing is left."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.workers.models.parallel import check_tp_size
+
+        self.config = config
+        self.source: ModelSource = resolve_model(config.model)
+        self.model_config = ModelConfig.from_file(self.source.config_path)
+        check_tp_size(self.model_config, config.tensor_parallel_size)
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = self._eos_token_ids()
+        self.tokenizer = _load_tokenizer(self.source)
+        # before the workers start: a wrong setting fails fast
+        reasoning = reasoning_tags(config.reasoning_parser, self.tokenizer, self.model_config.vocab_size)
+        self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
+        self.num_failures = 0
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        # The workers' device, not this process's: a served engine's actor holds no GPU.
+        device_type = self.executor.device_type
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
+                                   self.max_model_len, config.scheduling_policy)
+        self.inputs = InputProcessor(self.model_config, self.tokenizer, self.eos_token_ids, reasoning,
+                                     self.scheduler)
+        self.grammars = self.inputs.grammars  # None without a tokenizer
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.grammars)
+        self._searches: dict[str, BeamSearch] = {}  # beam searches running, by request id
+        self._beam_steps: dict[str, BeamSearch] = {}  # their steps' requests' ids -> the search
+        # Async scheduling: the next step is scheduled and launched before this one's output is processed.
+        self.schedules_ahead = config.schedules_ahead(device_type)
+        self._in_flight: tuple[StepBatch, Any] | None = None  # a launched step not yet processed
+        _freeze_startup_heap()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def enqueue(self, request: Request | BeamSearch) -> None:
+        """Queue a request (or a beam search) from `inputs.make`: validation and queueing are apart so that a
+        caller can validate a whole batch before any of it starts."""
+        if isinstance(request, BeamSearch):
+            if request.request_id in self._searches or request.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id={request.request_id!r} is already in use")
+            self._searches[request.request_id] = request
+            self._start_beam_step(request)
+            return
+        if request.request_id in self._searches:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        self.scheduler.add_request(request)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        request = self.inputs.make(prompt, params, request_id)
+        self.enqueue(request)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request (or a beam search: with its best beams so far); its last output, None if no such
+        request is running."""
+        search = self._searches.pop(request_id, None)
+        if search is not None:
+            for step_id in list(search.step_beams):
+                self._beam_steps.pop(step_id, None)
+                step = self.scheduler.abort(step_id)
+                if step is not None:
+                    self.outputs.build(step)  # frees what output processing keeps for it
+            search.aborted = not search.done
+            return self.outputs.beam_output(search)
+        request = self.scheduler.abort(request_id)
+        return self.outputs.build(request) if request is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        # A step still in flight for requests that all ended is processed by the next step, not waited for.
+        return self.scheduler.has_unfinished()
+
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting_requests()
+
+    def output(self, request: Request | BeamSearch) -> RequestOutput:
+        """The request's whole output so far; for a finished request, its last (build it once: it frees what
+        the engine keeps for the request). A beam search's is its answer."""
+        if isinstance(request, BeamSearch):
+            return self.outputs.beam_output(request)
+        return self.outputs.build(request)
+
+    def cached_block_hashes(self) -> list[int]:
+        """The chained hashes of the full blocks the prefix cache holds (what a prefix-aware router matches)."""
+        return self.block_manager.pool.cached_hashes()
+
+    # ---- beam searches -------------------------------------------------------------------
+
+    def _start_beam_step(self, search: BeamSearch) -> None:
+        """Queue one request per running beam, each one token long (see `engine/beam_search.py`)."""
+        params = search.step_params()
+        step = [self.inputs.make_request(ids, params, f"{search.request_id}#{search.num_steps}.{b}")
+                for b, ids in enumerate(search.step_prompts())]
+        search.start_step([r.request_id for r in step])
+        for request in step:
+            request.final_output_only = True
+            self._beam_steps[request.request_id] = search
+            self.scheduler.add_request(request)
+
+    def _with_beam_searches(self, changed: list[Request]) -> list[Request | BeamSearch]:
+        """A step's changed requests as callers see them: a beam search's step requests taken by their search,
+        which is in the list when it has ended."""
+        if not self._beam_steps:
+            return changed
+        seen: list[Request | BeamSearch] = []
+        for request in changed:
+            search = self._beam_steps.get(request.request_id)
+            if search is None:
+                seen.append(request)
+            elif request.finished:
+                del self._beam_steps[request.request_id]
+                if search.take(self.outputs.build(request)):
+                    self._end_or_step(search, seen)
+        return seen
+
+    def _end_or_step(self, search: BeamSearch, seen: list[Request | BeamSearch]) -> None:
+        if not search.finished:
+            self._start_beam_step(search)
+            return
+        for step_id in list(search.step_beams):  # a failed step: the search's other requests are dropped
+            self._beam_steps.pop(step_id, None)
+            step = self.scheduler.abort(step_id)
+            if step is not None:
+                self.outputs.build(step)
+        del self._searches[search.request_id]
+        seen.append(search)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; outputs of the requests that got tokens or ended (a request with `final_output_only`
+        only when it finishes). Never raises for a failed step: the requests it ended come back with `error`
+        set."""
+        return [self.output(r) for r in self.advance() if r.finished or not r.final_output_only]
+
+    def advance(self) -> list[Request | BeamSearch]:
+        """Run one step; the requests it changed: those that got tokens, and those it ended (`error` set where
+        a failed step ended them), and a beam search when it ends. No output is built: `output` builds one when
+        it is wanted, and must once for each finished request, which frees what the engine keeps for it (`step`
+        does both).
+
+        With async scheduling the step after it is launched first, to run while this one's output is
+        processed. Never raises for a failed step."""
+        try:
+            launched = self._launch()
+            if launched is None:
+                return []
+            batch, handle = launched
+            changed = self._process(batch, self.executor.collect(handle))
+            self._send_late_masks()
+            return changed
+        except Exception as e:
+            ended, restart = self._fail_step(e)
+        if restart:
+            self._restart_workers()
+            self.block_manager.reset()  # the new pools hold nothing: no cached prefix survives
+        return self._with_beam_searches(ended)
+
+    async def advance_async(self) -> list[Request | BeamSearch]:
+        """`advance` for an event loop: requests can be added and aborted while the workers compute."""
+        try:
+            launched = self._launch()
+            if launched is None:
+                return []
+            batch, handle = launched
+            changed = self._process(batch, await self.executor.collect_async(handle))
+            self._send_late_masks()
+            return changed
+        except Exception as e:
+            ended, restart = self._fail_step(e)
+        if restart:
+            # Off the event loop: requests that arrive meanwhile wait in the queue, holding no blocks.
+            await asyncio.to_thread(self._restart_workers)
+            self.block_manager.reset()
+        return self._with_beam_searches(ended)
+
+    def _launch(self) -> tuple[StepBatch, Any] | None:
+        """The step to process now (launched here if none is in flight), with the step after it launched
+        behind it where the scheduler allows: the device then has work queued while the host processes."""
+        if self._in_flight is None:
+            batch = self._schedule()
+            if batch is None:
+                return None
+            self._in_flight = (batch, self.executor.launch(batch))
+        current, self._in_flight = self._in_flight, None
+        if self.schedules_ahead and self.scheduler.can_schedule_ahead(current[0], self.executor.takes_late_masks):
+            ahead = self._schedule()
+            if ahead is not None:
+                self._in_flight = (ahead, self.executor.launch(ahead))
+        return current
+
+    def _send_late_masks(self) -> None:
+        """Once the step before it is processed, give the step in flight the grammar masks that waited for
+        that step's draws (`StepBatch.late_masks`): its forward ran meanwhile, and it draws now."""
+        if self._in_flight is not None and self._in_flight[0].late_masks:
+            batch, handle = self._in_flight
+            self.executor.sample(handle, self.grammars.late_masks(batch, self.scheduler.seqs))
+
+    def _schedule(self) -> StepBatch | None:
+        batch = self.scheduler.schedule()
+        if batch is not None and self.grammars is not None and self.grammars.in_use:
+            self.grammars.fill_masks(batch, self.scheduler.running)
+        return batch
+
+    def _fail_step(self, error: Exception) -> tuple[list[Request], bool]:
+        """The one failure path of a step. Returns the requests it ended (`error` set), and whether the
+        workers must be replaced.
+
+        A worker failure loses the KV of every request that holds blocks: those end with the error, and
+        queued ones wait for new workers. Any other error is a bug of the engine, and nothing says which
+        request caused it, so every request ends with it."""
+        if self._in_flight is not None and self._in_flight[0].late_masks:
+            try:  # let it draw (unmasked, discarded): a worker waiting for masks would hold the steps after it
+                self.executor.sample(self._in_flight[1], [None] * len(self._in_flight[0].late_masks))
+            except Exception:  # the workers are gone: they are replaced below
+                log.debug("releasing a step that waited for grammar masks failed", exc_info=True)
+        self._in_flight = None  # its output, if it comes, is for requests ended here
+        self.scheduler.discard_pending()
+        lost_workers = isinstance(error, WorkerFailure)
+        if lost_workers:
+            log.error("step failed, failing in-flight requests and restarting workers: %s", error)
+            self.num_failures += 1
+            message = str(error)
+        else:
+            log.error("engine step failed, failing every request", exc_info=error)
+            message = f"internal engine error: {type(error).__name__}: {error}"
+        ended = []
+        for request in list(self.scheduler.requests.values()):
+            if lost_workers and not any(seq.status == SequenceStatus.RUNNING for seq in request.sequences):
+                continue  # holds no blocks, computed nothing: it simply waits for the new workers
+            request.error = message
+            for seq in request.sequences:
+                self.scheduler.finish(seq, "error")
+            ended.append(request)
+        if not lost_workers:
+            # Every request has ended. The prefix cache may name K/V the failed step (or one scheduled ahead
+            # of it) never wrote: forget it all, as new workers' empty pools would.
+            self.block_manager.reset()
+        return ended, lost_workers
+
+    def _restart_workers(self) -> None:
+        try:
+            self.executor.restart()
+        except Exception:  # then the next step fails at once with WorkerFailure, and tries again
+            log.exception("restarting the workers failed")
+
+    def _process(self, batch: StepBatch, output: StepOutput) -> list[Request | BeamSearch]:
+        return self._with_beam_searches(self.outputs.process(self.scheduler.update(batch, output)))
+
+    # ---- numbers -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_total_blocks": bm.num_total_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": bm.pool.num_cached_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": self.scheduler.num_running_requests(),
+            "num_waiting": self.scheduler.num_waiting_requests(),
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "num_worker_failures": self.num_failures,
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model": self.source.name, "max_model_len": self.max_model_len,
+                "block_size": self.config.block_size, "tensor_parallel_size": self.config.tensor_parallel_size,
+                "num_kv_blocks": self.block_manager.num_total_blocks, "vocab_size": self.model_config.vocab_size,
+                "eos_token_ids": list(self.eos_token_ids)}
+
+    def worker_pids(self) -> list[int]:
+        return self.executor.worker_pids()
+
+    def shutdown(self) -> None:
+        """Stop the workers and let go of them. Idempotent."""
+        if self.executor is None:
+            return
+        self._in_flight = None
+        self.executor.shutdown()
+        # Dropped, not kept: the model and the KV pool are freed by reference counting now, even while
+        # the start-up heap stays frozen for another engine of this process.
+        self.executor = None
+        _release_startup_heap()
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        scaling = self.model_config.rope_scaling
+        # Linear and dynamic scaling stretch the trained length; llama3 configs already state the long one.
+        if scaling and scaling["rope_type"] in ("linear", "dynamic"):
+            limit = int(limit * scaling.get("factor", 1.0))
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's {limit} positions")
+        return self.config.max_model_len
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        # As transformers' generate: generation_config.json if the checkpoint has one, else config.json.
+        gen_path = self.source.config_path.parent / "generation_config.json"
+        if self.source.weights_dir is not None and gen_path.is_file():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (eos,)
+        return self.model_config.eos_token_ids
+
+
+_live_engines = 0
+_exit_hook = False
+
+
+def _freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, transformers, triton, the model) out of the
+    garbage collector's sight. Otherwise each full collection walks those ~350k-600k objects, a stall
+    of the whole step loop (190 ms on the 2-core CI machine); see benchmarks/RESULTS.md."""
+    global _live_engines, _exit_hook
+    gc.collect()
+    gc.freeze()
+    _live_engines += 1
+    if not _exit_hook:
+        _exit_hook = True
+        # Unfrozen at exit so interpreter shutdown still finalises them (extension modules such as
+        # triton's report frozen objects as leaks otherwise).
+        atexit.register(gc.unfreeze)
+
+
+def _release_startup_heap() -> None:
+    """When the last engine stops, hand the frozen heap back to the collector (a cycle through a stopped
+    engine can then be collected). Not before: another engine's step loop still wants it out of sight."""
+    global _live_engines
+    _live_engines -= 1
+    if _live_engines == 0:
+        gc.unfreeze()
+
+
+def _load_tokenizer(source: ModelSource):
+    if source.tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    # A tokenizer.json may carry truncation or padding settings. transformers' encode clears them on its
+    # first call (it never truncates or pads unless asked), which changes the Rust tokenizer in place, and that
+    # fails ("Already borrowed") while another thread decodes with it: requests are tokenized on a thread of
+    # their own beside the step loop's detokenizing (AsyncEngine). Cleared once here, encode only reads.
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and getattr(backend, "truncation", None) is not None:
+        backend.no_truncation()
+    if backend is not None and getattr(backend, "padding", None) is not None:
+        backend.no_padding()
+    return tokenizer
