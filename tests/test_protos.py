@@ -52,7 +52,7 @@ def test_sampling_fields_come_from_the_proto_and_map_onto_sampling_params():
 
 def test_chat_messages_cross_the_wire_whole():
     from pagedserve.chat.template import MESSAGE_FIELDS
-    from pagedserve.protos.chat import messages_from_proto, messages_to_proto
+    from pagedserve.protos.chat_messages import messages_from_proto, messages_to_proto
 
     history = [{"role": "developer", "content": "Be brief.", "name": "ops"},
                {"role": "user", "content": "Time?", "name": "alice"},

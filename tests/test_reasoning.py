@@ -174,7 +174,7 @@ def test_an_answer_that_is_only_reasoning_may_come_back_without_content():
 
 
 def test_reasoning_sent_back_crosses_the_wire_under_one_name():
-    from pagedserve.protos.chat import messages_from_proto, messages_to_proto
+    from pagedserve.protos.chat_messages import messages_from_proto, messages_to_proto
 
     history = [{"role": "user", "content": "2 + 2?"},
                {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]

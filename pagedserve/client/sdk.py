@@ -34,7 +34,7 @@ from pagedserve.client.errors import Cancelled, from_rpc_error
 from pagedserve.protos import API_KEY_ENV
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.protos import pagedserve_pb2_grpc as pb_grpc
-from pagedserve.protos.chat import (
+from pagedserve.protos.chat_messages import (
     TEMPLATE_OPTIONS,
     chat_options_to_proto,
     messages_to_proto,

@@ -20,7 +20,7 @@ from grpc_status import rpc_status
 from pagedserve.outputs import Logprob
 from pagedserve.protos import SERVICE_NAME
 from pagedserve.protos import pagedserve_pb2 as pb
-from pagedserve.protos.chat import (
+from pagedserve.protos.chat_messages import (
     chat_options_from_proto,
     messages_from_proto,
     tool_choice_from_proto,
