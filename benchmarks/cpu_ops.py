@@ -59,9 +59,10 @@ def main() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from pagedserve.kernels import cpu, reference
-    from pagedserve.workers.models import quant_linear
-    from pagedserve.workers.models.packed_linear import PackedLinear, can_pack
+    from pagedserve.kernels import reference
+    from pagedserve.kernels.cpu import ops as cpu
+    from pagedserve.kernels.cpu import quant_linear
+    from pagedserve.kernels.cpu.packed_linear import PackedLinear, can_pack
 
     hq, hkv, d, hidden, inter, vocab, layers = SHAPES[args.shape]
     layers = args.layers or layers

@@ -28,6 +28,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+# environment.py beside it, also where the tests import this module as benchmarks.kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -36,9 +40,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from environment import announce  # noqa: E402
 
-from pagedserve.kernels import attention  # noqa: E402
 from pagedserve.kernels import reference as ref  # noqa: E402
-from pagedserve.kernels.attention import paged_attention  # noqa: E402
+from pagedserve.kernels.gpu import attention  # noqa: E402
+from pagedserve.kernels.gpu.attention import paged_attention  # noqa: E402
 
 MAX_REL_ERR = 1e-2  # bf16 outputs typically land near 3e-3
 L2_BYTES = 50 * 2**20  # H100 L2; smaller inputs are rotated so timings do not run from cache

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu
 from pagedserve.kernels import reference as ref
 from pagedserve.kernels.backend import get_attention_backend
+from pagedserve.kernels.cpu import ops as cpu
 from tests.paged_batch import MIXED_ROWS, make_batch
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the native CPU kernel cannot be built")
@@ -156,7 +156,7 @@ def test_kv_write_past_the_pool_is_an_error_and_writes_nothing():
 
 
 def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch):
-    from pagedserve.kernels import native
+    from pagedserve.kernels.cpu import native
 
     monkeypatch.setenv("CC", "no-such-compiler")
     native.paged_attention_library.cache_clear()

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu, native
+from pagedserve.kernels.cpu import native
+from pagedserve.kernels.cpu import ops as cpu
 
 pytestmark = pytest.mark.skipif(native.layer_ops_library() is None, reason="no C compiler: layer_ops.c not built")
 

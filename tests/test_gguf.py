@@ -464,7 +464,7 @@ def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     import numpy as np
     import torch
 
-    from pagedserve.workers.models import quant_linear
+    from pagedserve.kernels.cpu import quant_linear
 
     if not quant_linear.available(torch.device("cpu"), torch.float32):
         pytest.skip("the linear kernel needs a C compiler and AVX2/FMA/F16C")

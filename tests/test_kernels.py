@@ -15,10 +15,10 @@ import pytest
 import torch
 import triton  # noqa: F401
 
-from pagedserve.kernels import attention
 from pagedserve.kernels import reference as ref
-from pagedserve.kernels.attention import paged_attention
-from pagedserve.kernels.cache import write_kv_cache
+from pagedserve.kernels.gpu import attention
+from pagedserve.kernels.gpu.attention import paged_attention
+from pagedserve.kernels.gpu.cache import write_kv_cache
 from tests.paged_batch import MIXED_ROWS
 from tests.paged_batch import make_batch as make_cpu_batch
 

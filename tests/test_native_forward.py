@@ -1,4 +1,4 @@
-"""The decoder's layers in one native call (kernels/csrc/decoder.c) against the modules they stand in for: the
+"""The decoder's layers in one native call (kernels/cpu/csrc/decoder.c) against the modules they stand in for: the
 same hidden states and the same KV pool, bit for bit, step after step (prefill, chunked prefill after a
 cached prefix, decode), for Llama, Qwen2 (biases) and Qwen3 (q/k norms) layers on GGUF blocks of each type;
 and the engine's outputs with and without it."""
@@ -12,12 +12,12 @@ from gguf.quants import quantize as gguf_quantize
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels.backend import AttentionContext, get_attention_backend
+from pagedserve.kernels.cpu import quant_linear
+from pagedserve.kernels.cpu.native_forward import NativeForward, native_forward
+from pagedserve.kernels.cpu.quant_linear import QuantLinear
 from pagedserve.workers import model_runner
-from pagedserve.workers.models import quant_linear
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
-from pagedserve.workers.models.native_forward import NativeForward, native_forward
-from pagedserve.workers.models.quant_linear import QuantLinear
 
 from .test_async_scheduling import PROMPTS
 

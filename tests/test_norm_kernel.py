@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton  # noqa: F401
 
-from pagedserve.kernels.norm import rms_norm
+from pagedserve.kernels.gpu.norm import rms_norm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.backend import AttentionContext, get_attention_backend
+from pagedserve.kernels.cpu.packed_linear import PackedLinear, can_pack, pack_linears
 from pagedserve.workers.loader import build_model, resolve_model
+from pagedserve.workers.models.llama import linear_product
 from pagedserve.workers.models.model_config import ModelConfig
-from pagedserve.workers.models.packed_linear import PackedLinear, can_pack, linear_product, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="oneDNN cannot pack fp32 weights on this CPU")

@@ -15,21 +15,19 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.kernels import native
-from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
-from pagedserve.workers.loader import build_model, hf_tensor_shapes, resolve_model
-from pagedserve.workers.models import quant_linear
-from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.models.model_config import ModelConfig
-from pagedserve.workers.models.packed_linear import linear_product
-from pagedserve.workers.models.parallel import TPLayout
-from pagedserve.workers.models.quant_linear import (
+from pagedserve.kernels.cpu import native, quant_linear
+from pagedserve.kernels.cpu.quant_linear import (
     QuantLinear,
     dequantize,
     hold_embedding,
     load_fp32_linears,
     load_gguf_linears,
 )
+from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
+from pagedserve.workers.loader import build_model, hf_tensor_shapes, resolve_model
+from pagedserve.workers.models.llama import CausalLM, linear_product
+from pagedserve.workers.models.model_config import ModelConfig
+from pagedserve.workers.models.parallel import TPLayout
 
 pytestmark = pytest.mark.skipif(not quant_linear.available(torch.device("cpu"), torch.float32),
                                 reason="the GGUF linear kernel needs a C compiler and AVX2/FMA/F16C")

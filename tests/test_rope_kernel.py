@@ -9,10 +9,10 @@ import pytest
 import torch
 import triton  # noqa: F401
 
-from pagedserve.kernels import cpu
-from pagedserve.kernels.rope import rotate_qk as triton_rotate_qk
+from pagedserve.kernels.cpu import ops as cpu
+from pagedserve.kernels.gpu.rotary import rotate_qk as triton_rotate_qk
 from pagedserve.workers.models.model_config import ModelConfig
-from pagedserve.workers.models.rope import RotaryEmbedding
+from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])

@@ -1,2 +1,4 @@
-"""Kernels: paged KV writes and paged attention (the contract and its backends in `backend.py`), and the
-native CPU kernels (`native.py` builds `csrc/`)."""
+"""Kernels: paged KV writes and paged attention, with the layer's small ops beside them.
+
+`backend.py` is the contract and picks a backend; `reference.py` is plain torch (the oracle and the fallback);
+`gpu/` holds the Triton kernels, `cpu/` the C kernels and everything that calls them."""

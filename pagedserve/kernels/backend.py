@@ -4,9 +4,12 @@ A model layer writes its new K/V into the paged pool (`write_kv_cache`) and atte
 tables (`paged_attention`); the step's tensors reach it as an `AttentionContext` argument. Three
 backends implement the contract:
 
-- `triton`: the Triton kernels (`attention.py`, `cache.py`), for CUDA (and Triton's interpreter in tests);
-- `cpu`: decode rows through the native C kernel, prefill rows through SDPA (`cpu.py`);
+- `triton`: the Triton kernels (`gpu/attention.py`, `gpu/cache.py`), for CUDA (and Triton's interpreter in tests);
+- `cpu`: every query token through the native C kernel (`cpu/ops.py`);
 - `reference`: plain torch (`reference.py`): the oracle the others are tested against, and the fallback.
+
+No backend is imported here at module level, and none imports this module: each is imported when picked, and
+what they share lives apart (`checks.py`).
 
 A backend may also bring the layer's RMSNorm (with the residual add before it) and rotary embedding as one
 kernel each (`rms_norm`, `rotate_qk`): Triton's on CUDA, where each eager op is a launch; the CPU's native
@@ -58,18 +61,6 @@ class RotateQK(Protocol):
         """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place, as reference.rotate_qk."""
 
 
-def check_rotation(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """ValueError unless the arguments are what a `RotateQK` takes: views of one projection's output may be
-    given, contiguous in D; cos/sin [T, 1, D] as `RotaryEmbedding.cos_sin` makes them, in q's dtype."""
-    num_tokens, _, head_dim = q.shape
-    if (k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2 or q.stride(-1) != 1
-            or k.stride(-1) != 1 or cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape
-            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or q.dtype != k.dtype):
-        raise ValueError(f"rotate_qk needs q [T, Hq, D], k [T, Hkv, D] of one dtype, D even, and cos/sin "
-                         f"[T, 1, D], each contiguous in D: got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
-                         f"{k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-
-
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str  # as `attention_backend` names it
@@ -98,7 +89,7 @@ class AttentionContext:
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend `name` for `device` ("auto": triton on CUDA, cpu on a CPU, else the reference);
     ValueError when it cannot run there."""
-    from pagedserve.kernels import cpu
+    from pagedserve.kernels.cpu import ops as cpu
 
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
@@ -120,16 +111,17 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return AttentionBackend("reference", reference.write_kv_cache, reference.paged_attention)
     if not _triton_available():
         raise ValueError("attention_backend='triton' needs the triton package and its kernels")
-    from pagedserve.kernels import attention, cache, norm, rope
+    from pagedserve.kernels.gpu import attention, cache, norm, rotary
 
-    return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention, norm.rms_norm, rope.rotate_qk)
+    return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention, norm.rms_norm,
+                            rotary.rotate_qk)
 
 
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
 
-        from pagedserve.kernels import attention, cache  # noqa: F401
+        from pagedserve.kernels.gpu import attention, cache  # noqa: F401
     except ImportError:
         return False
     return True

@@ -142,7 +142,7 @@ def _converted_tensors(gguf_path: Path) -> Iterator[tuple[str, Any, Any | None, 
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
-    from pagedserve.workers.models.quant_linear import BLOCKS
+    from pagedserve.kernels.cpu.quant_linear import BLOCKS
 
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")

@@ -15,7 +15,7 @@ from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout, shard_range
-from pagedserve.workers.models.rope import RotaryEmbedding
+from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
 
 RANDOM_PREFIX = "random:"
 
@@ -103,7 +103,7 @@ def _safetensors(weights_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Read
     from safetensors import safe_open
 
     for f in sorted(weights_dir.glob("*.safetensors")):
-        if f.name == GGUF_BLOCKS_NAME:  # the same weights again, as GGUF blocks (workers/models/quant_linear.py)
+        if f.name == GGUF_BLOCKS_NAME:  # the same weights again, as GGUF blocks (kernels/cpu/quant_linear.py)
             continue
         with safe_open(f, framework="pt") as st:
             for key in st.keys():

@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
+from pagedserve.kernels.cpu.native_forward import native_forward
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.models.native_forward import native_forward
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
 from pagedserve.workers.tensors import host_tensor, on_device, on_device_packed
 

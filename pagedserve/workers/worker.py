@@ -12,14 +12,14 @@ import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.kernels.backend import get_attention_backend
+from pagedserve.kernels.cpu import quant_linear
+from pagedserve.kernels.cpu.packed_linear import can_pack, pack_linears
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, parse_memory
 from pagedserve.workers.loader import ModelSource, build_model
 from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
-from pagedserve.workers.models import quant_linear
 from pagedserve.workers.models.model_config import ModelConfig
-from pagedserve.workers.models.packed_linear import can_pack, pack_linears
 from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.sampler import Sampler
 

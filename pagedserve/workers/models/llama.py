@@ -15,9 +15,8 @@ from torch import nn
 from pagedserve.kernels import reference
 from pagedserve.kernels.backend import AttentionContext, RMSNormHeads, RMSNormRows, SiluMul
 from pagedserve.workers.models.model_config import ModelConfig
-from pagedserve.workers.models.packed_linear import linear_product
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
-from pagedserve.workers.models.rope import RotaryEmbedding
+from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +49,12 @@ class RMSNorm(nn.Module):
 def _rows(x: torch.Tensor) -> bool:
     """Whether `x` is rows a backend's RMSNorm takes: [T, H], contiguous in H."""
     return x.dim() == 2 and x.stride(-1) == 1
+
+
+def linear_product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` without the bias, for an nn.Linear or a layer with its own `product` (PackedLinear,
+    QuantLinear)."""
+    return F.linear(x, linear.weight) if isinstance(linear, nn.Linear) else linear.product(x)
 
 
 def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The decoder's layers in one native call per step on the CPU (kernels/csrc/decoder.c).
+"""The decoder's layers in one native call per step on the CPU (csrc/decoder.c).
 
 At a decode step of a few sequences, the Python and torch dispatch between the CPU kernels (twelve calls a
 layer) costs about a third of the step. The driver makes the same kernel calls on the same values in C, so
@@ -16,11 +16,16 @@ import logging
 
 import torch
 
-from pagedserve.kernels import cpu
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
-from pagedserve.kernels.native import decoder_library, layer_ops_library, paged_attention_library, quant_linear_library
+from pagedserve.kernels.cpu import ops
+from pagedserve.kernels.cpu.native import (
+    decoder_library,
+    layer_ops_library,
+    paged_attention_library,
+    quant_linear_library,
+)
+from pagedserve.kernels.cpu.quant_linear import KERNEL_TYPE, ConcatQuantLinear, QuantLinear
 from pagedserve.workers.models.llama import CausalLM
-from pagedserve.workers.models.quant_linear import KERNEL_TYPE, ConcatQuantLinear, QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ def native_forward(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBac
 def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend) -> str | None:
     config, tp = model.config, model.tp
     if backend.name != "cpu" or (backend.rms_norm, backend.silu_mul, backend.rms_norm_heads) != (
-            cpu.rms_norm, cpu.silu_mul, cpu.rms_norm_heads):
+            ops.rms_norm, ops.silu_mul, ops.rms_norm_heads):
         return f"the {backend.name} attention backend"
     if kv_pool.dtype != torch.float32 or not kv_pool.is_cpu or not kv_pool.is_contiguous():
         return f"a {kv_pool.dtype} KV pool"
@@ -86,7 +91,7 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return "tensor parallelism"
     if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):
         return "a kernel that could not be built"
-    if not cpu.supports_shape(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
+    if not ops.supports_shape(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
         return "an attention shape the kernel does not take"
     for layer in model.model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -1,4 +1,4 @@
-"""The CPU kernels in csrc/, built with the system C compiler on first use and cached per machine.
+"""The C kernels in csrc/, built with the system C compiler on first use and cached per machine.
 
 Built for the machine it runs on (-march=native): the cache key covers the source, the flags, the
 compiler and the CPU's feature flags, so a home directory shared by different CPUs gets one build each.

@@ -1,12 +1,12 @@
 """Linear layers on the CPU computed from a GGUF checkpoint's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
 K-types Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS), and the fp32 layers of any other checkpoint through the same
 kernel (plain panels: every row computed the same way in any batch, which oneDNN's GEMM does not; and the model's
-layers in one native call, models/native_forward.py). A bf16 or fp16 checkpoint's weights, widened to fp32 on
+layers in one native call, native_forward.py). A bf16 or fp16 checkpoint's weights, widened to fp32 on
 load, are held as the 16-bit values they are (BF16, F16 panels): the kernel widens them back to the same floats, so
 the model computes the same bits from half the bytes.
 
 A decode step on a CPU is bound by the bytes of weights it streams: fp32 reads 32 bits per weight, these
-blocks 2.6 to 8.5. The kernel (kernels/csrc/quant_linear.c) multiplies by the weights the GGUF converter
+blocks 2.6 to 8.5. The kernel (csrc/quant_linear.c) multiplies by the weights the GGUF converter
 wrote as fp32 (each block's scale factored out of its sum), so it computes the same model. The embedding table
 is looked up in panels too (`QuantLinear.rows`: the same floats as the fp32 table), the tied LM head's where it
 has one, so no fp32 copy of it is held.
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedserve.kernels.native import quant_linear_library
-from pagedserve.workers.models.packed_linear import replace_linears
+from pagedserve.kernels.cpu.native import quant_linear_library
+from pagedserve.kernels.cpu.packed_linear import replace_linears
 from pagedserve.workers.models.parallel import shard_range
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.backend import check_rotation
+from pagedserve.kernels.checks import check_rotation
 
 
 @triton.jit

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -73,8 +72,3 @@ def replace_linears(model: CausalLM,
             swapped += 1
     return swapped
 
-
-def linear_product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` without the bias, for an nn.Linear or a layer with its own `product` (PackedLinear,
-    QuantLinear)."""
-    return F.linear(x, linear.weight) if isinstance(linear, nn.Linear) else linear.product(x)

@@ -16,8 +16,8 @@ import functools
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.backend import check_rotation
-from pagedserve.kernels.native import layer_ops_library, paged_attention_library
+from pagedserve.kernels.checks import check_rotation
+from pagedserve.kernels.cpu.native import layer_ops_library, paged_attention_library
 
 __all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "supports_shape",
            "write_kv_cache"]
