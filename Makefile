@@ -57,7 +57,7 @@ lint: install
 # guidellm's load beside llama-server. llama-server twice: its portable AVX2 build, and one built for this CPU
 # as pagedserve's kernels are (-march=native); a native build that crashes is reported in place of its figures.
 # The peers are built once (setup_peers.sh; about 8 minutes per llama.cpp build on 2 cores); the runs then take
-# about 10 minutes on 2 cores. Each script prints the commit, machine and versions first; tables go to stdout,
+# about 5 minutes on 2 cores. Each script prints the commit, machine and versions first; tables go to stdout,
 # JSON with the same description to $(BENCH_OUT).
 BENCH_OUT ?= benchmarks/out
 bench: install

@@ -20,7 +20,7 @@ from pathlib import Path
 PEERS_DIR = Path(os.environ.get("PAGEDSERVE_PEERS_DIR", Path(__file__).resolve().parent / ".peers"))
 # setup_peers.sh's two llama.cpp builds, by the build directory each lives in: a portable one (AVX2, FMA, F16C), and
 # one for the CPU it was built on, as pagedserve's kernels are (a native build has crashed in its AMX path on AMD
-# EPYC machines, so the portable one stays).
+# EPYC machines and on an AMX-capable Xeon VM, so the portable one stays).
 LLAMA_BUILDS = {"portable": "build", "native": "build-native"}
 LLAMA_BUILD_TITLES = {"portable": "portable AVX2 build", "native": "native build, -DGGML_NATIVE=ON"}
 

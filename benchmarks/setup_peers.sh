@@ -5,7 +5,7 @@
 #                 (throughput.py's --gguf-type Q4_K_M and the like), and a build for the CPU it is built on
 #                 (build-native/, -DGGML_NATIVE=ON), as pagedserve's own kernels are (-march=native). The
 #                 portable one stays the fallback: a native build has crashed in its AMX path on AMD EPYC
-#                 machines, and the benchmarks report each build that runs.
+#                 machines and on an AMX-capable Xeon VM, and the benchmarks report each build that runs.
 #                 llama-server-portable or llama-server-native builds one of them only.
 #   guidellm      a load generator for OpenAI-compatible servers, in its own virtualenv
 #

@@ -361,8 +361,8 @@ def top_ops(prof, key: str, steps: int, limit: int = 12) -> list[dict]:
 
 def bench_llama_server(gguf: Path, prompts, outputs, args, build: str = "portable") -> dict:
     """llama-server of llama.cpp `build` (peers.LLAMA_BUILDS) on all the requests at once. A server that dies
-    (as a native build has, in its AMX path on AMD EPYC machines) gives a result with its "error" in place of
-    a figure."""
+    (as a native build has, in its AMX path, on AMD EPYC machines and an AMX-capable Xeon VM) gives a result
+    with its "error" in place of a figure."""
     from concurrent.futures import ThreadPoolExecutor
 
     from peers import LLAMA_BUILD_TITLES, llama_cpu_features, llama_server, post_json
