@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +26,9 @@ from pagedserve.kernels.cpu.native import (
     quant_linear_library,
 )
 from pagedserve.kernels.cpu.quant_linear import KERNEL_TYPE, ConcatQuantLinear, QuantLinear
-from pagedserve.workers.models.llama import CausalLM
+
+if TYPE_CHECKING:  # the model it runs; at run time only its modules' weights are read
+    from pagedserve.workers.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
 
