@@ -19,10 +19,11 @@ from pathlib import Path
 
 PEERS_DIR = Path(os.environ.get("PAGEDSERVE_PEERS_DIR", Path(__file__).resolve().parent / ".peers"))
 # setup_peers.sh's two llama.cpp builds, by the build directory each lives in: a portable one (AVX2, FMA, F16C), and
-# one for the CPU it was built on, as pagedserve's kernels are (a native build has crashed in its AMX path on AMD
-# EPYC machines and on an AMX-capable Xeon VM, so the portable one stays).
-LLAMA_BUILDS = {"portable": "build", "native": "build-native"}
-LLAMA_BUILD_TITLES = {"portable": "portable AVX2 build", "native": "native build, -DGGML_NATIVE=ON"}
+# one for the CPU it was built on, as pagedserve's kernels are, less AMX: a native build with AMX died at model
+# load in ggml's AMX kernel on an AMX-capable Xeon VM (and before on AMD EPYC machines).
+LLAMA_BUILDS = {"portable": "build", "native": "build-native-noamx"}
+LLAMA_BUILD_TITLES = {"portable": "portable AVX2 build",
+                      "native": "native build without AMX, -DGGML_NATIVE=ON -mno-amx-*"}
 
 
 def peer_binary(name: str, build: str = "portable") -> Path:

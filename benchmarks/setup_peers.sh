@@ -3,9 +3,10 @@
 #   llama-server  llama.cpp's OpenAI-compatible server, built twice from the tree vendored in the
 #                 llama-cpp-python sdist: a portable AVX2 build (build/), with llama-quantize beside it
 #                 (throughput.py's --gguf-type Q4_K_M and the like), and a build for the CPU it is built on
-#                 (build-native/, -DGGML_NATIVE=ON), as pagedserve's own kernels are (-march=native). The
-#                 portable one stays the fallback: a native build has crashed in its AMX path on AMD EPYC
-#                 machines and on an AMX-capable Xeon VM, and the benchmarks report each build that runs.
+#                 (build-native-noamx/, -DGGML_NATIVE=ON), as pagedserve's own kernels are (-march=native),
+#                 less AMX (AVX-512, VNNI and BF16 stay): a native build with AMX died at model load on the
+#                 machines tried, on an AMX-capable Xeon VM in ggml's AMX kernel (SIGILL or SIGSEGV at a
+#                 tilezero), and before on AMD EPYC machines. The benchmarks report each build that runs.
 #                 llama-server-portable or llama-server-native builds one of them only.
 #   guidellm      a load generator for OpenAI-compatible servers, in its own virtualenv
 #
@@ -53,8 +54,15 @@ build_portable() {
   build_llama_cpp build "llama-server llama-quantize" -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 }
 
+# Under GGML_NATIVE, ggml compiles with -march=native alone and ignores its GGML_AMX_* options: -march=native
+# turns AMX on wherever the CPU has it, and so the AMX kernel that crashed. GCC's explicit -mno-amx-* win over
+# -march=native whatever their order (all three: GCC 12's -mno-amx-tile leaves AMX-INT8 on). The directory is
+# named for it, so that a native build with AMX from an earlier setup is never reused.
 build_native() {
-  build_llama_cpp build-native "llama-server" -DGGML_NATIVE=ON
+  local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  build_llama_cpp build-native-noamx "llama-server" -DGGML_NATIVE=ON \
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx"
 }
 
 install_guidellm() {
