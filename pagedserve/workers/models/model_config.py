@@ -15,6 +15,77 @@ SUPPORTED = {
     "qwen3": (None, None, True),
 }
 
+# What a config may hold. A key outside these is refused by name at load: one this engine does not know may change
+# what the model computes (a window, a soft cap, experts), and computing without it would answer wrongly.
+# Read by `from_dict` for every family:
+_HONOURED = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "tie_word_embeddings", "hidden_act", "hidden_activation", "eos_token_id",
+    "bos_token_id", "torch_dtype", "dtype", "initializer_range",
+})
+# Read for some families only (transformers' classes for the others do not read them):
+_HONOURED_BY_FAMILY = {
+    "llama": frozenset({"attention_bias", "mlp_bias"}),
+    "mistral": frozenset({"sliding_window", "layer_types"}),
+    "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+    "qwen3": frozenset({"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
+                        "layer_types"}),
+}
+# Never change what the model computes: bookkeeping, training-only settings (dropout, tensor-parallel training
+# splits that sum to the same product), other token ids, and generation defaults (requests carry their own).
+# `rope_interleaved` is a training framework's; transformers' Llama does not read it, and neither does this.
+_INERT = frozenset({
+    "_name_or_path", "_model_name_or_path", "name_or_path", "architectures", "transformers_version", "auto_map",
+    "transformers.js_config", "is_llama_config", "rope_interleaved", "pretraining_tp", "attention_dropout",
+    "hidden_dropout", "use_cache", "pad_token_id", "unk_token_id", "sep_token_id", "decoder_start_token_id",
+    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "torchscript", "pruned_heads", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task",
+    "cross_attention_hidden_size", "use_bfloat16", "tf_legacy_loss", "output_scores", "return_dict_in_generate",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+})
+# The rope settings read for each scaling type (`rope_type` / `type` and `rope_theta` besides).
+_ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+}
+
+
+def check_honoured(d: dict[str, Any]) -> None:
+    """ValueError naming every key of the config `d` that would change the computation and is not honoured:
+    keys this engine does not know, and known keys set to what it does not compute (a sliding window, layers of
+    another attention type, a rope setting its scaling type does not read)."""
+    model_type = d.get("model_type")
+    known = _HONOURED | _HONOURED_BY_FAMILY.get(model_type, frozenset()) | _INERT
+    refused = [f"{key} (not a setting of {model_type} models that this engine knows)"
+               for key in sorted(set(d) - known)]
+    window = d.get("sliding_window")
+    if model_type == "mistral" and window is not None:
+        refused.append(f"sliding_window={window} (sliding-window attention is not supported)")
+    if d.get("use_sliding_window"):
+        refused.append(f"use_sliding_window=true (sliding-window attention is not supported; "
+                       f"sliding_window={window})")
+    other_layers = sorted({kind for kind in d.get("layer_types") or [] if kind != "full_attention"})
+    if other_layers:
+        refused.append(f"layer_types (layers of {', '.join(map(repr, other_layers))} are not supported: "
+                       "full_attention only)")
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = d.get(name) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in _ROPE_KEYS:
+            unread = sorted(set(rope) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"})
+            refused += [f"{name}.{key} (not read for rope_type {kind!r})" for key in unread]
+    if refused:
+        raise ValueError(f"config of model_type={model_type!r} asks for what this engine does not compute: "
+                         + "; ".join(refused))
+
 
 @dataclass
 class ModelConfig:
@@ -51,6 +122,7 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED:
             raise ValueError(f"model_type={model_type!r} is not supported (supported: {sorted(SUPPORTED)})")
+        check_honoured(d)
         qkv_default, o_default, qk_norm = SUPPORTED[model_type]
         attention_bias = bool(d.get("attention_bias", False))
         num_heads = d["num_attention_heads"]
