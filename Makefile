@@ -55,7 +55,8 @@ lint: install
 # figure beside its peer timed in the same run: offline, 16 requests and one sequence beside llama.cpp's
 # llama-server, and 16 top-p sampled requests beside HF transformers' generate; served, 16 streams under
 # guidellm's load beside llama-server. llama-server twice: its portable AVX2 build, and one built for this CPU
-# as pagedserve's kernels are (-march=native); a native build that crashes is reported in place of its figures.
+# as pagedserve's kernels are (-march=native, ggml's AMX kernels left out: they died at load on an AMX-capable
+# Xeon VM); a native build that crashes is reported in place of its figures.
 # The peers are built once (setup_peers.sh; about 8 minutes per llama.cpp build on 2 cores); the runs then take
 # about 5 minutes on 2 cores. Each script prints the commit, machine and versions first; tables go to stdout,
 # JSON with the same description to $(BENCH_OUT).

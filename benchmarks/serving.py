@@ -8,9 +8,9 @@ same GGUF, under the same load from guidellm (a third-party load generator, in i
 
 pagedserve runs deploy/config.yaml as `make run` does, with its gRPC proxy left out (guidellm speaks HTTP;
 HTTP listens on 127.0.0.1 only). llama-server gets one slot per stream (`-np`): `llama-server` is
-setup_peers.sh's portable AVX2 build, `llama-server-native` the one built for this CPU (-DGGML_NATIVE=ON), as
-pagedserve's kernels are. A native build that fails (one has crashed in its AMX path, on AMD EPYC machines and
-an AMX-capable Xeon VM) is reported in place of its figures.
+setup_peers.sh's portable AVX2 build, `llama-server-native` the one built for this CPU (-DGGML_NATIVE=ON, its
+AMX kernels left out), as pagedserve's kernels are. A native build that fails (one with the AMX kernels died at
+load on an AMX-capable Xeon VM; one crashed on AMD EPYC machines) is reported in place of its figures.
 guidellm sends chat completions with max_tokens and ignore_eos, so every request produces exactly
 --output-tokens tokens.
 """

@@ -5,8 +5,8 @@ N requests with seeded random prompt and output lengths, ignore_eos, greedy (or,
 --top-p, sampled the same way by every engine: no top-k or min-p of their own). Output tokens/s counts
 the requested output tokens only (padding and tokens HF generates past a request's length do not count).
 llama-server gets all N requests at once over HTTP with N slots (`-np N`, continuous batching), from each of
-setup_peers.sh's two llama.cpp builds: the portable AVX2 one and the one built for this CPU (-DGGML_NATIVE=ON),
-as pagedserve's kernels are (`--llama-server portable` or `native` for one of them).
+setup_peers.sh's two llama.cpp builds: the portable AVX2 one and the one built for this CPU (-DGGML_NATIVE=ON,
+its AMX kernels left out), as pagedserve's kernels are (`--llama-server portable` or `native` for one of them).
 
   python benchmarks/throughput.py                                   # embedded SmolLM2, CPU
   python benchmarks/throughput.py --num-requests 16 --prompt-len 64 512 --output-len 128 128 \
@@ -361,8 +361,8 @@ def top_ops(prof, key: str, steps: int, limit: int = 12) -> list[dict]:
 
 def bench_llama_server(gguf: Path, prompts, outputs, args, build: str = "portable") -> dict:
     """llama-server of llama.cpp `build` (peers.LLAMA_BUILDS) on all the requests at once. A server that dies
-    (as a native build has, in its AMX path, on AMD EPYC machines and an AMX-capable Xeon VM) gives a result
-    with its "error" in place of a figure."""
+    (as a native build with ggml's AMX kernels did at load on an AMX-capable Xeon VM, and a native build on
+    AMD EPYC machines) gives a result with its "error" in place of a figure."""
     from concurrent.futures import ThreadPoolExecutor
 
     from peers import LLAMA_BUILD_TITLES, llama_cpu_features, llama_server, post_json
