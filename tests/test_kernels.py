@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-import triton  # noqa: F401
+import triton
 
 from pagedserve.kernels import reference as ref
 from pagedserve.kernels.gpu import attention
@@ -305,3 +305,96 @@ def test_larger_mixed_batch(dtype):
     expected = reference_fp32(query, kv, cu, ctx, tables, 128 ** -0.5)
     for split_kv in (None, True):
         assert_close(run_triton(query, poisoned, cu, ctx, tables, 128 ** -0.5, split_kv=split_kv), expected, dtype)
+
+
+# --- sliding window -----------------------------------------------------------------------------
+
+# Every row kind: a long decode (split over several KV slices even under a small window), a short decode, a
+# one-token decode, a fresh prefill over several query tiles, a chunk after a cached prefix, and a short chunk
+# after a long prefix.
+WINDOW_ROWS = [(1, 150), (23, 23), (1, 7), (20, 90), (1, 1), (3, 130)]
+
+
+def windowed_sdpa(query, kv, cu, ctx, tables, scale, window):
+    """fp32 SDPA per row over its gathered K/V, masked as transformers' sliding window: q - window < kv <= q."""
+    block_size, num_kv_heads = kv.shape[2], kv.shape[3]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for r, c in enumerate(ctx.tolist()):
+        start, end = cu[r].item(), cu[r + 1].item()
+        if start == end:
+            continue
+        blocks = tables[r, :triton.cdiv(c, block_size)].cpu()
+        # [c, Hq, D] each: the row's keys and values in position order, each KV head repeated for its group.
+        k, v = (kv[i, blocks].float().cpu().flatten(0, 1)[:c].repeat_interleave(group, 1) for i in (0, 1))
+        pos_q = torch.arange(c - (end - start), c)[:, None]
+        pos_k = torch.arange(c)[None, :]
+        mask = (pos_k <= pos_q) & (pos_k > pos_q - window)  # [nq, c]
+        q = query[start:end].float().cpu()
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale).transpose(0, 1)
+    return out.to(query.device)
+
+
+def poison_before_window(poisoned, cu, ctx, tables, window):
+    """Each row's keys before all of its queries' windows made NaN, and its table entries for blocks wholly
+    before them pointed at a NaN block no row owns: a kernel that reads a key outside the window shows."""
+    poisoned, tables = poisoned.clone(), tables.clone()
+    block_size = poisoned.shape[2]
+    spare = sorted(set(range(poisoned.shape[1])) - set(tables[tables >= 0].tolist()))[0]
+    for r, c in enumerate(ctx.tolist()):
+        first = max(0, c - (cu[r + 1] - cu[r]).item() - window + 1)  # the row's earliest visible key
+        for j in range(first // block_size):
+            tables[r, j] = spare
+        poisoned[:, tables[r, first // block_size], :first % block_size] = float("nan")
+    return poisoned, tables
+
+
+@pytest.mark.parametrize("window", [1, 5, "block", 40, 1 << 20])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,dtype",
+                         [(8, 2, 64, 16, torch.float32), (14, 2, 80, 32, torch.bfloat16)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_sliding_window_matches_masked_sdpa(window, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Windows of one key, less than a pool block, one block, several blocks and past every context, over every
+    row kind, with and without split-KV; keys before each row's window are never read."""
+    window = block_size if window == "block" else window
+    query, kv, poisoned, cu, ctx, tables = make_batch(WINDOW_ROWS, num_q_heads, num_kv_heads, head_dim, block_size,
+                                                      dtype, seed=13)
+    scale = head_dim ** -0.5
+    expected = windowed_sdpa(query, kv, cu, ctx, tables, scale, window)
+    poisoned, tables = poison_before_window(poisoned, cu, ctx, tables, window)
+    no_split = run_triton(query, poisoned, cu, ctx, tables, scale, split_kv=False, window=window)
+    assert_close(no_split, expected, dtype)
+    split = run_triton(query, poisoned, cu, ctx, tables, scale, split_kv=True, window=window)
+    assert_close(split, expected, dtype)
+    torch.testing.assert_close(split.float(), no_split.float(), atol=ULP[dtype], rtol=ULP[dtype])
+    if window > 1000:  # past every context: full causal attention
+        full = run_triton(query, kv, cu, ctx, tables, scale, split_kv=True)
+        torch.testing.assert_close(split.float(), full.float(), atol=ULP[dtype], rtol=ULP[dtype])
+
+
+def test_sliding_window_decode_with_graph_hints_and_split_counts():
+    """Decode rows as a CUDA graph launches them (max_* hints, a context bound far above every row) and exact
+    split counts, including more slices than the window's span has KV tiles: empty slices add nothing."""
+    rows = [(1, 300), (1, 45), (1, 3), (1, 129)]
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 8, 2, 64, 16, torch.float32, seed=14)
+    window = 50
+    expected = windowed_sdpa(query, kv, cu, ctx, tables, 0.125, window)
+    poisoned, tables = poison_before_window(poisoned, cu, ctx, tables, window)
+    for kwargs in ({"split_kv": True, "max_context_len": 1 << 15}, {"split_kv": None, "max_context_len": 40},
+                   {"num_splits": 2}, {"num_splits": 100}):
+        out = run_triton(query, poisoned, cu, ctx, tables, 0.125, max_query_len=1, window=window, **kwargs)
+        assert_close(out, expected, torch.float32)
+
+
+def test_sliding_window_prefill_tiles_launched_heavy_first_and_bad_window():
+    rows = [(40, 40), (17, 60), (2, 2)]
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, 4, 1, 64, 16, torch.float16, seed=15)
+    window = 24
+    expected = windowed_sdpa(query, kv, cu, ctx, tables, 0.125, window)
+    poisoned, tables = poison_before_window(poisoned, cu, ctx, tables, window)
+    tiles = replace(attention.INTERPRETER_TILES, prefill_heavy_first=True, prefill_n=32)
+    assert_close(run_triton(query, poisoned, cu, ctx, tables, 0.125, tiles=tiles, window=window), expected,
+                 torch.float16)
+    with pytest.raises(ValueError, match="window=0 must be at least 1"):
+        paged_attention(query, kv, cu, ctx, tables, 0.125, window=0)

@@ -18,6 +18,12 @@ query tiles, as in vLLM's unified attention), which also keeps the call CUDA-gra
 KV tiles are BLOCK_N keys wide, independent of the pool's block size: each key's physical
 block is gathered from the block table, and table entries past a row's length are never
 loaded. Math is fp32 (scores in log2 units, exp2); the output is in the query's dtype.
+
+Sliding window (`window`, a constexpr WINDOW; 0 is full causal attention): a query at position p sees
+keys max(0, p - window + 1) .. p. Each prefill query tile and each decode row starts its key loop at
+its earliest visible key rounded down to a KV tile, so a long context costs only its window; keys
+before the window are masked within that first tile and never loaded. Decode splits cut the window's
+span, not the whole context, so no slice is empty of visible keys.
 """
 
 from __future__ import annotations
@@ -34,15 +40,23 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, kv_ptr, table_ptr, start_n, ctx_len, q_pos,
+    acc, l_i, m_i, q, kv_ptr, table_ptr, start_n, ctx_len, q_pos, key_lo, lo_pos,
     head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    MASK_LEN: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_LEN: tl.constexpr, CAUSAL: tl.constexpr, MASK_WIN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one row and KV head."""
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one row and KV head.
+
+    MASK_WIN: a tile that holds keys before some query's window: query row m sees keys >= lo_pos[m] only,
+    and keys before key_lo (the least lo_pos) and from ctx_len on are not loaded at all.
+    """
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MASK_LEN:
+    if MASK_WIN:
+        # Keys before the window are never read, so their blocks may already be gone from the table.
+        mask_n = (offs_n >= key_lo) & (offs_n < ctx_len)
+    elif MASK_LEN:
         mask_n = offs_n < ctx_len
+    if MASK_LEN or MASK_WIN:
         # Masked so that table entries past the row's context (stale or padding) are never read.
         block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
         mask_k = mask_d[:, None] & mask_n[None, :]
@@ -61,12 +75,21 @@ def _attend_tile(
     s = s * scale_log2  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < ctx_len), s, float("-inf"))
-    elif MASK_LEN:
+    elif MASK_LEN or MASK_WIN:
         s = tl.where(mask_n[None, :], s, float("-inf"))
-    # Every row sees key 0 (or its split's first key) in its first tile, so m_new is finite.
+    if MASK_WIN:
+        s = tl.where(offs_n[None, :] >= lo_pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if MASK_WIN:
+        # A query may see no key of this tile nor of any before it (its window starts later): its max is still
+        # -inf, and exp2(-inf - -inf) would be NaN. Against 0 instead, its p and alpha are 0.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+    else:
+        # Without a window every row sees key 0 (or its split's first key) in its first tile: m_new is finite.
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(kv_ptr + stride_kv + key_off[:, None] + offs_d[None, :], mask=mask_v, other=0.0)  # [BLOCK_N, BLOCK_D]
     if UPCAST:
@@ -104,7 +127,7 @@ def _prefill_kernel(
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    UPCAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if HEAVY_FIRST:
@@ -144,16 +167,38 @@ def _prefill_kernel(
     last_pos = tl.minimum(first_pos + BLOCK_Q - 1, ctx_len - 1)
     # Keys below first_pos + 1 are visible to every query of the tile: no mask at all there.
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos,
-            head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, False, False, UPCAST)
-    for start_n in range(full_end, last_pos + 1, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos,
-            head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, True, True, UPCAST)
+    if WINDOW > 0:
+        lo_pos = q_pos - WINDOW + 1  # [BLOCK_M]: each query row's first visible key (may be negative)
+        key_lo = tl.maximum(first_pos - WINDOW + 1, 0)  # the tile's earliest visible key
+        # Keys from win_full on are inside every query's window; the tiles before it (from the one holding
+        # key_lo) mask by the window, and the diagonal tiles by both the window and the causal mask.
+        win_full = tl.minimum(tl.cdiv(tl.maximum(last_pos - WINDOW + 1, 0), BLOCK_N) * BLOCK_N, full_end)
+        for start_n in range((key_lo // BLOCK_N) * BLOCK_N, win_full, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, key_lo, lo_pos,
+                head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
+                BLOCK_N, BLOCK_SIZE, False, False, True, UPCAST)
+        for start_n in range(win_full, full_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, key_lo, lo_pos,
+                head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
+                BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST)
+        for start_n in range(full_end, last_pos + 1, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, key_lo, lo_pos,
+                head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
+                BLOCK_N, BLOCK_SIZE, True, True, True, UPCAST)
+    else:
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, 0, q_pos,
+                head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
+                BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST)
+        for start_n in range(full_end, last_pos + 1, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, 0, q_pos,
+                head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
+                BLOCK_N, BLOCK_SIZE, True, True, False, UPCAST)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -176,7 +221,7 @@ def _decode_kernel(
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,14 +230,22 @@ def _decode_kernel(
     if tl.load(cu_q_ptr + row + 1).to(tl.int32) - q_start != 1:  # prefill rows belong to the prefill kernel
         return
     ctx_len = tl.load(ctx_ptr + row).to(tl.int32)
+    if WINDOW > 0:
+        key_lo = tl.maximum(ctx_len - WINDOW, 0)  # the query (at ctx_len - 1) sees keys key_lo .. ctx_len - 1
+        base = (key_lo // BLOCK_N) * BLOCK_N
+    else:
+        key_lo = 0
+        base = 0
     if SPLIT:
-        per_split = _split_len(ctx_len, tl.num_programs(2), BLOCK_N)
-        lo = split * per_split
+        # The slices cut the window's span [base, ctx_len) (the whole context without a window), so that each
+        # holds visible keys: only the first slice's first tile holds keys before the window.
+        per_split = _split_len(ctx_len - base, tl.num_programs(2), BLOCK_N)
+        lo = base + split * per_split
         if lo >= ctx_len:  # the merge ignores splits past the row's length
             return
         hi = tl.minimum(lo + per_split, ctx_len)
     else:
-        lo = 0
+        lo = base
         hi = ctx_len
     table_row = table_ptr + row.to(tl.int64) * stride_table
 
@@ -211,18 +264,26 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     head_off = kv_head * stride_kh
+    lo_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + key_lo  # [BLOCK_G]: every head's query sits at one position
+    if WINDOW > 0:
+        if lo < key_lo:  # the window's first tile, which holds keys before it (and may be the row's last tile)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, kv_ptr, table_row, lo, hi, offs_g, key_lo, lo_pos,
+                head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
+                BLOCK_N, BLOCK_SIZE, True, False, True, UPCAST)
+            lo = tl.minimum(lo + BLOCK_N, hi)
     # A split boundary is a multiple of BLOCK_N, so only the row's last tile needs a length mask.
     full_end = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
     for start_n in range(lo, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, offs_g,
+            acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, offs_g, key_lo, lo_pos,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, False, False, UPCAST)
+            BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST)
     if full_end < hi:
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, kv_ptr, table_row, full_end, hi, offs_g,
+            acc, l_i, m_i, q, kv_ptr, table_row, full_end, hi, offs_g, key_lo, lo_pos,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, True, False, UPCAST)
+            BLOCK_N, BLOCK_SIZE, True, False, False, UPCAST)
 
     if SPLIT:
         # part_out [R, Hq, S, BLOCK_D], part_lse [R, Hq, S]; lse in log2 units.
@@ -247,6 +308,7 @@ def _merge_kernel(
     cu_q_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     num_splits, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -254,7 +316,11 @@ def _merge_kernel(
     if tl.load(cu_q_ptr + row + 1) - q_start != 1:
         return
     ctx_len = tl.load(ctx_ptr + row).to(tl.int32)
-    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))  # splits that saw keys
+    if WINDOW > 0:  # the decode kernel's slices cut the window's span (from its first tile), as here
+        span = ctx_len - (tl.maximum(ctx_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
+    else:
+        span = ctx_len
+    used = tl.cdiv(span, _split_len(span, num_splits, BLOCK_N))  # splits that saw keys
     first = (row * num_q_heads + head).to(tl.int64) * num_splits  # this (row, head)'s first slice
     offs_d = tl.arange(0, BLOCK_D)
     # Two passes over the slices' log-sum-exps: their largest, then the weighted sum of their outputs.
@@ -385,6 +451,7 @@ def paged_attention(
     max_context_len: int | None = None,
     tiles: Tiles | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context (see reference.paged_attention).
 
@@ -396,9 +463,15 @@ def paged_attention(
     split choice (default: block_tables.shape[1] * block_size). Nothing is read back from the device.
     tiles / num_splits: for tuning (benchmarks/kernels.py --sweep): block shapes instead of the device's
     defaults, and an exact count of decode slices instead of the heuristic's (capped at one per KV tile).
+    window: sliding-window attention (transformers' `sliding_window`): a query at position p sees keys
+    max(0, p - window + 1) .. p only; None is full causal attention. The window is a compile-time constant of
+    the kernels (one variant per distinct value, which a model fixes per layer: at most two), so full attention
+    runs exactly the code it ran without the argument, and a CUDA graph captures each layer's variant as is.
     """
     if num_splits is not None and (split_kv is not None or num_splits < 1):
         raise ValueError(f"num_splits={num_splits} must be at least 1, and split_kv={split_kv} left unset with it")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1")
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     num_rows = context_lens.shape[0]
@@ -422,6 +495,8 @@ def paged_attention(
         stride_kv=kv_cache.stride(0), stride_block=kv_cache.stride(1), stride_slot=kv_cache.stride(2),
         stride_kh=kv_cache.stride(3), stride_table=block_tables.stride(0),
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=block_d, UPCAST=fp32_dot,
+        # 0: full attention. A window past any context is clamped so that position arithmetic stays in int32.
+        WINDOW=min(window or 0, 1 << 30),
     )
     scale_log2 = scale * _LOG2E
 
@@ -438,6 +513,9 @@ def paged_attention(
         )
 
     max_context = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
+    if window is not None:
+        # A decode row reads its window's span only: from the KV tile holding its first visible key.
+        max_context = min(max_context, window + tiles.decode_n - 1)
     if num_splits is None:
         splits = num_kv_splits(num_rows, num_kv_heads, max_context, tiles.decode_n, query.device, split_kv)
     else:
@@ -462,7 +540,7 @@ def paged_attention(
             cu_seqlens_q, context_lens, out, part_out, part_lse,
             splits, num_q_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=_MERGE_BLOCK_S, BLOCK_D=block_d,
-            BLOCK_N=tiles.decode_n,
+            BLOCK_N=tiles.decode_n, WINDOW=common["WINDOW"],
             num_warps=1 if block_d <= 64 else 2,
         )
     return out
