@@ -122,6 +122,141 @@ def test_block_outside_the_pool_is_an_error_not_a_read():
         cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, max_query_len=1)
 
 
+def windowed_sdpa(query, kv, cu, ctx, tables, scale, window):
+    """The oracle for a sliding window, in plain torch: each row's K/V gathered, one SDPA with key kv visible to
+    the query at position q iff q - window < kv <= q (transformers' sliding_window mask)."""
+    out = torch.empty(query.shape)  # [T, Hq, D] fp32
+    for r in range(ctx.shape[0]):
+        first, last, length = int(cu[r]), int(cu[r + 1]), int(ctx[r])
+        if first == last:
+            continue
+        k, v = ref.gather_kv(kv.float(), tables[r], length)  # [L, Hkv, D] each
+        pos = torch.arange(length - (last - first), length)[:, None]  # [nq, 1]
+        keys = torch.arange(length)[None, :]  # [1, L]
+        mask = (keys <= pos) & (keys > pos - window)  # [nq, L]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[first:last].float().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask[None, None], scale=scale, enable_gqa=True)  # [1, Hq, nq, D]
+        out[first:last] = o[0].transpose(0, 1)
+    return out
+
+
+def hide_before_windows(poisoned, cu, ctx, tables, window):
+    """NaN in every slot before the window of each row's first new token (the earliest its tokens see), and the
+    block tables' entries for the blocks wholly before it pointed outside the pool: a kernel that reads a key
+    there shows NaN in the output, one that visits such a block fails. Returns those tables."""
+    num_blocks, block_size = poisoned.shape[1], poisoned.shape[2]
+    hidden = tables.clone()
+    for r in range(ctx.shape[0]):
+        first_pos = int(ctx[r]) - int(cu[r + 1] - cu[r])
+        start = max(0, first_pos - window + 1)
+        for position in range(start):
+            poisoned[:, tables[r, position // block_size], position % block_size] = float("nan")
+        hidden[r, :start // block_size] = num_blocks + 1000
+    return hidden
+
+
+# Rows of every kind, the long ones cut into several slices of 512 tokens by the kernel.
+WINDOW_ROWS = [*MIXED_ROWS, (1, 1100), (24, 1100), (5, 530), (0, 40)]
+# 1; smaller than a block; a block; several blocks; across a slice's boundary; longer than every context.
+WINDOWS = [1, 7, 16, 40, 600, 5000]
+
+
+def check_window(rows, window, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    query, kv, poisoned, cu, ctx, tables = make_batch(rows, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                                                      seed=seed)
+    hidden = hide_before_windows(poisoned, cu, ctx, tables, window)
+    scale = head_dim ** -0.5
+    expected = windowed_sdpa(query, kv, cu, ctx, tables, scale, window)
+    out = cpu.paged_attention(query, poisoned, cu, ctx, hidden, scale, window=window)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert torch.isfinite(out).all(), "NaN in the output: a key outside a token's window was read"
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_matches_masked_attention(window, dtype):
+    """Decode rows, prefills with and without a cached prefix, long contexts cut into slices; GQA."""
+    check_window(WINDOW_ROWS, window, 9, 3, 64, 16, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40, 600])
+@pytest.mark.parametrize("shape", [(8, 4, 80, 32), (7, 1, 128, 16), (4, 4, 64, 1)], ids=str)
+def test_sliding_window_in_other_shapes(shape, window):
+    check_window(WINDOW_ROWS, window, *shape, torch.float32)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("rows", [[(1, 1100)], [(1, 1100), (3, 700)], [(1, 5)]],
+                         ids=["one-long", "long-and-chunk", "short"])
+def test_sliding_window_with_few_rows_in_slices(rows, threads):
+    """Few work items: each slice of a head is an item of its own, only those the window reaches."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window in (3, 40, 600):
+            check_window(rows, window, 9, 3, 64, 16, torch.float32)
+            check_window(rows, window, 8, 2, 64, 16, torch.bfloat16)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_window_past_every_context_gets_the_bits_of_full_attention():
+    query, _, kv, cu, ctx, tables = make_batch(WINDOW_ROWS, 9, 3, 64, 16, torch.float32)
+    full = cpu.paged_attention(query, kv, cu, ctx, tables, 0.125)
+    assert torch.equal(cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, window=1100), full)
+
+
+def test_a_window_under_one_is_an_error():
+    query, kv, _, cu, ctx, tables = make_batch([(1, 20)], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="window"):
+        cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, window=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [7, 40, 600])
+def test_with_a_window_a_row_gets_the_same_bits_in_any_batch(window, threads):
+    rows = [(1, 1100), (1, 20), (1, 513), (1, 700), (1, 1), (1, 600), (1, 1111)] * 2
+    query, _, kv, cu, ctx, tables = make_batch(rows, 9, 3, 64, 16, torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, max_query_len=1, window=window)
+        for i in range(len(rows)):
+            alone = cpu.paged_attention(query[i:i + 1], kv, torch.tensor([0, 1]), ctx[i:i + 1], tables[i:i + 1],
+                                        0.125, max_query_len=1, window=window)
+            assert torch.equal(alone, together[i:i + 1]), rows[i]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("row", "window"), [((40, 40), 7), ((30, 530), 40), ((200, 1100), 600), ((64, 1100), 16)],
+                         ids=["fresh", "across-a-slice", "window-across-slices", "window-of-a-block"])
+def test_with_a_window_a_prefill_token_gets_the_bits_of_a_decode_row(row, window, threads):
+    """With a window, a token's bits follow from its own position and window: the same in a prefill, a decode
+    row, and chunks of any size (tiles then start at other tokens)."""
+    num_q, ctx_len = row
+    query, _, kv, cu, ctx, tables = make_batch([row], 9, 3, 64, 16, torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill = cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, window=window)
+        start = ctx_len - num_q
+        for i in range(num_q):
+            decode = cpu.paged_attention(query[i:i + 1], kv, torch.tensor([0, 1]), torch.tensor([start + i + 1]),
+                                         tables, 0.125, max_query_len=1, window=window)
+            assert torch.equal(decode, prefill[i:i + 1]), i
+        for size in (num_q // 3, 7):  # the same tokens as chunks, each a row of one batch
+            cuts = [*range(0, num_q, size), num_q]
+            chunks = cpu.paged_attention(query, kv, torch.tensor(cuts), torch.tensor([start + c for c in cuts[1:]]),
+                                         tables.expand(len(cuts) - 1, -1), 0.125, window=window)
+            assert torch.equal(chunks, prefill), size
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_auto_backend_on_cpu_is_the_native_one():
     backend = get_attention_backend("auto", torch.device("cpu"))
     assert backend.paged_attention is cpu.paged_attention and backend.write_kv_cache is cpu.write_kv_cache

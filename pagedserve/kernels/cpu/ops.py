@@ -40,14 +40,19 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """See reference.paged_attention. Returns [T, Hq, D] in query's dtype."""
+    """See reference.paged_attention. Returns [T, Hq, D] in query's dtype. With a `window`, each token reads
+    only the blocks its window reaches."""
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1")
     lib = paged_attention_library()
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if (lib is None or kv_cache.dtype not in _KV_DTYPES or kv_cache.device.type != "cpu"
             or not supports_shape(num_q_heads, num_kv_heads, head_dim, block_size)):
-        return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale)
+        return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                                         window=window)
 
     fp32 = query.dtype == torch.float32
     q32 = query.contiguous() if fp32 else query.float().contiguous()  # [T, Hq, D]
@@ -56,11 +61,11 @@ def paged_attention(
     context_lens = context_lens.to(torch.int64).contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     kv_cache = kv_cache.contiguous()
-    status = lib.paged_attention(
+    status = _windowed(lib)(
         q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(), context_lens.shape[0],
         cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         num_q_heads, num_kv_heads, head_dim, block_size, kv_cache.shape[1], ctypes.c_float(scale),
-        torch.get_num_threads())
+        torch.get_num_threads(), 0 if window is None else window)
     if status == -2:
         raise ValueError(f"block_tables name a block outside the KV pool (num_blocks={kv_cache.shape[1]})")
     if status == -3:
@@ -70,6 +75,15 @@ def paged_attention(
     if status != 0:
         raise RuntimeError(f"paged_attention failed with status {status}")
     return out32 if fp32 else out32.to(query.dtype)
+
+
+@functools.cache
+def _windowed(lib: ctypes.CDLL):
+    """The kernel's entry with a window (0: none): paged_attention's arguments, then the window as int64.
+    paged_attention itself keeps its signature, which the one-call decoder calls through a pointer."""
+    function = lib.paged_attention_windowed
+    function.argtypes, function.restype = [*lib.paged_attention.argtypes, ctypes.c_int64], ctypes.c_int
+    return function
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

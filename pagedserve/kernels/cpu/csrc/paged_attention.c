@@ -1,10 +1,13 @@
 /* Paged attention on the CPU: every query token of every row attends to its context (the row's cached tokens
  * and its new ones up to itself), read in place through the block table (no gather into a contiguous copy).
+ * In a sliding-window layer a token at position p sees positions max(0, p - window + 1) .. p only; the blocks
+ * before its window are not read at all, so a long context costs what its window holds.
  *
  * A prefill token is computed exactly as a decode row whose context ends at that token: the same code, the
  * same slices, the same merge. So a token's output does not depend on how it was scheduled (alone, in a
  * batch, in a prefill chunk of any size, recomputed after a preemption): a sequence gets the same bits
- * whatever else shares its steps.
+ * whatever else shares its steps. With a window the same holds: a token's slices and blocks follow from its own
+ * position and window alone.
  *
  * A work item is a tile of up to 16 consecutive new tokens of one row (a decode row is a tile of one), or a
  * tile's single KV head when tiles are few. Each block's K and V are read once for the tile's tokens and
@@ -149,6 +152,12 @@ static inline void accumulate_tokens(float *acc, const float *p, const float *v,
     }
 }
 
+/* The first key visible to a token whose context holds `ctx` keys (itself the last): transformers' sliding
+ * window, at most `window` keys, its own included; 0 for a window of 0 (none) or longer than the context. */
+static inline int64_t window_start(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 /* 1 when the kernel's fixed per-thread scratch holds this shape. */
 int paged_attention_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
     const int64_t group = num_q_heads / num_kv_heads;
@@ -183,15 +192,19 @@ __attribute__((noinline)) static void attend_block(const float *q, const float *
 
 /* Attention of `count` consecutive query tokens of one row (token i: query q_in + i * q_stride, context
  * ctx0 + i) over their tokens from t0 (a multiple of B) to t1, or to their own context's end where it comes
- * first; KV heads h0 .. h0 + heads - 1. Each block's K and V are read once for all the tokens. Token i's
+ * first; with a window (> 0), from their own window's start where it comes later: token i sees
+ * window_start(ctx0 + i, window) onwards. KV heads h0 .. h0 + heads - 1. Each block's K and V are read once
+ * for all the tokens, from the first token's window start (the earliest: the blocks before it are skipped). A
+ * token enters a block at its own first visible key, so what it computes depends on its own range only. Token i's
  * unnormalised sum acc, running maximum m and sum l per query head (query head h0 * group + j at j) go to
  * parts + i * stride. Returns 0, or -2 when the block table names a block outside the pool (then stops). */
 static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int64_t ctx0, const void *kv,
                         int kv_dtype, int64_t elem_size, const int64_t *table, int64_t t0, int64_t t1, int64_t h0,
                         int64_t heads, int64_t group, int64_t D, int64_t B, int64_t token_stride, int64_t v_offset,
-                        int64_t num_blocks, float scale, float *parts, int64_t stride) {
+                        int64_t num_blocks, float scale, int64_t window, float *parts, int64_t stride) {
     const int64_t hg = heads * group, hgd = hg * D;
     const int64_t end = ctx0 + count - 1 < t1 ? ctx0 + count - 1 : t1;  /* the last token's */
+    const int64_t lo = window_start(ctx0, window), from = lo > t0 ? lo / B * B : t0;  /* the first token's */
     /* Sized by the shapes (bounded by paged_attention_supports and the tile): small stacks suffice. */
     float q[count * hgd], scores[group * B];
     float k_scratch[kv_dtype == KV_F32 ? 1 : B * D], v_scratch[kv_dtype == KV_F32 ? 1 : B * D];
@@ -201,8 +214,10 @@ static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int6
         memset(part, 0, sizeof(float) * hgd);
         for (int64_t j = 0; j < hg; j++) { part[hgd + j] = -FLT_MAX; part[hgd + hg + j] = 0.0f; }
     }
-    for (int64_t start = t0; start < end; start += B) {
+    for (int64_t start = from; start < end; start += B) {
         const int64_t blk = table[start / B], n = end - start < B ? end - start : B;
+        /* The tile's first visible key of this block: the tokens before it are neither converted nor read. */
+        const int64_t skip = lo > start ? lo - start : 0;
         if (blk < 0 || blk >= num_blocks) return -2;
         if (start + B < end) {
             const int64_t next = table[start / B + 1];
@@ -213,15 +228,20 @@ static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int6
             }
         }
         for (int64_t h = 0; h < heads; h++) {
-            const int64_t base = blk * B * token_stride + (h0 + h) * D;
+            /* k and v point at the block's token `skip`. */
+            const int64_t base = (blk * B + skip) * token_stride + (h0 + h) * D;
             int64_t kstride, vstride;
-            const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n, D, k_scratch, &kstride);
-            const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n, D, v_scratch, &vstride);
+            const float *k = tokens_f32(kv, kv_dtype, base, token_stride, n - skip, D, k_scratch, &kstride);
+            const float *v = tokens_f32(kv, kv_dtype, v_offset + base, token_stride, n - skip, D, v_scratch,
+                                        &vstride);
             for (int64_t i = 0; i < count; i++) {
                 const int64_t own_end = ctx0 + i < t1 ? ctx0 + i : t1, own = own_end - start < n ? own_end - start : n;
-                if (own <= 0) continue;  /* this block lies past token i's context */
+                const int64_t own_lo = window_start(ctx0 + i, window), before = own_lo > start ? own_lo - start : 0;
+                /* This block lies past token i's context, or before its window. */
+                if (own <= before) continue;
                 float *part = parts + i * stride;
-                attend_block(q + i * hgd + h * group * D, k, kstride, v, vstride, own, group, D, B, scores,
+                attend_block(q + i * hgd + h * group * D, k + (before - skip) * kstride, kstride,
+                             v + (before - skip) * vstride, vstride, own - before, group, D, B, scores,
                              part + h * group * D, part + hgd + h * group, part + hgd + hg + h * group);
             }
         }
@@ -229,8 +249,12 @@ static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int6
     return 0;
 }
 
-/* A row's context is cut into slices of SLICE_TOKENS (whole blocks), each attended on its own and merged: the
- * cut depends on the row's own length only, so a row gets the same bits whatever else is in the step. */
+/* A row's context is cut into slices of SLICE_TOKENS (whole blocks) at fixed positions (0, SLICE_TOKENS, ...),
+ * each attended on its own and merged: a token's slices are the ones its visible keys fall in, from its
+ * window's start (or 0) to itself, so the cut depends on the token's own position and window only, and a token
+ * gets the same bits whatever else is in the step and whichever tile or chunk computes it. A window never
+ * moves the cut (cut from the window's start, it would differ between the tokens of one tile): it only leaves
+ * out the slices and blocks before the window. */
 /* One sequence, 3 KV heads on 2 threads: 1.3-1.6x at 2-4k tokens, even at 1k; 256 was slower at 1k. */
 #define SLICE_TOKENS 512
 
@@ -263,8 +287,9 @@ __attribute__((noinline)) static void merge_slices(const float *parts, int64_t c
 
 /* Returns 0; -1 for a shape paged_attention_supports refuses; -2 when a block table names a block
  * outside the pool (nothing outside the pool is read; the output is then not valid); -3 when out of memory;
- * -4 when a row has more new tokens than context. */
-int paged_attention(
+ * -4 when a row has more new tokens than context. `window` > 0: each token sees the last `window` positions
+ * up to itself only (a sliding-window layer); 0: its whole context. */
+int paged_attention_windowed(
     const float *query,          /* [T, Hq, D] fp32, contiguous */
     const void *kv,              /* [2, N, B, Hkv, D] one layer's pool, contiguous, of kv_dtype */
     int kv_dtype,
@@ -276,7 +301,8 @@ int paged_attention(
     int64_t table_stride,
     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
     float scale,
-    int num_threads)              /* torch.get_num_threads(): the kernel follows torch's setting */
+    int num_threads,              /* torch.get_num_threads(): the kernel follows torch's setting */
+    int64_t window)               /* > 0: the sliding window's length; 0: none */
 {
     const int64_t group = num_q_heads / num_kv_heads, D = head_dim, B = block_size, Hkv = num_kv_heads;
     if (!paged_attention_supports(num_q_heads, num_kv_heads, head_dim, block_size)) return -1;
@@ -292,21 +318,24 @@ int paged_attention(
         const int64_t n = cu_seqlens_q[r + 1] - cu_seqlens_q[r];
         if (n > context_lens[r]) return -4;
         num_tiles += (n + tile - 1) / tile;
-        const int64_t most = num_slices(context_lens[r], slice);
-        max_slices = n && most > max_slices ? most : max_slices;
     }
-    /* Each tile's row, first token, token count, and its first token's context: token i of a row with n new
-     * tokens sees its first ctx - n + i + 1. */
-    int64_t *tile_row = malloc(sizeof(int64_t) * (size_t)(4 * (num_tiles > 0 ? num_tiles : 1)));
+    /* Each tile's row, first token, token count, its first token's context (token i of a row with n new tokens
+     * sees its first ctx - n + i + 1) and its first slice: the one its first token's window starts in (0
+     * without a window). Its slices run from there to its last token's last; max_slices is the most a tile
+     * spans. */
+    int64_t *tile_row = malloc(sizeof(int64_t) * (size_t)(5 * (num_tiles > 0 ? num_tiles : 1)));
     if (!tile_row) return -3;
     int64_t *tile_first = tile_row + num_tiles, *tile_count = tile_first + num_tiles;
-    int64_t *tile_ctx = tile_count + num_tiles;
+    int64_t *tile_ctx = tile_count + num_tiles, *tile_slice = tile_ctx + num_tiles;
     for (int64_t r = 0, t = 0; r < num_rows; r++)
         for (int64_t first = cu_seqlens_q[r]; first < cu_seqlens_q[r + 1]; first += tile, t++) {
             tile_row[t] = r;
             tile_first[t] = first;
             tile_count[t] = cu_seqlens_q[r + 1] - first < tile ? cu_seqlens_q[r + 1] - first : tile;
             tile_ctx[t] = context_lens[r] - cu_seqlens_q[r + 1] + first + 1;
+            tile_slice[t] = window_start(tile_ctx[t], window) / slice;
+            const int64_t span = num_slices(tile_ctx[t] + tile_count[t] - 1, slice) - tile_slice[t];
+            max_slices = span > max_slices ? span : max_slices;
         }
     /* A work item is a tile's KV heads `heads` at a time: all of them when there are tiles enough to keep the
      * threads busy, so that each block's K and V are read as two contiguous runs; one when there are few.
@@ -320,7 +349,7 @@ int paged_attention(
     const int spread = units < 2 * num_threads;
     const int64_t items = spread ? units * max_slices : units;
     /* Each unit's partial sums (spread), else each thread's own for one unit at a time: per token of the tile,
-     * per slice. */
+     * per slice from the tile's first. */
     float *parts = malloc(sizeof(float) * (size_t)((spread ? units : num_threads) * tile_parts));
     if (!parts) { free(tile_row); return -3; }
     int bad_block = 0;
@@ -329,32 +358,51 @@ int paged_attention(
     for (int64_t item = 0; item < items; item++) {
         const int64_t unit = spread ? item / max_slices : item, t = unit / chunks, h0 = (unit % chunks) * heads;
         const int64_t r = tile_row[t], count = tile_count[t], first_token = tile_first[t], ctx0 = tile_ctx[t];
-        const int64_t n = num_slices(ctx0 + count - 1, slice);
-        const int64_t first = spread ? item % max_slices : 0, last = spread ? first + 1 : n;
+        const int64_t s0 = tile_slice[t], n = num_slices(ctx0 + count - 1, slice);
+        const int64_t first = spread ? s0 + item % max_slices : s0, last = spread ? first + 1 : n;
         if (first >= n) continue;  /* a slice past every token's context */
         float *own = parts + (spread ? unit : (int64_t)omp_get_thread_num()) * tile_parts;
         const int64_t at = (first_token * num_q_heads + h0 * group) * D;
         for (int64_t sp = first; sp < last; sp++) {
-            /* Slice sp of token i at own + (sp * tile + i) * stride: a token's slices `tile` strides apart. */
+            /* Slice sp of token i at own + ((sp - s0) * tile + i) * stride: a token's slices `tile` strides
+             * apart. */
             if (attend_range(query + at, num_q_heads * D, count, ctx0, kv, kv_dtype, elem_size,
                              block_tables + r * table_stride, sp * slice, (sp + 1) * slice, h0, heads, group, D, B,
-                             token_stride, v_offset, num_blocks, scale, own + sp * tile * stride, stride)) {
+                             token_stride, v_offset, num_blocks, scale, window, own + (sp - s0) * tile * stride,
+                             stride)) {
                 #pragma omp atomic write
                 bad_block = 1;
             }
         }
         if (!spread)
-            for (int64_t i = 0; i < count; i++)
-                merge_slices(own + i * stride, num_slices(ctx0 + i, slice), tile * stride, hg, D,
-                             out + at + i * num_q_heads * D);
+            for (int64_t i = 0; i < count; i++) {
+                /* Token i's own slices only: from its window's (a later token's can start a slice later). */
+                const int64_t own_first = window_start(ctx0 + i, window) / slice;
+                merge_slices(own + ((own_first - s0) * tile + i) * stride, num_slices(ctx0 + i, slice) - own_first,
+                             tile * stride, hg, D, out + at + i * num_q_heads * D);
+            }
     }
     for (int64_t unit = 0; spread && unit < units; unit++) {
         const int64_t t = unit / chunks, h0 = (unit % chunks) * heads;
-        for (int64_t i = 0; i < tile_count[t]; i++)
-            merge_slices(parts + unit * tile_parts + i * stride, num_slices(tile_ctx[t] + i, slice),
-                         tile * stride, hg, D, out + ((tile_first[t] + i) * num_q_heads + h0 * group) * D);
+        for (int64_t i = 0; i < tile_count[t]; i++) {
+            const int64_t own_first = window_start(tile_ctx[t] + i, window) / slice;
+            merge_slices(parts + unit * tile_parts + ((own_first - tile_slice[t]) * tile + i) * stride,
+                         num_slices(tile_ctx[t] + i, slice) - own_first, tile * stride, hg, D,
+                         out + ((tile_first[t] + i) * num_q_heads + h0 * group) * D);
+        }
     }
     free(parts);
     free(tile_row);
     return bad_block ? -2 : 0;
+}
+
+/* Full attention (no window): the entry the one-call decoder calls through its function pointer, whose
+ * signature stays as it was. */
+int paged_attention(const float *query, const void *kv, int kv_dtype, float *out, int64_t num_rows,
+                    const int64_t *cu_seqlens_q, const int64_t *context_lens, const int64_t *block_tables,
+                    int64_t table_stride, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t block_size, int64_t num_blocks, float scale, int num_threads) {
+    return paged_attention_windowed(query, kv, kv_dtype, out, num_rows, cu_seqlens_q, context_lens, block_tables,
+                                    table_stride, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                                    num_threads, 0);
 }
