@@ -1,5 +1,6 @@
 """The engine on the Triton kernels (interpreted off-GPU) gives the same greedy tokens as HF transformers,
-through prefill, decode, chunked prefill, prefix-cache hits and copy-on-write forks."""
+through prefill, decode, chunked prefill, prefix-cache hits and copy-on-write forks, with and without a sliding
+window."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ from pagedserve import LLM, SamplingParams
 
 from .test_parity import hf_greedy
 
+# Qwen2 in full, and with a sliding window of 10 positions on its second layer (prompts run past it).
+WINDOWS = {"full": {}, "window": dict(use_sliding_window=True, sliding_window=10, max_window_layers=1)}
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
+
+@pytest.fixture(scope="module", params=sorted(WINDOWS))
+def tiny_qwen2(request, tmp_path_factory):
     import transformers
 
     config = transformers.Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      **WINDOWS[request.param])
     torch.manual_seed(5)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp("qwen2_triton")
+    path = tmp_path_factory.mktemp(f"qwen2_triton_{request.param}")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 15, 16, 17, 40)]

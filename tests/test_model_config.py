@@ -27,37 +27,56 @@ def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
                                     transformers.Qwen2Config(**TINY), transformers.Qwen3Config(**TINY)],
                          ids=lambda c: c.model_type)
 def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, config):
-    if config.model_type == "mistral":
-        config.sliding_window = None  # Mistral's default is a window of 4096 tokens, refused below
     d = saved(tmp_path, config)
     assert ModelConfig.from_dict(d).model_type == config.model_type
 
 
-def test_a_mistral_window_is_refused_by_name_at_load(tmp_path):
-    saved(tmp_path, transformers.MistralConfig(**TINY, sliding_window=16))
-    with pytest.raises(ValueError, match=r"sliding_window=16 \(sliding-window attention is not supported\)"):
+@pytest.mark.parametrize("config, windows", [
+    (transformers.LlamaConfig(**TINY), (None, None)),
+    (transformers.MistralConfig(**TINY, sliding_window=16), (16, 16)),
+    (transformers.MistralConfig(**TINY, sliding_window=None), (None, None)),
+    (transformers.Qwen2Config(**TINY, sliding_window=8), (None, None)),  # without use_sliding_window: none
+    (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1), (None, 8)),
+    (transformers.Qwen3Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=0), (8, 8)),
+], ids=["llama", "mistral", "mistral-none", "qwen2-off", "qwen2", "qwen3"])
+def test_each_layer_has_the_window_transformers_gives_it(tmp_path, config, windows):
+    d = saved(tmp_path, config)
+    assert ModelConfig.from_dict(d).layer_windows == windows
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Qwen2's and Qwen3's attention layers hold their window; Mistral's reads the config's in every layer.
+    default = getattr(model.config, "sliding_window", None)
+    assert tuple(getattr(layer.self_attn, "sliding_window", default) for layer in model.model.layers) == windows
+
+
+def test_a_qwen2_checkpoint_without_layer_types_takes_its_windows_from_max_window_layers(tmp_path):
+    """As configs written before transformers kept `layer_types` (Qwen2.5's) have them."""
+    d = saved(tmp_path, transformers.Qwen2Config(**TINY))
+    d = {k: v for k, v in d.items() if k != "layer_types"} | dict(use_sliding_window=True, sliding_window=8,
+                                                                  max_window_layers=1)
+    assert ModelConfig.from_dict(d).layer_windows == (None, 8)
+
+
+def test_layer_types_a_family_does_not_have_are_refused_by_name(tmp_path):
+    d = saved(tmp_path, transformers.LlamaConfig(**TINY), layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match=r"layer_types \(layers of 'sliding_attention' are not supported for llama"):
         LLM(f"random:{tmp_path / 'config.json'}", device="cpu")
-
-
-def test_qwen2_with_use_sliding_window_is_refused_by_name(tmp_path):
-    d = saved(tmp_path, transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8,
-                                                 max_window_layers=1))
-    with pytest.raises(ValueError) as refused:
+    d = saved(tmp_path, transformers.Qwen2Config(**TINY), layer_types=["full_attention", "chunked_attention"])
+    with pytest.raises(ValueError, match=r"layers of 'chunked_attention' are not supported for qwen2"):
         ModelConfig.from_dict(d)
-    message = str(refused.value)
-    assert "use_sliding_window=true" in message and "sliding_window=8" in message
-    assert "layer_types (layers of 'sliding_attention' are not supported" in message
+    d["layer_types"] = ["full_attention"] * 3
+    with pytest.raises(ValueError, match=r"layer_types \(3 entries for num_hidden_layers=2\)"):
+        ModelConfig.from_dict(d)
 
 
 def test_every_unknown_or_unhonoured_key_is_named(tmp_path):
     d = saved(tmp_path, transformers.LlamaConfig(**TINY), attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-              num_experts=8, quantization_config={"quant_method": "awq"}, layer_types=["full_attention",
-                                                                                      "sliding_attention"])
+              num_experts=8, quantization_config={"quant_method": "awq"}, sliding_window=16,
+              layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(ValueError) as refused:
         ModelConfig.from_dict(d)
     message = str(refused.value)
     for key in ("attn_logit_softcapping", "final_logit_softcapping", "num_experts", "quantization_config",
-                "layer_types"):
+                "sliding_window", "layer_types"):
         assert f"{key} (" in message, key
 
 

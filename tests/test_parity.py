@@ -21,6 +21,10 @@ TINY = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),  # q/k/v bias
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k RMSNorm, head_dim != hidden / heads
+    # Sliding windows, prompts up to 167 tokens past them: one inside a block, on every layer ...
+    "mistral-window": ("MistralConfig", {"sliding_window": 12}),
+    # ... and one spanning blocks, on the layers from max_window_layers on (the first attends in full).
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1}),
 }
 
 
@@ -91,7 +95,7 @@ def tiny_model(request, tmp_path_factory):
         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, **extra)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if request.param == "qwen2":
+    if request.param.startswith("qwen2"):
         for layer in model.model.layers:  # random biases: zero ones would not test the bias path
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)

@@ -57,31 +57,38 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context.
 
     query [T, Hq, D]; cu_seqlens_q [R + 1]; context_lens [R] (cached prefix + new tokens);
     block_tables [R, max_blocks] (entries past a row's length are ignored). Row r's query i
-    sits at position context_len - num_q + i and sees keys 0..that position (causal among the
-    new tokens, full over the prefix). Returns [T, Hq, D] in query's dtype. The max_* hints are
-    for the Triton backend (launch shapes without a device sync); the reference reads the lists.
+    sits at position p = context_len - num_q + i and sees keys 0..p (causal among the new tokens,
+    full over the prefix); with a sliding `window`, only keys p - window + 1 .. p (transformers'
+    `sliding_window`: at most `window` keys, its own included). Returns [T, Hq, D] in query's dtype.
+    The max_* hints are for the Triton backend (launch shapes without a device sync); the reference
+    reads the lists.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1")
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     q_lens = [cu[r + 1] - cu[r] for r in range(len(lens))]
     decode_rows = [r for r, n in enumerate(q_lens) if n == 1]
     if len(decode_rows) > 1:
-        _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out)
+        _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out, window)
     else:
         decode_rows = []
     skip = set(decode_rows)
-    attend_rows(query, kv_cache, cu, lens, block_tables, scale, [r for r in range(len(lens)) if r not in skip], out)
+    attend_rows(query, kv_cache, cu, lens, block_tables, scale, [r for r in range(len(lens)) if r not in skip], out,
+                window)
     return out
 
 
 def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens: list[int],
-                block_tables: torch.Tensor, scale: float, rows: list[int], out: torch.Tensor) -> None:
+                block_tables: torch.Tensor, scale: float, rows: list[int], out: torch.Tensor,
+                window: int | None = None) -> None:
     """Row by row: gather the row's K/V and run one causal SDPA over its new queries, into `out`."""
     for r in rows:
         num_q = cu[r + 1] - cu[r]
@@ -90,11 +97,15 @@ def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens
         k, v = gather_kv(kv_cache, block_tables[r], lens[r])  # [L, Hkv, D] each
         q = query[cu[r]:cu[r + 1]].transpose(0, 1)  # [Hq, nq, D]
         start = lens[r] - num_q
-        if start == 0:  # no cached prefix: plain causal, which lets SDPA skip the masked-out tiles
+        if start == 0 and window is None:  # plain causal, which lets SDPA skip the masked-out tiles
             mask = None
         else:
-            mask = (torch.arange(lens[r], device=query.device)[None, :]
-                    <= start + torch.arange(num_q, device=query.device)[:, None])[None, None]  # [1, 1, nq, L]
+            keys = torch.arange(lens[r], device=query.device)[None, :]
+            positions = start + torch.arange(num_q, device=query.device)[:, None]
+            mask = keys <= positions
+            if window is not None:
+                mask &= keys > positions - window
+            mask = mask[None, None]  # [1, 1, nq, L]
         # 4-D inputs: on CPU, 3-D ones fall back to SDPA's math path (~100x slower here).
         o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None].to(q.dtype),
                                            v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask,
@@ -102,7 +113,7 @@ def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens
         out[cu[r]:cu[r + 1]] = o[0].transpose(0, 1)
 
 
-def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out) -> None:
+def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out, window=None) -> None:
     """One batched SDPA for all single-token rows: gather padded K/V and mask by length."""
     block_size = kv_cache.shape[2]
     max_len = max(lens[r] for r in rows)
@@ -114,7 +125,11 @@ def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out) -> N
     token_idx = torch.tensor([cu[r] for r in rows], device=query.device)
     q = query[token_idx].unsqueeze(2)  # [R, Hq, 1, D]
     row_lens = torch.tensor([lens[r] for r in rows], device=query.device)
-    mask = (torch.arange(max_len, device=query.device)[None, :] < row_lens[:, None])[:, None, None, :]
+    keys = torch.arange(max_len, device=query.device)[None, :]
+    mask = keys < row_lens[:, None]  # [R, max_len]
+    if window is not None:
+        mask &= keys >= row_lens[:, None] - window
+    mask = mask[:, None, None, :]
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
                                        attn_mask=mask, scale=scale, enable_gqa=True)
     out[token_idx] = o.squeeze(2)

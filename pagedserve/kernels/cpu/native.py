@@ -39,6 +39,8 @@ LAYER_OPS_FLAGS = QUANT_LINEAR_FLAGS
 DECODER_FLAGS = QUANT_LINEAR_FLAGS
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_PAGED_ATTENTION_ARGS = [_ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                         ctypes.c_float, ctypes.c_int]
 
 
 def compiler() -> str:
@@ -50,8 +52,10 @@ def paged_attention_library() -> ctypes.CDLL | None:
     """The built attention kernel, or None (logged) where it cannot be built here."""
     return _library("paged_attention.c", PAGED_ATTENTION_FLAGS, "the CPU attention uses the slower torch reference", {
         "paged_attention_supports": ([_i64, _i64, _i64, _i64], ctypes.c_int),
-        "paged_attention": ([_ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                             _i64, ctypes.c_float, ctypes.c_int], ctypes.c_int)})
+        "paged_attention": (_PAGED_ATTENTION_ARGS, ctypes.c_int),
+        # the same, then a sliding window (0: none); paged_attention keeps its signature for the one-call decoder
+        "paged_attention_windowed": ([*_PAGED_ATTENTION_ARGS, _i64], ctypes.c_int)})
+
 
 
 @functools.cache

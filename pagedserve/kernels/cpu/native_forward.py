@@ -92,6 +92,8 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return f"a {kv_pool.dtype} KV pool"
     if tp.size != 1:
         return "tensor parallelism"
+    if any(window is not None for window in config.layer_windows):
+        return "sliding-window layers"  # the one-call forward attends over whole contexts
     if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):
         return "a kernel that could not be built"
     if not ops.supports_shape(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):

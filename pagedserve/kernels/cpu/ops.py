@@ -61,7 +61,7 @@ def paged_attention(
     context_lens = context_lens.to(torch.int64).contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     kv_cache = kv_cache.contiguous()
-    status = _windowed(lib)(
+    status = lib.paged_attention_windowed(
         q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(), context_lens.shape[0],
         cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         num_q_heads, num_kv_heads, head_dim, block_size, kv_cache.shape[1], ctypes.c_float(scale),
@@ -75,15 +75,6 @@ def paged_attention(
     if status != 0:
         raise RuntimeError(f"paged_attention failed with status {status}")
     return out32 if fp32 else out32.to(query.dtype)
-
-
-@functools.cache
-def _windowed(lib: ctypes.CDLL):
-    """The kernel's entry with a window (0: none): paged_attention's arguments, then the window as int64.
-    paged_attention itself keeps its signature, which the one-call decoder calls through a pointer."""
-    function = lib.paged_attention_windowed
-    function.argtypes, function.restype = [*lib.paged_attention.argtypes, ctypes.c_int64], ctypes.c_int
-    return function
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -66,9 +66,10 @@ def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None) -> None:
         super().__init__()
         self.tp = tp
+        self.window = window  # a sliding-window layer's: it attends to the last `window` positions only
         self.num_heads = tp.num_heads
         self.num_kv_heads = tp.num_kv_heads
         self.head_dim = config.head_dim
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         ctx.backend.write_kv_cache(k, v, kv_cache, ctx.slot_mapping)
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,
-                                        max_context_len=ctx.max_context_len)
+                                        max_context_len=ctx.max_context_len, window=self.window)
         return row_parallel(self.o_proj, o.reshape(-1, self.q_size), self.tp)
 
 
@@ -145,9 +146,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, tp)
+        self.self_attn = Attention(config, tp, window)
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -172,7 +173,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rope = RotaryEmbedding(config, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config, tp)
-        self.layers = nn.ModuleList([DecoderLayer(config, tp) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, tp, window) for window in config.layer_windows])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

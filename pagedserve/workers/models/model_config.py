@@ -58,24 +58,53 @@ _ROPE_KEYS = {
 }
 
 
+# The attention types each family's transformers class computes per layer. Mistral's class reads one window for
+# every layer (a checkpoint that alternates is another family's).
+_LAYER_TYPES = {
+    "llama": ("full_attention",),
+    "mistral": ("full_attention",),
+    "qwen2": ("full_attention", "sliding_attention"),
+    "qwen3": ("full_attention", "sliding_attention"),
+}
+
+
+def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers' class for the family computes it.
+    Mistral: `sliding_window` on every layer. Qwen2 / Qwen3: a window only with `use_sliding_window`, on the
+    layers `layer_types` names sliding (by default those from `max_window_layers` on)."""
+    num_layers = d["num_hidden_layers"]
+    model_type = d["model_type"]
+    if model_type == "mistral":
+        return (d.get("sliding_window"),) * num_layers
+    if model_type not in ("qwen2", "qwen3") or not d.get("use_sliding_window"):
+        return (None,) * num_layers
+    window = d.get("sliding_window")
+    types = d.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
+        for i in range(num_layers)]
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
 def check_honoured(d: dict[str, Any]) -> None:
     """ValueError naming every key of the config `d` that would change the computation and is not honoured:
-    keys this engine does not know, and known keys set to what it does not compute (a sliding window, layers of
-    another attention type, a rope setting its scaling type does not read)."""
+    keys this engine does not know, and known keys set to what it does not compute (layers of an attention type
+    the family does not have, a rope setting its scaling type does not read)."""
     model_type = d.get("model_type")
     known = _HONOURED | _HONOURED_BY_FAMILY.get(model_type, frozenset()) | _INERT
     refused = [f"{key} (not a setting of {model_type} models that this engine knows)"
                for key in sorted(set(d) - known)]
     window = d.get("sliding_window")
-    if model_type == "mistral" and window is not None:
-        refused.append(f"sliding_window={window} (sliding-window attention is not supported)")
-    if d.get("use_sliding_window"):
-        refused.append(f"use_sliding_window=true (sliding-window attention is not supported; "
-                       f"sliding_window={window})")
-    other_layers = sorted({kind for kind in d.get("layer_types") or [] if kind != "full_attention"})
-    if other_layers:
-        refused.append(f"layer_types (layers of {', '.join(map(repr, other_layers))} are not supported: "
-                       "full_attention only)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        refused.append(f"sliding_window={window!r} (a number of positions, at least 1)")
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        other_layers = sorted({kind for kind in layer_types if kind not in _LAYER_TYPES[model_type]})
+        if other_layers:
+            refused.append(f"layer_types (layers of {', '.join(map(repr, other_layers))} are not supported for "
+                           f"{model_type}: {', '.join(_LAYER_TYPES[model_type])})")
+        if len(layer_types) != d.get("num_hidden_layers"):
+            refused.append(f"layer_types ({len(layer_types)} entries for num_hidden_layers="
+                           f"{d.get('num_hidden_layers')})")
     for name in ("rope_scaling", "rope_parameters"):
         rope = d.get(name) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -106,6 +135,7 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
     hidden_act: str
     initializer_range: float
     eos_token_ids: tuple[int, ...]
@@ -162,6 +192,7 @@ class ModelConfig:
             o_bias=attention_bias if o_default is None else o_default,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=qk_norm,
+            layer_windows=layer_windows(d),
             hidden_act=hidden_act,
             initializer_range=d.get("initializer_range", 0.02),
             eos_token_ids=eos_ids,
