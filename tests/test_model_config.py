@@ -12,7 +12,7 @@ from pagedserve import LLM
 from pagedserve.workers.models.model_config import ModelConfig
 
 TINY = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
+            num_key_value_heads=2, pad_token_id=0)
 
 
 def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
@@ -24,7 +24,8 @@ def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
 
 
 @pytest.mark.parametrize("config", [transformers.LlamaConfig(**TINY), transformers.MistralConfig(**TINY),
-                                    transformers.Qwen2Config(**TINY), transformers.Qwen3Config(**TINY)],
+                                    transformers.Qwen2Config(**TINY), transformers.Qwen3Config(**TINY),
+                                    transformers.GraniteConfig(**TINY), transformers.SmolLM3Config(**TINY)],
                          ids=lambda c: c.model_type)
 def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, config):
     d = saved(tmp_path, config)
@@ -38,7 +39,10 @@ def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, 
     (transformers.Qwen2Config(**TINY, sliding_window=8), (None, None)),  # without use_sliding_window: none
     (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1), (None, 8)),
     (transformers.Qwen3Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=0), (8, 8)),
-], ids=["llama", "mistral", "mistral-none", "qwen2-off", "qwen2", "qwen3"])
+    (transformers.SmolLM3Config(**TINY, no_rope_layer_interval=2), (None, None)),
+    (transformers.SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8),
+     (None, 8)),  # by default its layers without rotary embedding slide
+], ids=["llama", "mistral", "mistral-none", "qwen2-off", "qwen2", "qwen3", "smollm3-off", "smollm3"])
 def test_each_layer_has_the_window_transformers_gives_it(tmp_path, config, windows):
     d = saved(tmp_path, config)
     assert ModelConfig.from_dict(d).layer_windows == windows
@@ -93,3 +97,14 @@ def test_keys_that_change_nothing_pass(tmp_path):
               rope_interleaved=False, is_llama_config=True, attention_dropout=0.0, use_cache=True, max_length=20,
               temperature=0.7, pad_token_id=0, _name_or_path="x")
     assert ModelConfig.from_dict(d).num_layers == 2
+
+
+def test_smollm3_layers_without_rotary_embedding_are_those_transformers_skips(tmp_path):
+    config = transformers.SmolLM3Config(**TINY | dict(num_hidden_layers=4), no_rope_layer_interval=2)
+    d = saved(tmp_path, config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert ModelConfig.from_dict(d).rope_layers == tuple(bool(layer.self_attn.use_rope) for layer in model.model.layers)
+    assert ModelConfig.from_dict(d).rope_layers == (True, False, True, False)
+    d["no_rope_layers"] = [1, 2, 1, 0]
+    with pytest.raises(ValueError, match=r"no_rope_layers \(one 0 or 1 per layer, 4 of them\)"):
+        ModelConfig.from_dict(d)

@@ -25,6 +25,12 @@ TINY = {
     "mistral-window": ("MistralConfig", {"sliding_window": 12}),
     # ... and one spanning blocks, on the layers from max_window_layers on (the first attends in full).
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1}),
+    # Scaled embeddings, residual adds, attention scores and logits.
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                  "attention_multiplier": 0.2, "logits_scaling": 8.0}),
+    # Every second layer without rotary embedding, and sliding (a window of 12).
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 12,
+                                  "pad_token_id": 0}),
 }
 
 
@@ -220,3 +226,26 @@ def test_rope_scaling_matches_transformers(kind, tmp_path):
                                                                           strict=True)]
         got_lp = [e.logprob for e in out.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
+
+
+def test_granite_scales_match_transformers_logprobs(tmp_path):
+    """Greedy tokens do not move when logits are divided by a constant: the logprobs of every step do."""
+    import transformers
+
+    config = transformers.GraniteConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, **TINY["granite"][1])
+    torch.manual_seed(98)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = LLM(str(tmp_path), block_size=BS).generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                               ignore_eos=True, logprobs=0))[0]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = out.outputs[0].token_ids
+    assert tokens == ref.sequences[0, len(prompt):].tolist()
+    ref_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, tokens, strict=True)]
+    got_lp = [e.logprob for e in out.outputs[0].logprobs]
+    assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

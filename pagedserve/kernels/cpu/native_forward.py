@@ -94,6 +94,10 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return "tensor parallelism"
     if any(window is not None for window in config.layer_windows):
         return "sliding-window layers"  # the one-call forward attends over whole contexts
+    if not all(config.rope_layers):
+        return "layers without rotary embedding"
+    if (config.embedding_multiplier, config.residual_multiplier) != (1.0, 1.0):
+        return "scaled embeddings or residual adds"  # the logits' scale is applied after it, by compute_logits
     if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):
         return "a kernel that could not be built"
     if not ops.supports_shape(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
@@ -144,7 +148,7 @@ class NativeForward:
                    _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
                    _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)) for layer in layers])
         self._model = _Model(len(layers), config.hidden_size, tp.num_heads, tp.num_kv_heads, config.head_dim,
-                             tp.intermediate_size, config.rms_norm_eps, config.head_dim ** -0.5,
+                             tp.intermediate_size, config.rms_norm_eps, layers[0].self_attn.scale,
                              model.model.norm.weight.data_ptr(), self._layers)
         # The same functions the backend's wrappers call, as pointers.
         layer_ops = layer_ops_library()

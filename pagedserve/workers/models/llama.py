@@ -1,4 +1,5 @@
-"""Llama, Qwen2 and Qwen3 as one decoder driven by `ModelConfig` flags.
+"""Llama, Mistral, Qwen2, Qwen3, Granite and SmolLM3 as one decoder: their differences are `ModelConfig`'s values
+(biases, q/k norms, each layer's window and rotary embedding, Granite's scales), read where each applies.
 
 Tokens of all rows are flattened into one [T, ...] batch; attention reads and writes the
 paged KV pool through `AttentionContext`. q/k/v and gate/up projections are fused. Under
@@ -66,16 +67,17 @@ def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None, rope: bool = True) -> None:
         super().__init__()
         self.tp = tp
         self.window = window  # a sliding-window layer's: it attends to the last `window` positions only
+        self.rope = rope  # False: positions reach this layer through the causal mask alone (SmolLM3's)
         self.num_heads = tp.num_heads
         self.num_kv_heads = tp.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if config.attention_multiplier is None else config.attention_multiplier
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
@@ -94,9 +96,9 @@ class Attention(nn.Module):
             q = self.q_norm.heads_forward(q, ctx.backend.rms_norm_heads)
             k = self.k_norm.heads_forward(k, ctx.backend.rms_norm_heads)
         rotate = ctx.backend.rotate_qk
-        if rotate is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+        if self.rope and rotate is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             rotate(q, k, cos, sin)  # in place
-        else:
+        elif self.rope:
             q, k = reference.rotate_qk(q, k, cos, sin)
         ctx.backend.write_kv_cache(k, v, kv_cache, ctx.slot_mapping)
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
@@ -146,9 +148,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None, rope: bool = True) -> None:
         super().__init__()
-        self.self_attn = Attention(config, tp, window)
+        self.self_attn = Attention(config, tp, window, rope)
+        # Granite scales what each sublayer adds to the residual stream; the norm after it does the add
+        self.residual_multiplier = config.residual_multiplier
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -163,9 +167,12 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x, norm)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual, norm)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, ctx), residual,
-                                                                norm)
-        return self.mlp(h, ctx.backend.silu_mul), residual
+        h, residual = self.post_attention_layernorm.add_forward(
+            self._scaled(self.self_attn(h, cos, sin, kv_cache, ctx)), residual, norm)
+        return self._scaled(self.mlp(h, ctx.backend.silu_mul)), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class DecoderModel(nn.Module):
@@ -173,7 +180,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rope = RotaryEmbedding(config, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config, tp)
-        self.layers = nn.ModuleList([DecoderLayer(config, tp, window) for window in config.layer_windows])
+        self.layers = nn.ModuleList([DecoderLayer(config, tp, window, rope)
+                                     for window, rope in zip(config.layer_windows, config.rope_layers, strict=True)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -193,6 +201,8 @@ class CausalLM(nn.Module):
                 ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T]; kv_caches [L, 2, N, B, Hkv, D]. Returns hidden states [T, H]."""
         h = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * self.config.embedding_multiplier
         cos, sin = self.model.rope.cos_sin(positions, ctx.token_seq_lens, h.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
@@ -207,5 +217,7 @@ class CausalLM(nn.Module):
         # A tied head has no module of its own unless a CPU path gave it one (packed, or GGUF blocks).
         head = getattr(self, "lm_head", None)
         local = head(hidden) if head is not None else F.linear(hidden, self.model.embed_tokens.weight)
-        logits = all_gather_last_dim(local, self.tp)  # [S, tp * vocab_shard]
-        return logits[:, : self.config.vocab_size].float()
+        logits = all_gather_last_dim(local, self.tp)[:, : self.config.vocab_size]  # [S, V]
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits.float()

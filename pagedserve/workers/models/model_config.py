@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED = {
-    # model_type: (q/k/v bias default, o bias default, q/k RMSNorm)
+    # model_type: (q/k/v bias default, o bias default, q/k RMSNorm); None: the config's attention_bias
     "llama": (None, None, False),
     "mistral": (False, False, False),
     "qwen2": (True, False, False),
     "qwen3": (None, None, True),
+    "granite": (None, None, False),
+    "smollm3": (None, None, False),
 }
 
 # What a config may hold. A key outside these is refused by name at load: one this engine does not know may change
@@ -27,6 +29,13 @@ _HONOURED = frozenset({
 # Read for some families only (transformers' classes for the others do not read them):
 _HONOURED_BY_FAMILY = {
     "llama": frozenset({"attention_bias", "mlp_bias"}),
+    # Llama's layers, scaled: the embeddings, each layer's output added to the residual stream, the attention
+    # scores (in place of 1/sqrt(head_dim)) and the logits (divided).
+    "granite": frozenset({"attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
+                          "attention_multiplier", "logits_scaling"}),
+    # Llama's layers, some without rotary embedding (`no_rope_layers`), windows as Qwen2's.
+    "smollm3": frozenset({"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval",
+                          "use_sliding_window", "sliding_window", "layer_types"}),
     "mistral": frozenset({"sliding_window", "layer_types"}),
     "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
     "qwen3": frozenset({"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
@@ -65,6 +74,8 @@ _LAYER_TYPES = {
     "mistral": ("full_attention",),
     "qwen2": ("full_attention", "sliding_attention"),
     "qwen3": ("full_attention", "sliding_attention"),
+    "granite": ("full_attention",),
+    "smollm3": ("full_attention", "sliding_attention"),
 }
 
 
@@ -76,13 +87,30 @@ def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     model_type = d["model_type"]
     if model_type == "mistral":
         return (d.get("sliding_window"),) * num_layers
-    if model_type not in ("qwen2", "qwen3") or not d.get("use_sliding_window"):
+    if model_type not in ("qwen2", "qwen3", "smollm3") or not d.get("use_sliding_window"):
         return (None,) * num_layers
     window = d.get("sliding_window")
-    types = d.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
-        for i in range(num_layers)]
+    if model_type == "smollm3":  # by default the layers without rotary embedding slide
+        default = ["sliding_attention" if window is not None and not rope else "full_attention"
+                   for rope in rope_layers(d)]
+    else:
+        default = ["sliding_attention" if window is not None and i >= d.get("max_window_layers", 28)
+                   else "full_attention" for i in range(num_layers)]
+    types = d.get("layer_types") or default
     return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def rope_layers(d: dict[str, Any]) -> tuple[bool, ...]:
+    """Whether each layer rotates its queries and keys: all do, but SmolLM3's `no_rope_layers` (1: rotary
+    embedding, 0: none; by default every `no_rope_layer_interval`-th layer has none)."""
+    num_layers = d["num_hidden_layers"]
+    if d["model_type"] != "smollm3":
+        return (True,) * num_layers
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = d.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    return tuple(bool(f) for f in flags)
 
 
 def check_honoured(d: dict[str, Any]) -> None:
@@ -105,6 +133,9 @@ def check_honoured(d: dict[str, Any]) -> None:
         if len(layer_types) != d.get("num_hidden_layers"):
             refused.append(f"layer_types ({len(layer_types)} entries for num_hidden_layers="
                            f"{d.get('num_hidden_layers')})")
+    no_rope = d.get("no_rope_layers")
+    if no_rope is not None and (len(no_rope) != d.get("num_hidden_layers") or set(no_rope) - {0, 1}):
+        refused.append(f"no_rope_layers (one 0 or 1 per layer, {d.get('num_hidden_layers')} of them)")
     for name in ("rope_scaling", "rope_parameters"):
         rope = d.get(name) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -136,6 +167,13 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+    rope_layers: tuple[bool, ...]  # per layer: whether it rotates queries and keys
+    # Granite's scales (1 elsewhere): the embeddings, the layers' outputs added to the residual stream, the
+    # attention scores (None: 1 / sqrt(head_dim)) and the logits (divided by logits_scaling).
+    embedding_multiplier: float
+    residual_multiplier: float
+    attention_multiplier: float | None
+    logits_scaling: float
     hidden_act: str
     initializer_range: float
     eos_token_ids: tuple[int, ...]
@@ -193,6 +231,12 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=qk_norm,
             layer_windows=layer_windows(d),
+            rope_layers=rope_layers(d),
+            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+            # Granite's default is 1.0 (GraniteConfig's), not 1 / sqrt(head_dim)
+            attention_multiplier=float(d.get("attention_multiplier", 1.0)) if model_type == "granite" else None,
+            logits_scaling=float(d.get("logits_scaling", 1.0)),
             hidden_act=hidden_act,
             initializer_range=d.get("initializer_range", 0.02),
             eos_token_ids=eos_ids,
