@@ -95,11 +95,7 @@ class LLMEngine:
         request is running."""
         search = self._searches.pop(request_id, None)
         if search is not None:
-            for step_id in list(search.step_beams):
-                self._beam_steps.pop(step_id, None)
-                step = self.scheduler.abort(step_id)
-                if step is not None:
-                    self.outputs.build(step)  # frees what output processing keeps for it
+            self._drop_beam_steps(search)
             search.aborted = not search.done
             return self.outputs.beam_output(search)
         request = self.scheduler.abort(request_id)
@@ -156,13 +152,17 @@ class LLMEngine:
         if not search.finished:
             self._start_beam_step(search)
             return
-        for step_id in list(search.step_beams):  # a failed step: the search's other requests are dropped
+        self._drop_beam_steps(search)  # a failed step: the search's other requests are dropped
+        del self._searches[search.request_id]
+        seen.append(search)
+
+    def _drop_beam_steps(self, search: BeamSearch) -> None:
+        """Abort the search's step requests still running."""
+        for step_id in list(search.step_beams):
             self._beam_steps.pop(step_id, None)
             step = self.scheduler.abort(step_id)
             if step is not None:
-                self.outputs.build(step)
-        del self._searches[search.request_id]
-        seen.append(search)
+                self.outputs.build(step)  # frees what output processing keeps for it
 
     # ---- the loop ------------------------------------------------------------------------
 
