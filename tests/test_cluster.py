@@ -58,26 +58,28 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def tiny_mistral_window(tmp_path_factory):
-    """Mistral with a sliding window of 8 positions on every layer; prompts run up to 70 tokens past it."""
+@pytest.fixture(scope="module", params=["MistralConfig", "Phi3Config"])
+def tiny_window_model(request, tmp_path_factory):
+    """A sliding window of 8 positions on every layer (prompts run up to 70 tokens past it): Mistral's, and
+    Phi-3's, whose checkpoint holds q/k/v and gate/up fused (each rank reads its rows of each part)."""
     import transformers
 
-    config = transformers.MistralConfig(vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                        tie_word_embeddings=False, sliding_window=8)
+    config = getattr(transformers, request.param)(
+        vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, sliding_window=8,
+        pad_token_id=0)
     torch.manual_seed(22)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp("mistral_window_tp")
+    path = tmp_path_factory.mktemp(f"{request.param}_window_tp")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 1001, (n,), generator=gen).tolist() for n in (1, 9, 17, 70)]
     return str(path), prompts, hf_greedy(model, prompts, new_tokens=16)
 
 
-def test_tensor_parallel_sliding_window_matches_transformers(tiny_mistral_window):
+def test_tensor_parallel_sliding_window_matches_transformers(tiny_window_model):
     """Each rank's heads attend over the same window: tensor parallelism splits heads, never positions."""
-    path, prompts, expected = tiny_mistral_window
+    path, prompts, expected = tiny_window_model
     with LLM(path, executor="ray", tensor_parallel_size=2) as llm:
         assert tokens(llm.generate(prompts, GREEDY)) == expected
         stats = llm.stats()

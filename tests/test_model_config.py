@@ -25,7 +25,8 @@ def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
 
 @pytest.mark.parametrize("config", [transformers.LlamaConfig(**TINY), transformers.MistralConfig(**TINY),
                                     transformers.Qwen2Config(**TINY), transformers.Qwen3Config(**TINY),
-                                    transformers.GraniteConfig(**TINY), transformers.SmolLM3Config(**TINY)],
+                                    transformers.GraniteConfig(**TINY), transformers.SmolLM3Config(**TINY),
+                                    transformers.Phi3Config(**TINY)],
                          ids=lambda c: c.model_type)
 def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, config):
     d = saved(tmp_path, config)

@@ -28,6 +28,8 @@ TINY = {
     # Scaled embeddings, residual adds, attention scores and logits.
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.2, "logits_scaling": 8.0}),
+    # Fused q/k/v and gate/up in the checkpoint, and a window on every layer.
+    "phi3": ("Phi3Config", {"sliding_window": 20, "pad_token_id": 0}),
     # Every second layer without rotary embedding, and sliding (a window of 12).
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 12,
                                   "pad_token_id": 0}),

@@ -68,6 +68,41 @@ def _has_tokenizer(d: Path) -> bool:
     return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
 
 
+# A checkpoint that stores them fused (Phi-3's): read as its parts, which the loader then places as any other.
+_FUSED_IN_CHECKPOINT = re.compile(r"(.*)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
+
+
+def _unfused(tensors: Iterator[tuple[str, tuple[int, ...], Reader]],
+             config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """The tensors, a fused q/k/v or gate/up one given as its parts (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
+    `up_proj`): each part reads its own rows of the fused tensor, so a rank reads only its shard of each."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    for name, shape, read in tensors:
+        m = _FUSED_IN_CHECKPOINT.match(name)
+        if m is None:
+            yield name, shape, read
+            continue
+        prefix, fused, kind = m.groups()
+        module, sizes = (("self_attn", {"q": q, "k": kv, "v": kv}) if fused.startswith("self_attn")
+                         else ("mlp", {"gate": inter, "up": inter}))
+        if shape[0] != sum(sizes.values()):
+            raise ValueError(f"checkpoint tensor {name!r} has {shape[0]} rows, the config implies "
+                             f"{sum(sizes.values())}")
+        first = 0
+        for part, rows in sizes.items():
+            yield (f"{prefix}.{module}.{part}_proj.{kind}", (rows, *shape[1:]),
+                   functools.partial(_read_rows_from, read, first))
+            first += rows
+
+
+def _read_rows_from(read: Reader, first: int, dim: int, start: int, stop: int) -> torch.Tensor:
+    """A part's slice, read from the fused tensor whose rows from `first` on are the part's."""
+    if dim != 0:
+        raise ValueError("a fused checkpoint tensor is split by rows only")
+    return read(0, first + start, first + stop)
+
+
 # HF name -> (our fused parameter, which part of it). Parts are in concatenation order.
 _FUSED = [
     (re.compile(r"(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$"), "qkv_proj", ("q", "k", "v")),
@@ -169,7 +204,7 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
     local = {"q": tp.num_heads * config.head_dim, "k": tp.num_kv_heads * config.head_dim,
              "v": tp.num_kv_heads * config.head_dim, "gate": tp.intermediate_size, "up": tp.intermediate_size}
     expected = hf_tensor_shapes(config)
-    for name, shape, read in tqdm(tensors, desc=f"Loading {label}", unit="tensor", leave=False,
+    for name, shape, read in tqdm(_unfused(tensors, config), desc=f"Loading {label}", unit="tensor", leave=False,
                                   total=len(expected)):
         if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings) or name in held:
             continue

@@ -15,6 +15,7 @@ SUPPORTED = {
     "qwen3": (None, None, True),
     "granite": (None, None, False),
     "smollm3": (None, None, False),
+    "phi3": (False, False, False),
 }
 
 # What a config may hold. A key outside these is refused by name at load: one this engine does not know may change
@@ -33,6 +34,9 @@ _HONOURED_BY_FAMILY = {
     # scores (in place of 1/sqrt(head_dim)) and the logits (divided).
     "granite": frozenset({"attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
                           "attention_multiplier", "logits_scaling"}),
+    # Llama's layers from fused checkpoints (qkv_proj, gate_up_proj), a window on every layer as Mistral's;
+    # original_max_position_embeddings is read by LongRoPE alone, which is refused with its rope type.
+    "phi3": frozenset({"sliding_window", "original_max_position_embeddings"}),
     # Llama's layers, some without rotary embedding (`no_rope_layers`), windows as Qwen2's.
     "smollm3": frozenset({"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval",
                           "use_sliding_window", "sliding_window", "layer_types"}),
@@ -47,7 +51,8 @@ _HONOURED_BY_FAMILY = {
 _INERT = frozenset({
     "_name_or_path", "_model_name_or_path", "name_or_path", "architectures", "transformers_version", "auto_map",
     "transformers.js_config", "is_llama_config", "rope_interleaved", "pretraining_tp", "attention_dropout",
-    "hidden_dropout", "use_cache", "pad_token_id", "unk_token_id", "sep_token_id", "decoder_start_token_id",
+    "hidden_dropout", "resid_pdrop", "embd_pdrop", "use_cache", "pad_token_id", "unk_token_id", "sep_token_id",
+    "decoder_start_token_id",
     "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
     "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
     "torchscript", "pruned_heads", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task",
@@ -76,6 +81,7 @@ _LAYER_TYPES = {
     "qwen3": ("full_attention", "sliding_attention"),
     "granite": ("full_attention",),
     "smollm3": ("full_attention", "sliding_attention"),
+    "phi3": ("full_attention",),
 }
 
 
@@ -85,7 +91,7 @@ def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     layers `layer_types` names sliding (by default those from `max_window_layers` on)."""
     num_layers = d["num_hidden_layers"]
     model_type = d["model_type"]
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (d.get("sliding_window"),) * num_layers
     if model_type not in ("qwen2", "qwen3", "smollm3") or not d.get("use_sliding_window"):
         return (None,) * num_layers
@@ -140,7 +146,9 @@ def check_honoured(d: dict[str, Any]) -> None:
         rope = d.get(name) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind in _ROPE_KEYS:
-            unread = sorted(set(rope) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"})
+            # a rotary embedding over the whole head (factor 1.0) is what every layer here computes
+            unread = sorted(key for key in set(rope) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"}
+                            if not (key == "partial_rotary_factor" and rope[key] == 1.0))
             refused += [f"{name}.{key} (not read for rope_type {kind!r})" for key in unread]
     if refused:
         raise ValueError(f"config of model_type={model_type!r} asks for what this engine does not compute: "
