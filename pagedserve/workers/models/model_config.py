@@ -7,15 +7,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED = {
-    # model_type: (q/k/v bias default, o bias default, q/k RMSNorm); None: the config's attention_bias
-    "llama": (None, None, False),
-    "mistral": (False, False, False),
-    "qwen2": (True, False, False),
-    "qwen3": (None, None, True),
-    "granite": (None, None, False),
-    "smollm3": (None, None, False),
-    "phi3": (False, False, False),
+
+@dataclass(frozen=True)
+class Family:
+    """What one model_type's transformers class computes beyond Llama's decoder: one place per family."""
+
+    qkv_bias: bool | None = None  # q/k/v projections' biases; None: the config's attention_bias
+    o_bias: bool | None = None  # the output projection's; None: the config's attention_bias
+    qk_norm: bool = False  # an RMSNorm of each head of q and k
+    keys: frozenset[str] = frozenset()  # config keys its class reads besides the common ones (`_HONOURED`)
+    layer_types: tuple[str, ...] = ("full_attention",)  # the attention types its layers may have
+    window_on_every_layer: bool = False  # one `sliding_window` for all layers; else only with use_sliding_window
+
+
+_WINDOWS_BY_LAYER = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+_BIASES = frozenset({"attention_bias", "mlp_bias"})
+FAMILIES = {
+    "llama": Family(keys=_BIASES),
+    "mistral": Family(False, False, keys=frozenset({"sliding_window", "layer_types"}), window_on_every_layer=True),
+    "qwen2": Family(True, False, keys=_WINDOWS_BY_LAYER, layer_types=("full_attention", "sliding_attention")),
+    "qwen3": Family(qk_norm=True, keys=_WINDOWS_BY_LAYER | {"attention_bias"},
+                    layer_types=("full_attention", "sliding_attention")),
+    # Llama's layers from fused checkpoints (qkv_proj, gate_up_proj: the loader reads their parts); its
+    # original_max_position_embeddings is read by LongRoPE alone, which is refused with its rope type.
+    "phi3": Family(False, False, keys=frozenset({"sliding_window", "original_max_position_embeddings"}),
+                   window_on_every_layer=True),
+    # Llama's layers, scaled: the embeddings, each layer's output added to the residual stream, the attention
+    # scores (in place of 1/sqrt(head_dim)) and the logits (divided).
+    "granite": Family(keys=_BIASES | {"embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                      "logits_scaling"}),
+    # Llama's layers, some without rotary embedding (`no_rope_layers`), windows as Qwen2's but on those layers.
+    "smollm3": Family(keys=_BIASES | (_WINDOWS_BY_LAYER - {"max_window_layers"})
+                      | {"no_rope_layers", "no_rope_layer_interval"},
+                      layer_types=("full_attention", "sliding_attention")),
 }
 
 # What a config may hold. A key outside these is refused by name at load: one this engine does not know may change
@@ -27,24 +51,6 @@ _HONOURED = frozenset({
     "max_position_embeddings", "tie_word_embeddings", "hidden_act", "hidden_activation", "eos_token_id",
     "bos_token_id", "torch_dtype", "dtype", "initializer_range",
 })
-# Read for some families only (transformers' classes for the others do not read them):
-_HONOURED_BY_FAMILY = {
-    "llama": frozenset({"attention_bias", "mlp_bias"}),
-    # Llama's layers, scaled: the embeddings, each layer's output added to the residual stream, the attention
-    # scores (in place of 1/sqrt(head_dim)) and the logits (divided).
-    "granite": frozenset({"attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier",
-                          "attention_multiplier", "logits_scaling"}),
-    # Llama's layers from fused checkpoints (qkv_proj, gate_up_proj), a window on every layer as Mistral's;
-    # original_max_position_embeddings is read by LongRoPE alone, which is refused with its rope type.
-    "phi3": frozenset({"sliding_window", "original_max_position_embeddings"}),
-    # Llama's layers, some without rotary embedding (`no_rope_layers`), windows as Qwen2's.
-    "smollm3": frozenset({"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval",
-                          "use_sliding_window", "sliding_window", "layer_types"}),
-    "mistral": frozenset({"sliding_window", "layer_types"}),
-    "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
-    "qwen3": frozenset({"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
-                        "layer_types"}),
-}
 # Never change what the model computes: bookkeeping, training-only settings (dropout, tensor-parallel training
 # splits that sum to the same product), other token ids, and generation defaults (requests carry their own).
 # `rope_interleaved` is a training framework's; transformers' Llama does not read it, and neither does this.
@@ -72,31 +78,19 @@ _ROPE_KEYS = {
 }
 
 
-# The attention types each family's transformers class computes per layer. Mistral's class reads one window for
-# every layer (a checkpoint that alternates is another family's).
-_LAYER_TYPES = {
-    "llama": ("full_attention",),
-    "mistral": ("full_attention",),
-    "qwen2": ("full_attention", "sliding_attention"),
-    "qwen3": ("full_attention", "sliding_attention"),
-    "granite": ("full_attention",),
-    "smollm3": ("full_attention", "sliding_attention"),
-    "phi3": ("full_attention",),
-}
-
-
 def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers' class for the family computes it.
-    Mistral: `sliding_window` on every layer. Qwen2 / Qwen3: a window only with `use_sliding_window`, on the
-    layers `layer_types` names sliding (by default those from `max_window_layers` on)."""
+    Mistral, Phi-3: `sliding_window` on every layer. Qwen2, Qwen3, SmolLM3: a window only with
+    `use_sliding_window`, on the layers `layer_types` names sliding (by default those from `max_window_layers` on;
+    SmolLM3's, those without rotary embedding)."""
     num_layers = d["num_hidden_layers"]
     model_type = d["model_type"]
-    if model_type in ("mistral", "phi3"):
+    if FAMILIES[model_type].window_on_every_layer:
         return (d.get("sliding_window"),) * num_layers
-    if model_type not in ("qwen2", "qwen3", "smollm3") or not d.get("use_sliding_window"):
+    if "use_sliding_window" not in FAMILIES[model_type].keys or not d.get("use_sliding_window"):
         return (None,) * num_layers
     window = d.get("sliding_window")
-    if model_type == "smollm3":  # by default the layers without rotary embedding slide
+    if "no_rope_layers" in FAMILIES[model_type].keys:  # by default the layers without rotary embedding slide
         default = ["sliding_attention" if window is not None and not rope else "full_attention"
                    for rope in rope_layers(d)]
     else:
@@ -110,7 +104,7 @@ def rope_layers(d: dict[str, Any]) -> tuple[bool, ...]:
     """Whether each layer rotates its queries and keys: all do, but SmolLM3's `no_rope_layers` (1: rotary
     embedding, 0: none; by default every `no_rope_layer_interval`-th layer has none)."""
     num_layers = d["num_hidden_layers"]
-    if d["model_type"] != "smollm3":
+    if "no_rope_layers" not in FAMILIES[d["model_type"]].keys:
         return (True,) * num_layers
     flags = d.get("no_rope_layers")
     if flags is None:
@@ -124,7 +118,8 @@ def check_honoured(d: dict[str, Any]) -> None:
     keys this engine does not know, and known keys set to what it does not compute (layers of an attention type
     the family does not have, a rope setting its scaling type does not read)."""
     model_type = d.get("model_type")
-    known = _HONOURED | _HONOURED_BY_FAMILY.get(model_type, frozenset()) | _INERT
+    family = FAMILIES[model_type]
+    known = _HONOURED | family.keys | _INERT
     refused = [f"{key} (not a setting of {model_type} models that this engine knows)"
                for key in sorted(set(d) - known)]
     window = d.get("sliding_window")
@@ -132,10 +127,10 @@ def check_honoured(d: dict[str, Any]) -> None:
         refused.append(f"sliding_window={window!r} (a number of positions, at least 1)")
     layer_types = d.get("layer_types")
     if layer_types is not None:
-        other_layers = sorted({kind for kind in layer_types if kind not in _LAYER_TYPES[model_type]})
+        other_layers = sorted({kind for kind in layer_types if kind not in family.layer_types})
         if other_layers:
             refused.append(f"layer_types (layers of {', '.join(map(repr, other_layers))} are not supported for "
-                           f"{model_type}: {', '.join(_LAYER_TYPES[model_type])})")
+                           f"{model_type}: {', '.join(family.layer_types)})")
         if len(layer_types) != d.get("num_hidden_layers"):
             refused.append(f"layer_types ({len(layer_types)} entries for num_hidden_layers="
                            f"{d.get('num_hidden_layers')})")
@@ -196,10 +191,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED:
-            raise ValueError(f"model_type={model_type!r} is not supported (supported: {sorted(SUPPORTED)})")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type={model_type!r} is not supported (supported: {sorted(FAMILIES)})")
         check_honoured(d)
-        qkv_default, o_default, qk_norm = SUPPORTED[model_type]
+        family = FAMILIES[model_type]
         attention_bias = bool(d.get("attention_bias", False))
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
@@ -234,10 +229,10 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias if qkv_default is None else qkv_default,
-            o_bias=attention_bias if o_default is None else o_default,
+            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=qk_norm,
+            qk_norm=family.qk_norm,
             layer_windows=layer_windows(d),
             rope_layers=rope_layers(d),
             embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
