@@ -80,17 +80,14 @@ class BeamSearch:
     @property
     def num_output_tokens(self) -> int:
         """The answer's tokens, once there is one."""
-        return sum(len(f.tokens) for f in self.finished_hypotheses()) if self.finished else 0
+        return sum(len(f.tokens) for f in self.finished_beams) if self.finished else 0
 
     def finish_reasons(self) -> list[str]:
         if self.error is not None:
             return ["error"]
         if self.aborted:
             return ["abort"] * self.width
-        return ["stop" if f.ended else "length" for f in self.finished_hypotheses()]
-
-    def finished_hypotheses(self) -> list[_Finished]:
-        return self.finished_beams[:self.width]
+        return ["stop" if f.ended else "length" for f in self.finished_beams]
 
     @property
     def width(self) -> int:
