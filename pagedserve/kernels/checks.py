@@ -1,5 +1,5 @@
-"""Argument checks both backends' kernels share (the native CPU one and the Triton one), apart from
-`backend.py` so that a backend never imports the module that picks it."""
+"""Argument checks the backends' kernels share (the native CPU one, the Triton one, the torch reference), apart
+from `backend.py` so that a backend never imports the module that picks it."""
 
 from __future__ import annotations
 
@@ -16,3 +16,9 @@ def check_rotation(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
         raise ValueError(f"rotate_qk needs q [T, Hq, D], k [T, Hkv, D] of one dtype, D even, and cos/sin "
                          f"[T, 1, D], each contiguous in D: got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
                          f"{k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+
+
+def check_window(window: int | None) -> None:
+    """ValueError unless `window` is a sliding window (at least one position) or None (full attention)."""
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.checks import check_window
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of `x` in transformers' LlamaRMSNorm's order (fp32 variance, the normalized
@@ -69,8 +71,7 @@ def paged_attention(
     The max_* hints are for the Triton backend (launch shapes without a device sync); the reference
     reads the lists.
     """
-    if window is not None and window < 1:
-        raise ValueError(f"window={window} must be at least 1")
+    check_window(window)
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()

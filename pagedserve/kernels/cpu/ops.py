@@ -16,7 +16,7 @@ import functools
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.checks import check_rotation
+from pagedserve.kernels.checks import check_rotation, check_window
 from pagedserve.kernels.cpu.native import layer_ops_library, paged_attention_library
 
 __all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "supports_shape",
@@ -44,8 +44,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """See reference.paged_attention. Returns [T, Hq, D] in query's dtype. With a `window`, each token reads
     only the blocks its window reaches."""
-    if window is not None and window < 1:
-        raise ValueError(f"window={window} must be at least 1")
+    check_window(window)
     lib = paged_attention_library()
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]

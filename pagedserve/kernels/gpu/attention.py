@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.checks import check_window
+
 _LOG2E = 1.4426950408889634
 
 
@@ -470,8 +472,7 @@ def paged_attention(
     """
     if num_splits is not None and (split_kv is not None or num_splits < 1):
         raise ValueError(f"num_splits={num_splits} must be at least 1, and split_kv={split_kv} left unset with it")
-    if window is not None and window < 1:
-        raise ValueError(f"window={window} must be at least 1")
+    check_window(window)
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     num_rows = context_lens.shape[0]
