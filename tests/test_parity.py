@@ -33,6 +33,15 @@ TINY = {
     # Every second layer without rotary embedding, and sliding (a window of 12).
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 12,
                                   "pad_token_id": 0}),
+    # Norms after each sublayer, and q/k RMSNorms over all heads together.
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
+    # Rotary embedding over the first 12 of each head's 16 dims (Phi-4-mini's 0.75).
+    "phi3-partial": ("Phi3Config", {"partial_rotary_factor": 0.75, "pad_token_id": 0}),
+    # LongRoPE: the 167-token prompt runs past original_max_position_embeddings (the long factors, from its first
+    # prefill chunk on), the others stay within it (the short ones); cos/sin scaled by the attention factor.
+    "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 100, "pad_token_id": 0, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 12.0, 20.0, 40.0]}}),
 }
 
 
@@ -107,6 +116,10 @@ def tiny_model(request, tmp_path_factory):
         for layer in model.model.layers:  # random biases: zero ones would not test the bias path
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if request.param == "olmo2":  # norm weights of ones would not tell one norm's (or one head's) weight from another
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(param, mean=1.0, std=0.3)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)
@@ -251,3 +264,45 @@ def test_granite_scales_match_transformers_logprobs(tmp_path):
     ref_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, tokens, strict=True)]
     got_lp = [e.logprob for e in out.outputs[0].logprobs]
     assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
+
+
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens after `prompt`, and the logprob of each of `tokens` at its step."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    return (ref.sequences[0, len(prompt):].tolist(),
+            [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, tokens, strict=True)])
+
+
+def test_phi3_longrope_and_partial_rotary_match_transformers_logprobs(tmp_path):
+    """Phi-4-mini's rotary embedding: LongRoPE over the first 0.75 of each head. Prompts past
+    original_max_position_embeddings take the long factors (also when prefilled in chunks that end before it), the
+    others the short ones; the logprobs of every step tell a wrong factor, scale or rotated width."""
+    import transformers
+
+    config = transformers.Phi3Config(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+        partial_rotary_factor=0.75, pad_token_id=0, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
+    torch.manual_seed(97)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    saved = ModelConfig.from_file(tmp_path / "config.json")
+    assert saved.rope_scaling["rope_type"] == "longrope" and saved.rotary_dim == 12
+    gen = torch.Generator().manual_seed(5)
+    # Within 64 tokens to the end (short factors), or past 64 from the prompt on (long ones): transformers
+    # recomputes the whole cache when a sequence grows past it, which these do not ask.
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (5, 30, 90, 130)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    for llm_kwargs in ({}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False}):
+        outs = LLM(str(tmp_path), block_size=BS, **llm_kwargs).generate(prompts, params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            tokens = out.outputs[0].token_ids
+            ref_tokens, ref_lp = hf_logprobs(model, prompt, tokens)
+            assert tokens == ref_tokens
+            got_lp = [e.logprob for e in out.outputs[0].logprobs]
+            assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

@@ -60,7 +60,8 @@ class SiluMul(Protocol):
 
 class RotateQK(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place, as reference.rotate_qk."""
+        """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place by cos/sin [T, 1, R] (each head's first
+        R dims), as reference.rotate_qk."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class AttentionContext:
     block_tables: torch.Tensor  # [R, max_blocks]
     max_query_len: int  # host-side maxima: kernels size their launches without a device sync
     max_context_len: int
-    token_seq_lens: torch.Tensor | None = None  # [T], only for dynamic NTK rope
+    token_seq_lens: torch.Tensor | None = None  # [T] each token's sequence length: for dynamic NTK and LongRoPE
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

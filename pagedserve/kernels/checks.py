@@ -8,14 +8,16 @@ import torch
 
 def check_rotation(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """ValueError unless the arguments are what a `backend.RotateQK` takes: views of one projection's output may be
-    given, contiguous in D; cos/sin [T, 1, D] as `RotaryEmbedding.cos_sin` makes them, in q's dtype."""
+    given, contiguous in D; cos/sin [T, 1, R] as `RotaryEmbedding.cos_sin` makes them, in q's dtype, for the first
+    R dims of each head (R even, at most D; R < D for a partial rotary embedding)."""
     num_tokens, _, head_dim = q.shape
-    if (k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2 or q.stride(-1) != 1
-            or k.stride(-1) != 1 or cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape
-            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or q.dtype != k.dtype):
-        raise ValueError(f"rotate_qk needs q [T, Hq, D], k [T, Hkv, D] of one dtype, D even, and cos/sin "
-                         f"[T, 1, D], each contiguous in D: got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
-                         f"{k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    rotary_dim = cos.shape[-1]
+    if (k.shape[0] != num_tokens or k.shape[2] != head_dim or rotary_dim % 2 or not 0 < rotary_dim <= head_dim
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape != (num_tokens, 1, rotary_dim)
+            or sin.shape != cos.shape or cos.stride(-1) != 1 or sin.stride(-1) != 1 or q.dtype != k.dtype):
+        raise ValueError(f"rotate_qk needs q [T, Hq, D], k [T, Hkv, D] of one dtype, and cos/sin [T, 1, R], R even "
+                         f"and at most D, each contiguous in its last dim: got q {tuple(q.shape)} {q.dtype}, "
+                         f"k {tuple(k.shape)} {k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
 
 
 def check_window(window: int | None) -> None:

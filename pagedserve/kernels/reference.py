@@ -26,12 +26,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hkv, D] rotated by the rotary embedding (cos/sin [T, 1, D], halves duplicated),
-    as new tensors: transformers' `x * cos + rotate_half(x) * sin` (the non-interleaved layout)."""
+    """q [T, Hq, D] and k [T, Hkv, D] rotated by the rotary embedding (cos/sin [T, 1, R], halves duplicated),
+    as new tensors: transformers' `x * cos + rotate_half(x) * sin` (the non-interleaved layout) over each head's
+    first R dims, the rest passed through (a partial rotary embedding: R < D)."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin

@@ -71,6 +71,10 @@ class StepBatch:
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     deferred_inputs: list[tuple[int, int]] = field(default_factory=list)
     late_masks: list[int] = field(default_factory=list)  # indices into samples
+    # [num_rows]: each row's sequence length as transformers sees it when it computes these tokens (all its tokens
+    # known, which a prefill chunk's context does not reach yet): what dynamic NTK and LongRoPE rotary embeddings
+    # choose their frequencies by. Empty: context_lens.
+    seq_lens: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -222,6 +222,7 @@ class Scheduler:
             seq.num_computed_tokens = end
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + num_new)
             batch.context_lens.append(end)
+            batch.seq_lens.append(seq.num_tokens_with_pending)
             self._send_block_table(seq, batch)
             batch.seq_ids.append(seq.seq_id)
             request = seq.request

@@ -157,7 +157,8 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        other_norm = "input_layernorm" if config.norms == "pre" else "post_feedforward_layernorm"  # post: OLMo 2
+        shapes |= {p + other_norm + ".weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
@@ -170,8 +171,9 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                        p + "mlp.down_proj.bias": (h,)}
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if config.qk_norm:  # each head's, or (OLMo 2) all heads' at once
+            q_norm, k_norm = ((q,), (kv,)) if config.qk_norm_across_heads else ((d,), (d,))
+            shapes |= {p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes

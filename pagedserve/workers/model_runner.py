@@ -55,7 +55,7 @@ class ModelRunner:
         # broadcasts each step's draws to the others.
         self.share_draws = share_draws
         self.device = kv_pool.device
-        self.dynamic_rope = model.model.rope.dynamic
+        self.seq_len_rope = model.model.rope.needs_seq_lens  # dynamic NTK, LongRoPE: frequencies by sequence length
         self.decode_graphs: DecodeGraphs | None = None
         self.last_tokens: torch.Tensor | None = None  # [D] the last step's draws, for the next one's deferred inputs
         self.block_tables = BlockTables(self.device)
@@ -63,8 +63,9 @@ class ModelRunner:
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
-        if self.dynamic_rope:
-            log.warning("decode CUDA graphs are off: dynamic NTK rope depends on each step's lengths")
+        if self.seq_len_rope:
+            log.warning("decode CUDA graphs are off: the rotary embedding (dynamic NTK, LongRoPE) depends on each "
+                        "step's lengths")
             return
         self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.backend, self.block_size, max_num_seqs,
                                           max_model_len, capture)
@@ -177,11 +178,12 @@ class ModelRunner:
         entry_slots, entry_cols, entry_ids, table_shape = table_entries(batch.table_updates)
         deferred_index = [i for i, _ in batch.deferred_inputs]
         deferred_source = [s for _, s in batch.deferred_inputs]
+        seq_lens = (batch.seq_lens or batch.context_lens) if self.seq_len_rope else []  # [R] or none
         (positions, row_of_token, cu, context_lens, input_ids, slots, entry_slots, entry_cols, entry_ids,
-         deferred_index, deferred_source, sample_rows, copy_src, copy_dst) = on_device_packed(self.device, [
+         deferred_index, deferred_source, sample_rows, copy_src, copy_dst, seq_lens) = on_device_packed(self.device, [
             positions, row_of_token, cu, context_lens, batch.input_ids, batch.slots,
             entry_slots, entry_cols, entry_ids, deferred_index, deferred_source, [s.row for s in batch.samples],
-            [s for s, _ in batch.block_copies], [d for _, d in batch.block_copies]])
+            [s for s, _ in batch.block_copies], [d for _, d in batch.block_copies], seq_lens])
         # From here on every tensor is the device's.
         bs = self.block_size
         self.block_tables.write(table_shape, entry_slots, entry_cols, entry_ids)
@@ -196,7 +198,7 @@ class ModelRunner:
             block_tables=block_tables,
             max_query_len=max_query_len,
             max_context_len=max_context_len,
-            token_seq_lens=context_lens[row_of_token] if self.dynamic_rope else None,
+            token_seq_lens=seq_lens[row_of_token] if self.seq_len_rope else None,
         )
         if batch.deferred_inputs:
             if self.last_tokens is None:

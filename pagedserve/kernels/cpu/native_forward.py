@@ -96,6 +96,10 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return "sliding-window layers"  # the one-call forward attends over whole contexts
     if not all(config.rope_layers):
         return "layers without rotary embedding"
+    if config.rotary_dim != config.head_dim:
+        return "a rotary embedding over part of each head"  # decoder.c rotates whole heads
+    if config.norms != "pre" or config.qk_norm_across_heads:
+        return f"norms placed {config.norms!r} or over all heads"  # decoder.c has Llama's and Qwen3's
     if (config.embedding_multiplier, config.residual_multiplier) != (1.0, 1.0):
         return "scaled embeddings or residual adds"  # the logits' scale is applied after it, by compute_logits
     if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):

@@ -151,7 +151,7 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         return
     lib.rotate_qk_f32(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0), k.stride(1),
                       k.shape[1], cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0), q.shape[0],
-                      q.shape[2])
+                      cos.shape[-1])  # the dims rotated: each head's first R (all D but for a partial rotary)
 
 
 @functools.cache

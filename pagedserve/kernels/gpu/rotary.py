@@ -51,12 +51,13 @@ def _rope_kernel(
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, 1, D] (see `backend.RotateQK`)."""
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, 1, R]: each head's first R dims (see
+    `backend.RotateQK`); the rest are not touched."""
     check_rotation(q, k, cos, sin)
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens, num_q_heads, _ = q.shape
     if num_tokens == 0:
         return
-    half = head_dim // 2
+    half = cos.shape[-1] // 2
     _rope_kernel[(num_tokens,)](
         q, k, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),

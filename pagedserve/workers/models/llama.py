@@ -1,5 +1,6 @@
-"""Llama, Mistral, Qwen2, Qwen3, Granite and SmolLM3 as one decoder: their differences are `ModelConfig`'s values
-(biases, q/k norms, each layer's window and rotary embedding, Granite's scales), read where each applies.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3 and OLMo 2 as one decoder: their differences are
+`ModelConfig`'s values (biases, q/k norms, where the norms sit, each layer's window and rotary embedding, Granite's
+scales), read where each applies.
 
 Tokens of all rows are flattened into one [T, ...] batch; attention reads and writes the
 paged KV pool through `AttentionContext`. q/k/v and gate/up projections are fused. Under
@@ -47,6 +48,29 @@ class RMSNorm(nn.Module):
         return reference.rms_norm(x, self.weight, self.eps, residual), residual
 
 
+class AcrossHeadsRMSNorm(nn.Module):
+    """OLMo 2's q/k norm: one RMSNorm over all heads of a token together (weight [heads * D]). Under tensor
+    parallelism a rank holds some of the heads, and their weights: the mean of squares is the all-reduced sum of
+    each rank's partial sums, over the `width` of all heads (KV heads held by several ranks counted once)."""
+
+    def __init__(self, local_width: int, width: int, eps: float, tp: TPLayout, copies: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_width))
+        self.width, self.eps, self.tp, self.copies = width, eps, tp, copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, local_width] -> a new [T, local_width]."""
+        dtype = x.dtype
+        xf = x.float()
+        if self.tp.size == 1:
+            variance = xf.pow(2).mean(-1, keepdim=True)  # transformers' op, so fp32 matches it bit for bit
+        else:
+            variance = all_reduce(xf.pow(2).sum(-1, keepdim=True), self.tp) / (self.width * self.copies)  # [T, 1]
+        # The weight multiplies in fp32 before the one cast (transformers' Olmo2RMSNorm), where Llama's norm casts
+        # first: the same bits in fp32; in bf16 this rounds once where Llama's order rounds twice.
+        return (self.weight * (xf * torch.rsqrt(variance + self.eps))).to(dtype)
+
+
 def _rows(x: torch.Tensor) -> bool:
     """Whether `x` is rows a backend's RMSNorm takes: [T, H], contiguous in H."""
     return x.dim() == 2 and x.stride(-1) == 1
@@ -80,7 +104,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5 if config.attention_multiplier is None else config.attention_multiplier
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:
+        self.qk_norm_across_heads = config.qk_norm_across_heads
+        if config.qk_norm and config.qk_norm_across_heads:
+            # KV heads replicated across ranks (tp > num_kv_heads) are held by tp / num_kv_heads ranks each
+            kv_copies = max(1, tp.size // config.num_kv_heads)
+            self.q_norm = AcrossHeadsRMSNorm(self.q_size, config.num_heads * self.head_dim, config.rms_norm_eps, tp)
+            self.k_norm = AcrossHeadsRMSNorm(self.kv_size, config.num_kv_heads * self.head_dim, config.rms_norm_eps,
+                                             tp, kv_copies)
+        elif config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
@@ -89,10 +120,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_across_heads:  # before the view into heads: one norm over them all
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_across_heads:
             q = self.q_norm.heads_forward(q, ctx.backend.rms_norm_heads)
             k = self.k_norm.heads_forward(k, ctx.backend.rms_norm_heads)
         rotate = ctx.backend.rotate_qk
@@ -154,7 +187,13 @@ class DecoderLayer(nn.Module):
         # Granite scales what each sublayer adds to the residual stream; the norm after it does the add
         self.residual_multiplier = config.residual_multiplier
         self.mlp = MLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norms = config.norms
+        if config.norms not in ("pre", "post"):
+            raise ValueError(f"norms={config.norms!r}: this decoder places them 'pre' or 'post'")
+        if config.norms == "pre":
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        else:
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -163,6 +202,8 @@ class DecoderLayer(nn.Module):
         first layer: the stream itself, and `residual` None). Returns this layer's output and the stream
         before it: each residual add is done by the norm after it, in one call where the backend has one."""
         norm = ctx.backend.rms_norm
+        if self.norms == "post":
+            return self._post_norms(x, residual, cos, sin, kv_cache, ctx)
         if residual is None:
             residual, h = x, self.input_layernorm(x, norm)
         else:
@@ -170,6 +211,16 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(
             self._scaled(self.self_attn(h, cos, sin, kv_cache, ctx)), residual, norm)
         return self._scaled(self.mlp(h, ctx.backend.silu_mul)), residual
+
+    def _post_norms(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    kv_cache: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's layer: the sublayers read the residual stream itself, and each one's output is normalized
+        before it is added; the MLP's is returned unadded, as the pre-norm layer returns its own."""
+        norm = ctx.backend.rms_norm
+        stream = x if residual is None else residual + x
+        attn = self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, ctx), norm)
+        stream = stream + self._scaled(attn)
+        return self._scaled(self.post_feedforward_layernorm(self.mlp(stream, ctx.backend.silu_mul), norm)), stream
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier

@@ -14,7 +14,13 @@ class Family:
 
     qkv_bias: bool | None = None  # q/k/v projections' biases; None: the config's attention_bias
     o_bias: bool | None = None  # the output projection's; None: the config's attention_bias
-    qk_norm: bool = False  # an RMSNorm of each head of q and k
+    qk_norm: bool = False  # an RMSNorm of q and k
+    qk_norm_across_heads: bool = False  # that norm over all heads together (OLMo 2's), else over each head alone
+    # Where the RMSNorms sit in a layer. "pre" (Llama's): input_layernorm before attention, post_attention_layernorm
+    # before the MLP. "post" (OLMo 2's): post_attention_layernorm on the attention's output and
+    # post_feedforward_layernorm on the MLP's, each before its residual add, none before a sublayer. "sandwich"
+    # (Gemma's): both, with pre_feedforward_layernorm before the MLP.
+    norms: str = "pre"
     keys: frozenset[str] = frozenset()  # config keys its class reads besides the common ones (`_HONOURED`)
     layer_types: tuple[str, ...] = ("full_attention",)  # the attention types its layers may have
     window_on_every_layer: bool = False  # one `sliding_window` for all layers; else only with use_sliding_window
@@ -28,9 +34,10 @@ FAMILIES = {
     "qwen2": Family(True, False, keys=_WINDOWS_BY_LAYER, layer_types=("full_attention", "sliding_attention")),
     "qwen3": Family(qk_norm=True, keys=_WINDOWS_BY_LAYER | {"attention_bias"},
                     layer_types=("full_attention", "sliding_attention")),
-    # Llama's layers from fused checkpoints (qkv_proj, gate_up_proj: the loader reads their parts); its
-    # original_max_position_embeddings is read by LongRoPE alone, which is refused with its rope type.
-    "phi3": Family(False, False, keys=frozenset({"sliding_window", "original_max_position_embeddings"}),
+    # Llama's layers from fused checkpoints (qkv_proj, gate_up_proj: the loader reads their parts), rotary
+    # embedding over the first `partial_rotary_factor` of each head; original_max_position_embeddings is LongRoPE's.
+    "phi3": Family(False, False, keys=frozenset({"sliding_window", "original_max_position_embeddings",
+                                                 "partial_rotary_factor"}),
                    window_on_every_layer=True),
     # Llama's layers, scaled: the embeddings, each layer's output added to the residual stream, the attention
     # scores (in place of 1/sqrt(head_dim)) and the logits (divided).
@@ -40,6 +47,8 @@ FAMILIES = {
     "smollm3": Family(keys=_BIASES | (_WINDOWS_BY_LAYER - {"max_window_layers"})
                       | {"no_rope_layers", "no_rope_layer_interval"},
                       layer_types=("full_attention", "sliding_attention")),
+    # Llama's layers with the norms after each sublayer, and q/k RMSNorms over all heads together.
+    "olmo2": Family(keys=frozenset({"attention_bias"}), qk_norm=True, qk_norm_across_heads=True, norms="post"),
 }
 
 # What a config may hold. A key outside these is refused by name at load: one this engine does not know may change
@@ -75,6 +84,8 @@ _ROPE_KEYS = {
     "linear": frozenset({"factor"}),
     "dynamic": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor",
+                           "original_max_position_embeddings"}),
 }
 
 
@@ -141,9 +152,10 @@ def check_honoured(d: dict[str, Any]) -> None:
         rope = d.get(name) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind in _ROPE_KEYS:
-            # a rotary embedding over the whole head (factor 1.0) is what every layer here computes
+            # a rotary embedding over the whole head (factor 1.0) is what a family without the key computes
             unread = sorted(key for key in set(rope) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"}
-                            if not (key == "partial_rotary_factor" and rope[key] == 1.0))
+                            if not (key == "partial_rotary_factor"
+                                    and (rope[key] == 1.0 or key in family.keys)))
             refused += [f"{name}.{key} (not read for rope_type {kind!r})" for key in unread]
     if refused:
         raise ValueError(f"config of model_type={model_type!r} asks for what this engine does not compute: "
@@ -169,6 +181,9 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    qk_norm_across_heads: bool  # the q/k norms over all heads together (OLMo 2), else each head alone (Qwen3)
+    norms: str  # where the layers' RMSNorms sit: `Family.norms`
+    rotary_dim: int  # the leading dims of each head that rotary embedding rotates (head_dim but for Phi-3's partial)
     layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
     rope_layers: tuple[bool, ...]  # per layer: whether it rotates queries and keys
     # Granite's scales (1 elsewhere): the embeddings, the layers' outputs added to the residual stream, the
@@ -207,9 +222,13 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.get("type", "default"))
             if scaling["rope_type"] == "default":
                 scaling = None
-        if scaling is not None and scaling["rope_type"] not in ("linear", "dynamic", "llama3"):
+        if scaling is not None and scaling["rope_type"] not in ("linear", "dynamic", "llama3", "longrope"):
             raise ValueError(f"rope_scaling type {scaling['rope_type']!r} is not supported "
-                             "(supported: linear, dynamic, llama3)")
+                             "(supported: linear, dynamic, llama3, longrope)")
+        head_dim = d.get("head_dim") or hidden // num_heads
+        rotary_dim = _rotary_dim(d, rope, head_dim)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            scaling = _longrope(scaling, d, rotary_dim)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         hidden_act = d.get("hidden_act", d.get("hidden_activation", "silu"))
@@ -223,7 +242,7 @@ class ModelConfig:
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
@@ -233,6 +252,9 @@ class ModelConfig:
             o_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=family.qk_norm,
+            qk_norm_across_heads=family.qk_norm_across_heads,
+            norms=family.norms,
+            rotary_dim=rotary_dim,
             layer_windows=layer_windows(d),
             rope_layers=rope_layers(d),
             embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
@@ -246,3 +268,31 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
         )
+
+
+def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int:
+    """How many leading dims of each head are rotated: int(head_dim * partial_rotary_factor), as transformers' rope
+    init functions compute it, for a family that reads the factor (`check_honoured` refuses it elsewhere)."""
+    if "partial_rotary_factor" not in FAMILIES[d["model_type"]].keys:
+        return head_dim
+    factor = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor!r} must rotate an even number of each head's {head_dim} "
+                         f"dims, at least 2 (it rotates {rotary_dim})")
+    return rotary_dim
+
+
+def _longrope(scaling: dict[str, Any], d: dict[str, Any], rotary_dim: int) -> dict[str, Any]:
+    """LongRoPE's settings, whole: original_max_position_embeddings (in rope_scaling, or at the top level as Phi-3
+    configs keep it), each factor list checked for one entry per rotated pair of dims."""
+    original = scaling.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(f"rope_scaling.original_max_position_embeddings={original!r}: LongRoPE needs the trained "
+                         "context length, a positive integer")
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != rotary_dim // 2:
+            raise ValueError(f"rope_scaling.{key} must be a list of {rotary_dim // 2} numbers (one per rotated pair "
+                             f"of dims), got {factors!r}")
+    return {**scaling, "original_max_position_embeddings": original}

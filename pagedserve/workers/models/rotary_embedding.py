@@ -1,4 +1,5 @@
-"""Rotary position embeddings as Hugging Face computes them (default, linear, dynamic NTK, llama3).
+"""Rotary position embeddings as Hugging Face computes them (default, linear, dynamic NTK, llama3, LongRoPE), over
+each head's first `rotary_dim` dims (all of them but for a partial rotary embedding).
 
 The float ops follow transformers' rope init functions so fp32 results match bit for bit.
 """
@@ -31,10 +32,25 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _longrope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
+    """The scale of LongRoPE's cos/sin: `attention_factor`, else from `factor` (else the ratio of the context lengths,
+    as Phi-3 configs imply it) as transformers' `_compute_longrope_parameters` derives it."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _longrope_inv_freq(base: float, dim: int, factors: list[float]) -> torch.Tensor:
+    ext = torch.tensor(factors, dtype=torch.float32)
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.dim = config.head_dim
+        self.dim = config.rotary_dim
         self.base = config.rope_theta
         self.scaling = config.rope_scaling
         self.max_position_embeddings = config.max_position_embeddings
@@ -44,17 +60,34 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq = inv_freq / self.scaling["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
+        elif rope_type == "longrope":
+            inv_freq = _longrope_inv_freq(self.base, self.dim, self.scaling["short_factor"])
         self.dynamic = rope_type == "dynamic"
+        # LongRoPE: the long factors for a sequence longer than this, the short ones up to it
+        self.long_after = self.scaling["original_max_position_embeddings"] if rope_type == "longrope" else None
+        # whether each token's sequence length chooses its frequencies
+        self.needs_seq_lens = self.dynamic or self.long_after is not None
+        scale = _longrope_attention_factor(self.scaling, self.max_position_embeddings) if self.long_after else 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
-        self.register_buffer("cos_cached", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cached", self._scaled((positions[:, None] * inv_freq[None, :]).cos(), scale),
+                             persistent=False)  # [P, D/2]
+        self.register_buffer("sin_cached", self._scaled((positions[:, None] * inv_freq[None, :]).sin(), scale),
+                             persistent=False)
+        if self.long_after is not None:
+            freqs = positions[:, None] * _longrope_inv_freq(self.base, self.dim, self.scaling["long_factor"])[None, :]
+            self.register_buffer("long_cos_cached", self._scaled(freqs.cos(), scale), persistent=False)
+            self.register_buffer("long_sin_cached", self._scaled(freqs.sin(), scale), persistent=False)
+
+    @staticmethod
+    def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+        # transformers multiplies even by 1.0 (a no-op on the bits); only LongRoPE's factor differs from it
+        return x if scale == 1.0 else x * scale
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, 1, D] for each token, built once per step for all layers.
-        Dynamic NTK needs each token's sequence length."""
+        """cos/sin [T, 1, rotary_dim] for each token, built once per step for all layers.
+        Dynamic NTK and LongRoPE need each token's sequence length (`seq_lens` [T])."""
         cos, sin = self._half_cos_sin(positions, seq_lens)
         # Duplicated halves as in transformers' cat((freqs, freqs)); cast like its rotary forward.
         cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(dtype)
@@ -62,6 +95,13 @@ class RotaryEmbedding(torch.nn.Module):
         return cos, sin
 
     def _half_cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if self.long_after is not None and seq_lens is not None:
+            # LongRoPE, as transformers chooses: the long factors where the sequence is past the trained length.
+            # (The scale was applied to the tables: transformers scales cos/sin after the cos, as they were.)
+            long = (seq_lens > self.long_after)[:, None]  # [T, 1]
+            cos = torch.where(long, self.long_cos_cached[positions], self.cos_cached[positions])
+            sin = torch.where(long, self.long_sin_cached[positions], self.sin_cached[positions])
+            return cos, sin
         if not self.dynamic or seq_lens is None or bool((seq_lens <= self.max_position_embeddings).all()):
             return self.cos_cached[positions], self.sin_cached[positions]
         # Past the trained length the base grows with the sequence, as in transformers.

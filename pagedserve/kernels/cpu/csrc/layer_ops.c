@@ -57,7 +57,8 @@ void rms_norm_heads_f32(const float *x, int64_t stride_t, int64_t stride_h, cons
             norm_vector(x + t * stride_t + h * stride_h, weight, eps, dim, out + t * out_stride_t + h * out_stride_h);
 }
 
-/* x [rows, heads, dim] (strides in floats) rotated in place by cos/sin [rows, dim] (row strides):
+/* The first dim values of each head of x [rows, heads, >= dim] (strides in floats) rotated in place by cos/sin
+ * [rows, dim] (row strides; dim below the head's size for a partial rotary embedding):
  * x * cos + rotate_half(x) * sin, each product and the sum rounded, as transformers computes it. */
 static void rotate(float *x, int64_t stride_t, int64_t stride_h, int64_t heads, const float *cos, int64_t stride_c,
                    const float *sin, int64_t stride_s, int64_t rows, int64_t dim) {
