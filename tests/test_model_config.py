@@ -26,7 +26,7 @@ def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
 @pytest.mark.parametrize("config", [transformers.LlamaConfig(**TINY), transformers.MistralConfig(**TINY),
                                     transformers.Qwen2Config(**TINY), transformers.Qwen3Config(**TINY),
                                     transformers.GraniteConfig(**TINY), transformers.SmolLM3Config(**TINY),
-                                    transformers.Phi3Config(**TINY)],
+                                    transformers.Phi3Config(**TINY), transformers.Olmo2Config(**TINY)],
                          ids=lambda c: c.model_type)
 def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, config):
     d = saved(tmp_path, config)
@@ -108,4 +108,61 @@ def test_smollm3_layers_without_rotary_embedding_are_those_transformers_skips(tm
     assert ModelConfig.from_dict(d).rope_layers == (True, False, True, False)
     d["no_rope_layers"] = [1, 2, 1, 0]
     with pytest.raises(ValueError, match=r"no_rope_layers \(one 0 or 1 per layer, 4 of them\)"):
+        ModelConfig.from_dict(d)
+
+
+def test_olmo2_norms_sit_after_each_sublayer_and_its_qk_norms_span_all_heads(tmp_path):
+    config = ModelConfig.from_dict(saved(tmp_path, transformers.Olmo2Config(**TINY)))
+    assert (config.norms, config.qk_norm, config.qk_norm_across_heads) == ("post", True, True)
+    llama = ModelConfig.from_dict(saved(tmp_path, transformers.LlamaConfig(**TINY)))
+    assert (llama.norms, llama.qk_norm, llama.qk_norm_across_heads) == ("pre", False, False)
+    d = saved(tmp_path, transformers.Olmo2Config(**TINY), mlp_bias=True)  # Olmo2MLP has no biases
+    with pytest.raises(ValueError, match=r"mlp_bias \(not a setting of olmo2 models"):
+        ModelConfig.from_dict(d)
+
+
+def longrope(rotary_dim: int, **extra) -> dict:
+    return {"rope_type": "longrope", "short_factor": [1.0] * (rotary_dim // 2),
+            "long_factor": [2.0] * (rotary_dim // 2)} | extra
+
+
+def test_phi3_partial_rotary_factor_sets_the_rotated_width(tmp_path):
+    """Phi-4-mini's 0.75 of each head, at the top level (Phi3Config) or in rope_parameters."""
+    d = saved(tmp_path, transformers.Phi3Config(**TINY, partial_rotary_factor=0.75, head_dim=16))
+    assert ModelConfig.from_dict(d).rotary_dim == 12
+    d = {k: v for k, v in d.items() if k != "partial_rotary_factor"}
+    assert ModelConfig.from_dict(d).rotary_dim == 12  # from rope_parameters
+    d["rope_parameters"]["partial_rotary_factor"] = 0.2  # int(3.2) = 3 of 16 dims: not pairs
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.2 must rotate an even number"):
+        ModelConfig.from_dict(d)
+    assert ModelConfig.from_dict(saved(tmp_path, transformers.Phi3Config(**TINY))).rotary_dim == 8
+
+
+def test_phi3_longrope_loads_as_checkpoints_write_it(tmp_path):
+    """Phi-3-mini-128k's config.json: original_max_position_embeddings at the top level, rope_scaling of type
+    longrope; transformers 5 writes both into rope_parameters as well."""
+    d = saved(tmp_path, transformers.Phi3Config(**TINY, max_position_embeddings=4096,
+                                                original_max_position_embeddings=256, rope_scaling=longrope(8)))
+    scaling = ModelConfig.from_dict(d).rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 256
+    old = {k: v for k, v in d.items() if k != "rope_parameters"} | {"rope_scaling": {
+        "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}
+    scaling = ModelConfig.from_dict(old).rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 256
+    old["rope_scaling"]["long_factor"] = [2.0] * 8  # one per rotated pair of dims: 4
+    with pytest.raises(ValueError, match=r"rope_scaling.long_factor must be a list of 4 numbers"):
+        ModelConfig.from_dict(old)
+
+
+def test_rope_scalings_this_engine_does_not_compute_stay_refused_by_name(tmp_path):
+    for rope, match in [({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                         r"rope_scaling type 'yarn' is not supported"),
+                        (longrope(8, original_max_position_embeddings=256, mscale=1.2),
+                         r"rope_parameters.mscale \(not read for rope_type 'longrope'\)")]:
+        d = saved(tmp_path, transformers.LlamaConfig(**TINY))
+        d["rope_parameters"] = rope | {"rope_theta": 10000.0}
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_dict(d)
+    d = saved(tmp_path, transformers.LlamaConfig(**TINY), partial_rotary_factor=0.5)  # Llama rotates whole heads
+    with pytest.raises(ValueError, match=r"partial_rotary_factor \(not a setting of llama models"):
         ModelConfig.from_dict(d)

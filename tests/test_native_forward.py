@@ -33,12 +33,12 @@ def _blocks(weight: torch.Tensor, qtype: str, bias: torch.Tensor | None) -> Quan
     return QuantLinear(torch.from_numpy(rows), qtype, weight.shape[1], bias)
 
 
-def tiny_gguf_model(model_type: str) -> CausalLM:
+def tiny_gguf_model(model_type: str, **extra) -> CausalLM:
     """Two random layers whose projections are GGUF blocks of each kernel type; in the second layer q/k/v and
-    gate/up are parts of different types (as llama-quantize's _M mixes make them)."""
+    gate/up are parts of different types (as llama-quantize's _M mixes make them). `extra`: config keys."""
     config = ModelConfig.from_dict(dict(model_type=model_type, vocab_size=300, hidden_size=64, intermediate_size=96,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=512))
+                                        max_position_embeddings=512, **extra))
     torch.manual_seed(0)
     model = CausalLM(config, 512).eval()
     with torch.no_grad():
@@ -100,6 +100,10 @@ def test_models_it_does_not_cover_run_through_the_modules():
     assert native_forward(model, pool.to(torch.bfloat16), CPU) is None
     model.model.layers[1].mlp.down_proj = torch.nn.Linear(96, 64)
     assert native_forward(model, pool, CPU) is None
+    # OLMo 2's norms (after each sublayer, q/k over all heads) and Phi-3's partial rotary embedding: not decoder.c's
+    assert native_forward(tiny_gguf_model("phi3"), pool, CPU) is not None
+    assert native_forward(tiny_gguf_model("phi3", partial_rotary_factor=0.75), pool, CPU) is None
+    assert native_forward(tiny_gguf_model("olmo2"), pool, CPU) is None
 
 
 def test_a_slot_or_block_outside_the_pool_is_an_error():
