@@ -21,7 +21,7 @@ from pagedserve.executors.ray_executor import StepOrder
 
 from .conftest import launched_batches
 from .test_async_scheduling import PROMPTS, check_grammars_scheduled_ahead, check_same_outputs, grammar_mix
-from .test_parity import hf_greedy
+from .test_parity import hf_greedy, hf_logprobs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -84,6 +84,67 @@ def test_tensor_parallel_sliding_window_matches_transformers(tiny_window_model):
         assert tokens(llm.generate(prompts, GREEDY)) == expected
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+# Families whose layers differ from Llama's in what tensor parallelism splits or sums. Each: (config class, its keys,
+# prompt lengths, tensor-parallel sizes).
+TP_FAMILIES = {
+    # Scaled embeddings, residual adds, attention scores and logits: each scale applied once, not once per rank.
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                  "attention_multiplier": 0.2, "logits_scaling": 8.0}, (1, 17, 70), (2,)),
+    # Every second layer without rotary embedding, and those sliding.
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 8},
+                (1, 17, 70), (2,)),
+    # q/k norms over all heads: each rank's partial mean of squares summed, its share of the weights; at 4 ranks the
+    # 2 KV heads are each held twice, and counted once.
+    "olmo2": ("Olmo2Config", {}, (1, 17, 70), (2, 4)),
+    # LongRoPE over 0.75 of each head (Phi-4-mini's): 40 and 70 past original_max_position_embeddings, 1 and 9
+    # within it to the end.
+    "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 32, "partial_rotary_factor": 0.75,
+                                     "rope_scaling": {"rope_type": "longrope",
+                                                      "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                                                      "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}},
+                      (1, 9, 40, 70), (2,)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TP_FAMILIES))
+def tiny_family(request, tmp_path_factory):
+    """A family's tiny model (random norm weights), its prompts, and transformers' greedy tokens and their
+    logprobs for each."""
+    import transformers
+
+    cls_name, extra, lengths, sizes = TP_FAMILIES[request.param]
+    config = getattr(transformers, cls_name)(
+        vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, **extra)
+    torch.manual_seed(23)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # ones would hide a rank reading another's share
+                param.normal_(1.0, 0.3)
+    path = tmp_path_factory.mktemp(f"{request.param}_tp")
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 1001, (n,), generator=gen).tolist() for n in lengths]
+    expected = [hf_logprobs(model, p, new_tokens=16) for p in prompts]
+    return str(path), prompts, expected, sizes
+
+
+@pytest.mark.slow
+def test_tensor_parallel_families_match_transformers(tiny_family):
+    """Tokens, and each step's logprob (to 1e-4: the ranks' partial sums add in another order)."""
+    path, prompts, expected, sizes = tiny_family
+    for tp in sizes:
+        with LLM(path, executor="ray", tensor_parallel_size=tp) as llm:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0))
+            for out, (tokens_hf, logprobs_hf) in zip(outs, expected, strict=True):
+                assert out.outputs[0].token_ids == tokens_hf, tp
+                got = [e.logprob for e in out.outputs[0].logprobs]
+                assert max(abs(a - b) for a, b in zip(got, logprobs_hf, strict=True)) < 1e-4, tp
+            stats = llm.stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 # 4 > num_kv_heads: KV heads are replicated. Async scheduling: rank 0 shares each step's draws with the others.
