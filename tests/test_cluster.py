@@ -99,12 +99,12 @@ TP_FAMILIES = {
     # 2 KV heads are each held twice, and counted once.
     "olmo2": ("Olmo2Config", {}, (1, 17, 70), (2, 4)),
     # LongRoPE over 0.75 of each head (Phi-4-mini's): 40 and 70 past original_max_position_embeddings, 1 and 9
-    # within it to the end.
+    # within it to the end, 20 growing past it (recomputed under the long factors).
     "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 32, "partial_rotary_factor": 0.75,
                                      "rope_scaling": {"rope_type": "longrope",
                                                       "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
                                                       "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}},
-                      (1, 9, 40, 70), (2,)),
+                      (1, 9, 20, 40, 70), (2,)),
 }
 
 

@@ -38,8 +38,9 @@ TINY = {
     # Rotary embedding over the first 12 of each head's 16 dims (Phi-4-mini's 0.75).
     "phi3-partial": ("Phi3Config", {"partial_rotary_factor": 0.75, "pad_token_id": 0}),
     # LongRoPE: the 167-token prompt runs past original_max_position_embeddings (the long factors, from its first
-    # prefill chunk on), the others stay within it (the short ones); cos/sin scaled by the attention factor.
-    "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 100, "pad_token_id": 0, "rope_scaling": {
+    # prefill chunk on), 40 and 32 grow past it (recomputed whole under the long factors, as transformers does),
+    # the others stay within it (the short ones); cos/sin scaled by the attention factor.
+    "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 50, "pad_token_id": 0, "rope_scaling": {
         "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0],
         "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 12.0, 20.0, 40.0]}}),
 }
@@ -279,7 +280,9 @@ def hf_logprobs(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> tuple
 def test_phi3_longrope_and_partial_rotary_match_transformers_logprobs(tmp_path):
     """Phi-4-mini's rotary embedding: LongRoPE over the first 0.75 of each head. Prompts past
     original_max_position_embeddings take the long factors (also when prefilled in chunks that end before it), the
-    others the short ones; the logprobs of every step tell a wrong factor, scale or rotated width."""
+    others the short ones until they grow past it, when transformers recomputes the whole cache under the long
+    ones, and so does the engine (with steps scheduled ahead too); the logprobs of every step tell a wrong factor,
+    scale or rotated width."""
     import transformers
 
     config = transformers.Phi3Config(
@@ -294,12 +297,17 @@ def test_phi3_longrope_and_partial_rotary_match_transformers_logprobs(tmp_path):
     saved = ModelConfig.from_file(tmp_path / "config.json")
     assert saved.rope_scaling["rope_type"] == "longrope" and saved.rotary_dim == 12
     gen = torch.Generator().manual_seed(5)
-    # Within 64 tokens to the end (short factors), or past 64 from the prompt on (long ones): transformers
-    # recomputes the whole cache when a sequence grows past it, which these do not ask.
-    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (5, 30, 90, 130)]
+    # Within 64 tokens to the end (short factors); growing past 64 (50, and 64 at its first draw); past 64 from the
+    # prompt on (long factors). Twice: the second time from the prefix cache, whose blocks of the short factors
+    # the long ones never take.
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (5, 30, 50, 64, 90, 130)]
+    prompts += prompts[2:4]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    for llm_kwargs in ({}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False}):
-        outs = LLM(str(tmp_path), block_size=BS, **llm_kwargs).generate(prompts, params)
+    for llm_kwargs in ({}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False},
+                       {"async_scheduling": True}):
+        llm = LLM(str(tmp_path), block_size=BS, **llm_kwargs)
+        outs = llm.generate(prompts[:6], params) + llm.generate(prompts[6:], params)
+        assert llm.stats()["num_preemptions"] >= 4  # each sequence that grew past 64, recomputed
         for prompt, out in zip(prompts, outs, strict=True):
             ref_tokens, ref_lp = hf_logprobs(model, prompt)
             assert out.outputs[0].token_ids == ref_tokens

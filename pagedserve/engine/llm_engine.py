@@ -58,7 +58,8 @@ class LLMEngine:
         # The workers' device, not this process's: a served engine's actor holds no GPU.
         device_type = self.executor.device_type
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
-                                   self.max_model_len, config.scheduling_policy)
+                                   self.max_model_len, config.scheduling_policy,
+                                   self.model_config.long_rope_after)
         self.inputs = InputProcessor(self.model_config, self.tokenizer, self.eos_token_ids, reasoning,
                                      self.scheduler)
         self.grammars = self.inputs.grammars  # None without a tokenizer

@@ -20,11 +20,21 @@ def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
     return xxhash.xxh64_intdigest(prefix + array("q", token_ids).tobytes())
 
 
-def chain_root(cache_salt: str | None) -> int | None:
+def chain_root(cache_salt: str | None, long_rope: bool = False) -> int | None:
     """The parent of a sequence's first block: None, or one derived from the request's `cache_salt`. A salted
     prompt's blocks then hash (and are found) only under the same salt, so requests of other tenants can
-    neither reuse them nor tell from their speed that a prompt was seen."""
-    return None if cache_salt is None else xxhash.xxh64_intdigest(b"pagedserve-salt\x00" + cache_salt.encode())
+    neither reuse them nor tell from their speed that a prompt was seen. `long_rope`: a sequence whose K/V are
+    computed under LongRoPE's long factors (`Sequence.rope_long`), other K/V than the same tokens' under the
+    short ones, so filed apart from them."""
+    root = None if cache_salt is None else xxhash.xxh64_intdigest(b"pagedserve-salt\x00" + cache_salt.encode())
+    if long_rope:
+        salt = b"" if root is None else root.to_bytes(8, "little")
+        root = xxhash.xxh64_intdigest(b"pagedserve-long-rope\x00" + salt)
+    return root
+
+
+def _root(seq: Sequence) -> int | None:
+    return chain_root(seq.request.params.cache_salt, seq.rope_long)
 
 
 def prefix_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None = None) -> list[int]:
@@ -92,7 +102,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return cached
         bs = self.block_size
-        parent = chain_root(seq.request.params.cache_salt)
+        parent = _root(seq)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
@@ -164,7 +174,7 @@ class BlockManager:
         step scheduled ahead computes it) waits: its hash needs that token."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_tokens) // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq.request.params.cache_salt)
+            parent = seq.block_hashes[-1] if seq.block_hashes else _root(seq)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
             if self.enable_prefix_caching:
@@ -176,6 +186,7 @@ class BlockManager:
         self.pool.touch(parent.block_table)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.rope_long = parent.rope_long
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
@@ -187,7 +198,7 @@ class BlockManager:
         full, partial = divmod(computed, self.block_size)
         if (self.enable_prefix_caching and partial and full < len(seq.block_table)
                 and len(seq.block_hashes) >= full):
-            parent = seq.block_hashes[full - 1] if full else chain_root(seq.request.params.cache_salt)
+            parent = seq.block_hashes[full - 1] if full else _root(seq)
             start = full * self.block_size
             self.pool.cache_tail(seq.block_table[full], parent, seq.token_ids[start:start + partial])
         self.pool.free(reversed(seq.block_table))

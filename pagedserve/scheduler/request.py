@@ -92,6 +92,9 @@ class Sequence:
         self.pending_sample = 0  # the pending token's index among its step's samples
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, chained
+        # LongRoPE: whether its K/V are computed under the long factors (it was longer than the trained context
+        # when admitted); its blocks are hashed apart from the short factors' (`chain_root`).
+        self.rope_long = False
         # The workers keep each running sequence's block table in a row of their own (`slot`); a step sends
         # only the entries past the first `num_sent_blocks`, which the block manager lowers when it
         # rewrites an entry (copy-on-write) and zeroes when it frees the table.

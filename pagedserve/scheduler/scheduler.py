@@ -26,7 +26,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        long_rope_after: int | None = None,
     ) -> None:
+        """`long_rope_after`: a LongRoPE model's original_max_position_embeddings (see `_rope_switch`)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy={policy!r} must be one of {POLICIES}")
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -38,6 +40,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.by_priority = policy == "priority"
+        self.long_rope_after = long_rope_after
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -147,6 +150,10 @@ class Scheduler:
             if seq.num_pending_tokens and self._ends_by_length(seq, seq.num_tokens_with_pending):
                 i += 1  # its pending token is its last: computing that one would be wasted
                 continue
+            if self._rope_switch(seq):
+                self.running.pop(i)
+                self._preempt(seq)  # recomputed whole under the long factors when admitted again
+                continue
             num_new = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget)
             while (seq_copies := bm.allocate_slots(seq, num_new)) is None:
                 # Out of blocks: recompute the newest request later (never deadlocks, since
@@ -173,6 +180,7 @@ class Scheduler:
                 break  # preempted while its last token was in flight: it waits for that token
             seq_copies = None
             if len(scheduled) < self.max_num_seqs and num_seqs + _seqs_to_come(seq) <= self.max_num_seqs:
+                seq.rope_long = seq.rope_long or self._rope_switch(seq)  # before its prefix is looked up
                 cached = None if seq.request.needs_prompt_logprobs else bm.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - (cached.num_tokens if cached else 0), budget)
                 seq_copies = bm.allocate_slots(seq, num_new, cached)
@@ -258,6 +266,13 @@ class Scheduler:
                     banned_token_ids=self._banned_tokens(seq, num_output),
                 ))
         return batch
+
+    def _rope_switch(self, seq: Sequence) -> bool:
+        """Whether LongRoPE's long factors apply to the sequence, and its K/V are not computed under them. As
+        transformers does, a sequence longer than original_max_position_embeddings uses the long factors for all
+        its tokens (a prompt that long from its first chunk on); one that grows past it is recomputed whole."""
+        return (self.long_rope_after is not None and not seq.rope_long
+                and seq.num_tokens_with_pending > self.long_rope_after)
 
     def can_schedule_ahead(self, batch: StepBatch, late_masks: bool) -> bool:
         """Whether the next step may be scheduled before `batch`'s output arrives: not when a draw of it

@@ -198,6 +198,13 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str | None
 
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE: the sequence length past which the long factors apply (None: another rotary embedding)."""
+        if self.rope_scaling is None or self.rope_scaling["rope_type"] != "longrope":
+            return None
+        return self.rope_scaling["original_max_position_embeddings"]
+
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         with open(path) as f:
