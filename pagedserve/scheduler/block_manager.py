@@ -24,7 +24,7 @@ def chain_root(cache_salt: str | None, long_rope: bool = False) -> int | None:
     """The parent of a sequence's first block: None, or one derived from the request's `cache_salt`. A salted
     prompt's blocks then hash (and are found) only under the same salt, so requests of other tenants can
     neither reuse them nor tell from their speed that a prompt was seen. `long_rope`: a sequence whose K/V are
-    computed under LongRoPE's long factors (`Sequence.rope_long`), other K/V than the same tokens' under the
+    computed under LongRoPE's long factors (a `Sequence`'s `rope_long`), other K/V than the same tokens' under the
     short ones, so filed apart from them."""
     root = None if cache_salt is None else xxhash.xxh64_intdigest(b"pagedserve-salt\x00" + cache_salt.encode())
     if long_rope:
