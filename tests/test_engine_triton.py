@@ -1,6 +1,6 @@
 """The engine on the Triton kernels (interpreted off-GPU) gives the same greedy tokens as HF transformers,
 through prefill, decode, chunked prefill, prefix-cache hits and copy-on-write forks, with and without a sliding
-window."""
+window; and OLMo 2's and LongRoPE Phi-3's logprobs."""
 
 from __future__ import annotations
 
@@ -43,3 +43,43 @@ def test_triton_backend_matches_transformers(tiny_qwen2):
     two = llm.generate(prompts[3:4], SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert [c.token_ids for c in two.outputs] == [expected[3]] * 2
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+# Families whose layers take other paths through the Triton kernels: OLMo 2's norms after each sublayer (the norm
+# kernel without a residual add) and its q/k norms over all heads; Phi-4-mini's rotation of 0.75 of each head under
+# LongRoPE (the 40-token prompt past original_max_position_embeddings, the 17-token one growing past it).
+FAMILIES = {
+    "olmo2": ("Olmo2Config", {}),
+    "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 24, "partial_rotary_factor": 0.75,
+                                     "rope_scaling": {"rope_type": "longrope",
+                                                      "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                                                      "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_triton_backend_matches_transformers_logprobs_for_other_layers(family, tmp_path):
+    import transformers
+
+    from .test_parity import hf_logprobs
+
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=256, pad_token_id=0, **extra)
+    torch.manual_seed(6)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 17, 40)]
+    llm = LLM(str(tmp_path), attention_backend="triton", block_size=16, max_num_batched_tokens=24)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, logprobs = hf_logprobs(model, prompt, new_tokens=12)
+        assert out.outputs[0].token_ids == tokens
+        got = [e.logprob for e in out.outputs[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4
