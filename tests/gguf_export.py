@@ -37,7 +37,8 @@ def q8_0_and_q6_k(seed: int) -> Quantizer:
     rng = np.random.default_rng(seed)
 
     def quantize(name: str, values: np.ndarray) -> tuple[np.ndarray, Q] | None:
-        if name.split(".")[-2] in ("attn_v", "attn_output", "ffn_down") and values.shape[1] % 256 == 0:
+        if values.ndim == 2 and name.split(".")[-2] in ("attn_v", "attn_output", "ffn_down") and (
+                values.shape[1] % 256 == 0):
             blocks = rng.integers(0, 256, size=(values.shape[0], values.shape[1] // 256, 210), dtype=np.uint8)
             d = np.abs(rng.standard_normal(blocks.shape[:2] + (1,))) * 2e-5
             blocks[..., 208:210] = d.astype(np.float16).view(np.uint8)
@@ -165,7 +166,7 @@ def export(model_dir: Path, path: Path, quantize: Quantizer = q8_0) -> dict[str,
     hp = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[hp["model_type"]]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(hp["model_type"])
+    writer.add_name(f"Tiny {hp['model_type']}")
     write_metadata(writer, arch, hp)
     write_tokenizer(writer, hp)
     stored = gguf_tensors(model_dir, arch)

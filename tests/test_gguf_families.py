@@ -27,7 +27,7 @@ TINY = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {"sliding_window": None}),  # llama.cpp keeps no window for Mistral: v0.2's shape
     "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "qwen3": ("Qwen3Config", {"head_dim": 128}),  # not hidden_size / heads; transformers' loader reads none
     "phi3": ("Phi3Config", {"sliding_window": 20}),
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.2, "logits_scaling": 8.0}),
@@ -41,8 +41,6 @@ TINY = {
 }
 # Where transformers' GGUF loader leaves a key at its config class's default, which is not this file's model
 LOADER_DEFAULTS = {
-    "mistral": {"model_type", "sliding_window"},  # MistralConfig's window of 4096, which the file does not state
-    "qwen3": {"head_dim"},  # not read: Qwen3Config's 128
     "phi3": {"sliding_window"},  # not read, though the file holds it
     "gemma2": {"query_pre_attn_scalar"},  # Gemma2Config's 256, where llama.cpp scales by head_dim
     "gemma3_text": {"query_pre_attn_scalar"},
@@ -105,7 +103,7 @@ def test_tensors_are_the_files_weights(family) -> None:
     assert all(torch.equal(ours[n], reference[n]) for n in ours), [n for n in ours if not torch.equal(ours[n],
                                                                                                  reference[n])]
     with safe_open(converted / gguf_mod.GGUF_BLOCKS_NAME, framework="pt") as f:
-        types = f.metadata()
+        types = {k: v for k, v in f.metadata().items() if k != "format"}
         for name in f.keys():
             rows = f.get_tensor(name)
             part = quant_linear.QuantLinear(rows, types[name], rows.shape[1] // quant_linear.BLOCKS[types[name]][1]
@@ -154,6 +152,9 @@ def test_config_is_the_checkpoints(family) -> None:
     model_type, hf_dir, _, model, converted, _ = family
     ours = _config_keys(AutoConfig.from_pretrained(converted))
     theirs = _config_keys(model.config)
+    for d in (ours, theirs):
+        if d.get("head_dim") is None:  # the classes without one compute hidden_size / heads
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
     if model_type == "mistral":
         assert ours["model_type"] == "llama" and theirs.pop("sliding_window") is None
         theirs["model_type"] = "llama"
@@ -206,21 +207,25 @@ def test_transformers_gguf_loader_agrees(family) -> None:
     assert differ == LOADER_DEFAULTS.get(model_type, set())
 
 
-def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+def _hf_greedy(model, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs."""
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
+                                 eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(p):].tolist()
+            outs.append((tokens, [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, tokens,
+                                                                                         strict=True)]))
     return outs
 
 
 @pytest.mark.slow
 def test_engine_on_the_gguf_matches_transformers(family, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine loads the GGUF itself, its linear layers on the file's Q8_0 and Q6_K blocks, and draws transformers'
-    greedy tokens on the file's weights, with prompts past Phi-3's window."""
+    greedy tokens on the file's weights, with prompts past Phi-3's window; their logprobs too, which move where a
+    setting is lost that would not flip a tiny random model's tokens."""
     from pagedserve import LLM, SamplingParams
 
     model_type, _, path, model, converted, _ = family
@@ -233,11 +238,13 @@ def test_engine_on_the_gguf_matches_transformers(family, monkeypatch: pytest.Mon
     with LLM(str(path), block_size=16) as llm:
         engine_model = llm.llm_engine.executor.worker.model
         types = {m.qtype for m in engine_model.modules() if isinstance(m, quant_linear.QuantLinear)}
-        assert types == ({"Q8_0"} if model_type == "phi3" else {"Q8_0", "Q6_K"}), types
+        assert types == {"Q8_0", "Q6_K"}, types
         assert not any(isinstance(m, torch.nn.Linear) for m in engine_model.modules())
-        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got == expected
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in got] == [tokens for tokens, _ in expected]
+    for out, (_, logprobs) in zip(got, expected, strict=True):
+        assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs, strict=True)) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------------------
