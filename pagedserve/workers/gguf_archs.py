@@ -179,6 +179,15 @@ def _rope_parameters(m: Metadata, head_dim: int, partial: bool) -> dict[str, Any
     return rope
 
 
+def _vocab_size(m: Metadata) -> int:
+    """The stated vocabulary size, else the vocabulary's own length, as llama.cpp reads it."""
+    if (size := m.get("vocab_size")) is not None:
+        return size
+    if (tokens := m.fields.get("tokenizer.ggml.tokens")) is None:
+        raise ValueError(f"GGUF metadata has neither {m.arch}.vocab_size nor tokenizer.ggml.tokens")
+    return len(tokens)
+
+
 def hf_config(m: Metadata) -> dict[str, Any]:
     """The transformers config dict of a GGUF file's model."""
     arch = ARCHS[m.arch]
@@ -193,8 +202,7 @@ def hf_config(m: Metadata) -> dict[str, Any]:
         # llama.cpp treats a missing KV head count as plain multi-head attention.
         "num_key_value_heads": m.get("attention.head_count_kv", heads),
         "rms_norm_eps": m.need("attention.layer_norm_rms_epsilon"),
-        # The vocabulary's own length where the file does not state it
-        "vocab_size": m.get("vocab_size") or len(m.fields["tokenizer.ggml.tokens"]),
+        "vocab_size": _vocab_size(m),
         # llama.cpp writes the output projection only when it is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in m.tensor_names,
         "bos_token_id": m.fields.get("tokenizer.ggml.bos_token_id"),
