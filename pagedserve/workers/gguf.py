@@ -88,7 +88,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _hf_tensor_name(gguf_name: str, arch: GgufArch) -> str | None:
+def _hf_tensor_name(gguf_name: str, arch: GgufArch) -> str:
     """Map a llama.cpp tensor name to its transformers name."""
     if m := _BLOCK_RE.match(gguf_name):
         layer, leaf, kind = m.groups()
