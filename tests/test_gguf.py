@@ -210,11 +210,13 @@ def test_reverse_permute_matches_transformers() -> None:
         assert not np.array_equal(expected, w)
 
 
-# llama.cpp's "llama" arch also covers Mixtral-style MoE, which the dense converter refuses.
-_UNSUPPORTED_LEAVES = {"attn_rot_embd", "ffn_gate_inp", "ffn_gate_exps", "ffn_down_exps", "ffn_up_exps"}
+# Leaves llama.cpp's tensor map lists for these architectures that the dense converter refuses: Mixtral-style
+# experts (llama), and rope factors (Llama 3's, Phi-3's LongRoPE), refused with their rope settings.
+_UNSUPPORTED_LEAVES = {"attn_rot_embd", "ffn_gate_inp", "ffn_gate_exps", "ffn_down_exps", "ffn_up_exps",
+                       "rope_freqs", "rope_factors_long", "rope_factors_short"}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", sorted(gguf_mod.ARCHS))
 def test_tensor_names_agree_with_gguf_name_map(arch: str) -> None:
     import gguf
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
@@ -223,24 +225,25 @@ def test_tensor_names_agree_with_gguf_name_map(arch: str) -> None:
     for tensor in gguf.MODEL_TENSORS[arch_id]:
         gguf_base = gguf.TENSOR_NAMES[tensor].format(bid=2)
         leaf = gguf_base.rsplit(".", 1)[-1]
-        if gguf_base == "rope_freqs":
-            assert gguf_mod._hf_tensor_name("rope_freqs.weight") is None
-            continue
         for suffix in ("weight", "bias"):
             gguf_name = f"{gguf_base}.{suffix}"
             if leaf in _UNSUPPORTED_LEAVES:
                 with pytest.raises(ValueError, match=re.escape(gguf_name)):
-                    gguf_mod._hf_tensor_name(gguf_name)
+                    gguf_mod._hf_tensor_name(gguf_name, gguf_mod.ARCHS[arch])
                 continue
-            hf_name = gguf_mod._hf_tensor_name(gguf_name)
+            hf_name = gguf_mod._hf_tensor_name(gguf_name, gguf_mod.ARCHS[arch])
             # gguf-py's HF -> GGUF map is what transformers inverts; ours must be its inverse.
             hf_base, hf_suffix = hf_name.rsplit(".", 1)
             assert (name_map.get_name(hf_base), hf_suffix) == (gguf_base, suffix), gguf_name
             mapped.add(leaf)
-    expected = {"token_embd", "output_norm", "output", "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v"}
-    expected |= {"attn_output", "ffn_gate", "ffn_up", "ffn_down"}
-    if arch == "qwen3":
-        expected |= {"attn_q_norm", "attn_k_norm"}
+    expected = {"token_embd", "output_norm", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_down",
+                "ffn_up"}
+    expected |= {"attn_qkv"} if arch == "phi3" else {"ffn_gate"}
+    expected |= {"post_attention_norm", "post_ffw_norm"} if arch in ("gemma2", "gemma3", "olmo2") else set()
+    expected |= set() if arch == "olmo2" else {"attn_norm", "ffn_norm"}
+    expected |= {"attn_q_norm", "attn_k_norm"} if arch in ("qwen3", "gemma3", "olmo2") else set()
+    if arch == "gemma2":
+        expected.discard("output")  # llama.cpp's Gemma 2 ties it always
     assert mapped == expected
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.cache_dir import cache_root as default_cache_root
+from pagedserve.workers.gguf_archs import ARCHS, GgufArch, Metadata, hf_config
 
 __all__ = ["GGUF_BLOCKS_NAME", "cached_gguf_dir", "convert_gguf", "embedded_model_gguf"]
 
@@ -32,7 +33,7 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump whenever the produced directory changes meaning (names, dtype, files), so that caches written by an
 # older converter are not silently reused.
-CONVERTER_VERSION = 7
+CONVERTER_VERSION = 8
 
 # Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
 MANIFEST_NAME = "pagedserve_gguf.json"
@@ -45,34 +46,16 @@ GGUF_BLOCKS_NAME = "gguf_blocks.safetensors"
 # And the weights: one file, or an index of shards
 _REQUIRED_FILES = ("config.json", "tokenizer_config.json")
 
-# GGUF `general.architecture` values whose tensors this converter knows how to name. Only llama.cpp's
-# Llama converter permutes Q/K rows; Qwen2/Qwen3 store them in HF order.
-_SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
-_PERMUTED_QK_ARCHS = frozenset({"llama"})
-
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
-# llama.cpp stores precomputed RoPE frequency factors for Llama 3.x; HF recomputes them from the config's
-# rope scaling, and transformers drops this tensor too.
-_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+# A fused projection's rows, part by part: its blocks are kept as the parts, which the CPU's loader reads
+_FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def embedded_model_gguf() -> Path:
@@ -105,18 +88,23 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _hf_tensor_name(gguf_name: str) -> str | None:
-    """Map a llama.cpp tensor name to its transformers name; None for tensors HF does not keep."""
-    if gguf_name in _IGNORED_TENSORS:
-        return None
+def _hf_tensor_name(gguf_name: str, arch: GgufArch) -> str:
+    """Map a llama.cpp tensor name to its transformers name."""
     if m := _BLOCK_RE.match(gguf_name):
         layer, leaf, kind = m.groups()
-        if leaf in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[leaf]}.{kind}"
+        if (hf_leaf := arch.hf_leaf(leaf)) is not None:
+            return f"model.layers.{layer}.{hf_leaf}.{kind}"
     elif (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     # Dropping an unknown tensor would silently yield a broken model, so refuse instead.
     raise ValueError(f"Don't know the transformers name of GGUF tensor {gguf_name!r}")
+
+
+def _metadata(reader: Any) -> Metadata:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported yet (supported: {sorted(ARCHS)})")
+    return Metadata({key: f.contents() for key, f in reader.fields.items()}, {t.name for t in reader.tensors})
 
 
 def _reverse_qk_permute(weights: Any, n_head: int) -> Any:
@@ -145,28 +133,25 @@ def _converted_tensors(gguf_path: Path) -> Iterator[tuple[str, Any, Any | None, 
     from pagedserve.kernels.cpu.quant_linear import BLOCKS
 
     reader = GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise NotImplementedError(
-            f"GGUF architecture {arch!r} is not supported yet (supported: {sorted(_SUPPORTED_ARCHS)})"
-        )
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    meta = _metadata(reader)
+    arch = ARCHS[meta.arch]
+    n_head = int(meta.need("attention.head_count"))
     # llama.cpp treats a missing KV head count as plain multi-head attention.
-    n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_kv_head = int(meta.get("attention.head_count_kv", n_head))
 
     for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
-        hf_name = _hf_tensor_name(tensor.name)
-        if hf_name is None:
-            continue
+        hf_name = _hf_tensor_name(tensor.name, arch)
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         keep_blocks = tensor.tensor_type.name in BLOCKS and tensor.data.ndim == 2
         raw = tensor.data  # [rows, bytes of a row's blocks]
-        if arch in _PERMUTED_QK_ARCHS:
+        if arch.permuted_qk:
             # A row permutation: the same one applies to the rows of blocks.
             if ".attn_q." in tensor.name:
                 weights, raw = _reverse_qk_permute(weights, n_head), _reverse_qk_permute(raw, n_head)
             elif ".attn_k." in tensor.name:
                 weights, raw = _reverse_qk_permute(weights, n_kv_head), _reverse_qk_permute(raw, n_kv_head)
+        if arch.norm_offset and hf_name.endswith("norm.weight"):  # stored as offset + w, in fp32
+            weights = weights - np.float32(arch.norm_offset)
         # Copy out of the file's memmap: the reader's views are read-only and must not outlive it.
         values = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
         # The reader gives F32 and F16 tensors as their values: their bytes, as they are
@@ -206,20 +191,46 @@ def _write_weights(tensors: Iterator[tuple[str, Any]], out_dir: Path) -> None:
     (out_dir / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _block_parts(name: str, rows: Any, config: Any) -> Iterator[tuple[str, Any]]:
+    """A linear layer's rows of blocks under the names the CPU's loader reads: a fused projection's (Phi-3's
+    q/k/v, gate/up) as its parts, each a run of its rows."""
+    module = name.removesuffix(".weight").rsplit(".", 2)
+    fused = ".".join(module[-2:])
+    if fused not in _FUSED_PARTS:
+        yield name, rows
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = ([config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2
+             if fused == "self_attn.qkv_proj" else [config.intermediate_size] * 2)
+    if sum(sizes) != rows.shape[0]:
+        raise ValueError(f"GGUF tensor {name!r} has {rows.shape[0]} rows, the config implies {sum(sizes)}")
+    for part, chunk in zip(_FUSED_PARTS[fused], rows.split(sizes), strict=True):
+        yield f"{module[0]}.{part}.weight", chunk.contiguous()
+
+
+def _write_tokenizer(gguf_path: Path, arch: str, out_dir: Path) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    # The weights below are plain fp32, so the directory must not claim to be a quantized GGUF load.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    # AutoTokenizer picks the class from transformers' own reading of the config, which refuses the architectures
+    # it does not know; their tokenizer is the same file's, built by type (`tokenizer.ggml.model`).
+    cls = AutoTokenizer if arch in GGUF_SUPPORTED_ARCHITECTURES else PreTrainedTokenizerFast
+    cls.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+
+
+def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    meta = _metadata(GGUFReader(gguf_path))
+    settings = hf_config(meta)
+    config = AutoConfig.for_model(**settings)
     config.dtype = torch.float32
-    if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        # transformers leaves this unset for GGUF; loaders that dispatch on it need it.
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # loaders that dispatch on it need it
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
 
     blocks: dict[str, Any] = {}  # about the GGUF's own bytes: held whole, written once
@@ -230,7 +241,8 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
             if tensor == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             if rows is not None:
-                blocks[tensor], block_types[tensor] = rows, qtype
+                for part, part_rows in _block_parts(tensor, rows, config):
+                    blocks[part], block_types[part] = part_rows, qtype
             yield tensor, values
 
     _write_weights(fp32_tensors(), out_dir)
@@ -245,7 +257,7 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     generation_config = GenerationConfig.from_model_config(config)
     if generation_config.eos_token_id is not None:
         generation_config.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    _write_tokenizer(gguf_path, meta.arch, out_dir)
 
 
 def _source_identity(gguf_path: Path) -> dict[str, Any]:

@@ -1,0 +1,226 @@
+"""What llama.cpp's converter (`convert_hf_to_gguf.py`) writes for each architecture, and how to read it back as a
+transformers config and transformers tensor names: one `GgufArch` per GGUF `general.architecture`.
+
+The config is rebuilt from the metadata here for every architecture, not taken from transformers' GGUF loader:
+that loader knows only some of these architectures, and for those it leaves keys it does not read at their config
+class's defaults (Phi-3's window, Gemma 2's soft caps and query scale, Qwen3's head_dim), which are one
+checkpoint's values and not this file's. Where llama.cpp writes nothing and computes a fixed value (SmolLM3's
+layers without rotary embedding, Gemma's layer patterns and query scale), the config says that value, so the model
+computes what llama.cpp computes from the same file. A key that would change the computation and that neither this
+table nor the engine reads is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ARCHS", "GgufArch", "Metadata", "hf_config"]
+
+
+class Metadata:
+    """A GGUF file's key/value metadata and tensor names, read by key without the `<arch>.` prefix."""
+
+    def __init__(self, fields: dict[str, Any], tensor_names: set[str]) -> None:
+        self.fields, self.tensor_names = fields, tensor_names
+        self.arch: str = fields["general.architecture"]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(f"{self.arch}.{key}", default)
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {self.arch}.{key}, which a {self.arch} model needs")
+        return value
+
+
+# llama.cpp's leaf names -> transformers' module names, as gguf-py's tensor map pairs them for Llama.
+_LEAVES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms a layer: the one before the MLP is `ffn_norm`, the ones after attention and MLP their own.
+_SANDWICH_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How llama.cpp's converter wrote one architecture's checkpoint."""
+
+    model_type: str  # the transformers model_type it came from
+    # llama.cpp's `LlamaModel.permute`: q/k rows reordered from rotate-half to interleaved pairs (its LlamaModel
+    # subclasses: Llama, Mistral, Granite, SmolLM3)
+    permuted_qk: bool = False
+    norm_offset: float = 0.0  # added to every norm weight (Gemma's RMSNorm multiplies by 1 + w)
+    leaves: dict[str, str] = field(default_factory=dict)  # leaf names beyond or instead of `_LEAVES`
+    # the rotary embedding may cover part of a head (`rope.dimension_count` < head_dim): not head_dim, then
+    partial_rope: bool = False
+    # the config keys this architecture adds to (or sets in place of) the common ones
+    config: Callable[[Metadata, dict[str, Any]], dict[str, Any]] = lambda m, d: {}
+
+    def hf_leaf(self, leaf: str) -> str | None:
+        return self.leaves.get(leaf, _LEAVES.get(leaf))
+
+
+def _phi3(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp writes 0 for Phi-4's "no window"; it also writes the length LongRoPE scales from, which
+    # transformers' Phi3Config keeps beside max_position_embeddings.
+    window = m.get("attention.sliding_window") or None
+    out = {"sliding_window": window}
+    if (original := m.get("rope.scaling.original_context_length")) is not None:
+        out["original_max_position_embeddings"] = original
+    return out
+
+
+def _granite(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's defaults where a key is absent: scores scaled by 1/sqrt(head_dim), no other scale. The logit
+    # scale it requires.
+    head_dim = d["hidden_size"] // d["num_attention_heads"]
+    return {"attention_multiplier": m.get("attention.scale") or head_dim ** -0.5,
+            "embedding_multiplier": m.get("embedding_scale") or 1.0,
+            "residual_multiplier": m.get("residual_scale") or 1.0,
+            "logits_scaling": m.need("logit_scale")}
+
+
+def _smollm3(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    # The file does not say which layers skip the rotary embedding: llama.cpp skips every fourth (its
+    # n_no_rope_layer_step), and keeps no window.
+    return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(d["num_hidden_layers"])],
+            "use_sliding_window": False, "sliding_window": None}
+
+
+def _query_scale(m: Metadata, d: dict[str, Any], layers_27b: int) -> int:
+    """Gemma's query_pre_attn_scalar, which the file does not hold: llama.cpp scales queries by 1/sqrt(head_dim),
+    but the 27B models' by 1/sqrt(hidden_size / heads)."""
+    if d["num_hidden_layers"] == layers_27b:
+        return d["hidden_size"] // d["num_attention_heads"]
+    return d["head_dim"]
+
+
+def _layer_types(m: Metadata, n_layers: int, pattern: int) -> list[str]:
+    """Sliding layers as llama.cpp's `load_swa_pattern`: the file's `sliding_window_pattern` flags, else all
+    but every `pattern`-th layer."""
+    flags = m.get("attention.sliding_window_pattern")
+    if flags is None:
+        flags = [i % pattern < pattern - 1 for i in range(n_layers)]
+    if len(flags) != n_layers:
+        raise ValueError(f"{m.arch}.attention.sliding_window_pattern has {len(flags)} entries for {n_layers} layers")
+    return ["sliding_attention" if f else "full_attention" for f in flags]
+
+
+def _gemma2(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    n = d["num_hidden_layers"]
+    # llama.cpp's Gemma 2 defaults where a key is absent: a window of 4096, caps of 50 and 30
+    return {"sliding_window": m.get("attention.sliding_window", 4096), "layer_types": _layer_types(m, n, 2),
+            "attn_logit_softcapping": m.get("attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": m.get("final_logit_softcapping", 30.0),
+            "query_pre_attn_scalar": _query_scale(m, d, 46)}
+
+
+def _gemma3(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    n = d["num_hidden_layers"]
+    window = m.get("attention.sliding_window") or None  # without one llama.cpp attends in full on every layer
+    # The global layers' rope is the common one (scaling included); the local layers' has its own base, 10,000
+    # unless the file says otherwise, and no scaling.
+    local_theta = float(m.get("rope.freq_base_swa", 10000.0))
+    rope = {"full_attention": d.pop("rope_parameters"),
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    return {"sliding_window": window,
+            "layer_types": _layer_types(m, n, 6) if window else ["full_attention"] * n,
+            "final_logit_softcapping": m.get("final_logit_softcapping") or None,
+            "query_pre_attn_scalar": _query_scale(m, d, 62), "rope_parameters": rope}
+
+
+def _olmo2(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    if m.get("attention.sliding_window"):  # OLMo 3, which llama.cpp writes as olmo2 with windows
+        raise NotImplementedError(f"{m.arch}.attention.sliding_window: OLMo 3's sliding windows are not converted")
+    return {}
+
+
+ARCHS = {
+    "llama": GgufArch("llama", permuted_qk=True),
+    "qwen2": GgufArch("qwen2"),
+    "qwen3": GgufArch("qwen3"),
+    # q/k/v and gate/up fused, as in Phi-3's own checkpoints
+    "phi3": GgufArch("phi3", leaves={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     partial_rope=True, config=_phi3),
+    "granite": GgufArch("granite", permuted_qk=True, config=_granite),
+    "smollm3": GgufArch("smollm3", permuted_qk=True, config=_smollm3),
+    "gemma2": GgufArch("gemma2", norm_offset=1.0, leaves=_SANDWICH_NORMS, config=_gemma2),
+    "gemma3": GgufArch("gemma3_text", norm_offset=1.0, leaves=_SANDWICH_NORMS, config=_gemma3),
+    # norms after attention and after the MLP only, and q/k norms over all heads at once
+    "olmo2": GgufArch("olmo2", leaves={"post_attention_norm": "post_attention_layernorm",
+                                       "post_ffw_norm": "post_feedforward_layernorm"}, config=_olmo2),
+}
+
+
+def _rope_parameters(m: Metadata, head_dim: int, partial: bool) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base", 10000.0))}
+    kind = m.get("rope.scaling.type", "none")
+    if kind == "linear":
+        rope |= {"rope_type": "linear", "factor": float(m.need("rope.scaling.factor"))}
+    elif kind != "none":
+        raise NotImplementedError(f"{m.arch}.rope.scaling.type={kind!r} is not converted (only linear)")
+    dims = m.get("rope.dimension_count")
+    if partial and dims is not None and dims != head_dim:
+        rope["partial_rotary_factor"] = dims / head_dim
+    return rope
+
+
+def _vocab_size(m: Metadata) -> int:
+    """The stated vocabulary size, else the vocabulary's own length, as llama.cpp reads it."""
+    if (size := m.get("vocab_size")) is not None:
+        return size
+    if (tokens := m.fields.get("tokenizer.ggml.tokens")) is None:
+        raise ValueError(f"GGUF metadata has neither {m.arch}.vocab_size nor tokenizer.ggml.tokens")
+    return len(tokens)
+
+
+def hf_config(m: Metadata) -> dict[str, Any]:
+    """The transformers config dict of a GGUF file's model."""
+    arch = ARCHS[m.arch]
+    heads = m.need("attention.head_count")
+    hidden = m.need("embedding_length")
+    d: dict[str, Any] = {
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": m.need("feed_forward_length"),
+        "num_hidden_layers": m.need("block_count"),
+        "num_attention_heads": heads,
+        # llama.cpp treats a missing KV head count as plain multi-head attention.
+        "num_key_value_heads": m.get("attention.head_count_kv", heads),
+        "rms_norm_eps": m.need("attention.layer_norm_rms_epsilon"),
+        "vocab_size": _vocab_size(m),
+        # llama.cpp writes the output projection only when it is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+        "bos_token_id": m.fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": m.fields.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": m.fields.get("tokenizer.ggml.padding_token_id"),
+    }
+    if (context := m.get("context_length")) is not None:
+        d["max_position_embeddings"] = context
+    # llama.cpp writes key_length where the checkpoint's head_dim is not hidden_size / heads; older files only
+    # the rotary width, which is the head's where the rotation covers it.
+    head_dim = m.get("attention.key_length") or (None if arch.partial_rope else m.get("rope.dimension_count"))
+    if head_dim is not None:
+        d["head_dim"] = head_dim
+    d["rope_parameters"] = _rope_parameters(m, head_dim or hidden // heads, arch.partial_rope)
+    if "rope_freqs.weight" in m.tensor_names:
+        # Llama 3's rope scaling, as the frequency factors it yields: the settings transformers computes them from
+        # are not in the file, and computing without them would rotate by the wrong angles.
+        raise NotImplementedError("GGUF tensor 'rope_freqs.weight' (Llama 3 rope scaling) is not converted")
+    d |= arch.config(m, d)
+    return d
+
