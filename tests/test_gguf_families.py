@@ -273,7 +273,7 @@ def _file(tmp_path: Path, arch: str, keys: dict, tensors: dict[str, np.ndarray])
 
 
 @pytest.mark.parametrize(("arch", "keys", "tensor", "error", "match"), [
-    ("llama", {}, "rope_freqs.weight", NotImplementedError, "rope_freqs.weight"),
+    ("llama", {}, "rope_freqs.weight", NotImplementedError, "rope_freqs.weight.*not Llama 3's rope scaling"),
     ("phi3", {}, "rope_factors_long.weight", ValueError, "rope_factors_long.weight"),
     ("olmo2", {"{arch}.attention.sliding_window": (4096, gguf.GGUFValueType.UINT32)}, None, NotImplementedError,
      r"olmo2\.attention\.sliding_window"),
@@ -288,11 +288,38 @@ def test_refused_by_name(tmp_path: Path, arch, keys, tensor, error, match) -> No
     refused, naming it."""
     tensors = {"token_embd.weight": np.zeros((8, 32), np.float32)}
     if tensor is not None:
-        tensors[tensor] = np.ones(8, np.float32)
+        tensors[tensor] = np.arange(1, 9, dtype=np.float32)  # as factors: not Llama 3's scaling
     path = _file(tmp_path, arch, keys, tensors)
     with pytest.raises(error, match=match):
         gguf_mod.convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_rope_scaling_read_back_from_its_factors(tmp_path: Path, factor: float) -> None:
+    """Llama 3.x files keep their rope scaling only as `rope_freqs.weight`: the converter finds the settings whose
+    factors those are, so the model rotates as transformers does on the checkpoint, and writes no such tensor."""
+    from gguf import GGUFReader
+
+    from pagedserve.workers.gguf_archs import llama3_rope_freqs
+    from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
+
+    theta = 500000.0
+    factors = np.array(llama3_rope_freqs(theta, 16, factor, 1.0, 4.0, 8192), np.float32)  # head_dim 32 / 2 heads
+    assert 1.0 < factors.max() and factors.min() == 1.0  # some pairs scaled, some not, some between (below)
+    assert ((factors > 1.0) & (factors < factor)).any()
+    path = _file(tmp_path, "llama", {"{arch}.rope.freq_base": (theta, gguf.GGUFValueType.FLOAT32),
+                                     "{arch}.context_length": (131072, gguf.GGUFValueType.UINT32)},
+                 {"token_embd.weight": np.zeros((8, 32), np.float32), "rope_freqs.weight": factors})
+    d = gguf_mod.hf_config(gguf_mod._metadata(GGUFReader(path)))
+    assert d["rope_parameters"] == {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}
+    config = ModelConfig.from_dict(json.loads(json.dumps(d | {"hidden_act": "silu"})))
+    inv_freq = RotaryEmbedding(config, 8).inv_freq
+    base = 1.0 / (theta ** (torch.arange(0, 16, 2).float() / 16))
+    torch.testing.assert_close(inv_freq, base / torch.from_numpy(factors), rtol=1e-6, atol=0)
+    assert [name for name, *_ in gguf_mod._converted_tensors(path)] == ["model.embed_tokens.weight"]
 
 
 def test_config_reads_the_files_keys(tmp_path: Path) -> None:

@@ -83,6 +83,10 @@ def _check_gguf_file(gguf_path: Path) -> Path:
     return gguf_path
 
 
+# Llama 3's rope scaling as llama.cpp keeps it: the factor each rotated pair's frequency is divided by
+_ROPE_FREQS = "rope_freqs.weight"
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -104,7 +108,10 @@ def _metadata(reader: Any) -> Metadata:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHS:
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported yet (supported: {sorted(ARCHS)})")
-    return Metadata({key: f.contents() for key, f in reader.fields.items()}, {t.name for t in reader.tensors})
+    tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = tensors.get(_ROPE_FREQS)
+    return Metadata({key: f.contents() for key, f in reader.fields.items()}, set(tensors),
+                    None if rope_freqs is None else [float(f) for f in rope_freqs.data])
 
 
 def _reverse_qk_permute(weights: Any, n_head: int) -> Any:
@@ -140,6 +147,8 @@ def _converted_tensors(gguf_path: Path) -> Iterator[tuple[str, Any, Any | None, 
     n_kv_head = int(meta.get("attention.head_count_kv", n_head))
 
     for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
+        if tensor.name == _ROPE_FREQS:
+            continue  # Llama 3's rope scaling: the config's rope settings say it (`hf_config`)
         hf_name = _hf_tensor_name(tensor.name, arch)
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         keep_blocks = tensor.tensor_type.name in BLOCKS and tensor.data.ndim == 2

@@ -12,6 +12,7 @@ table nor the engine reads is refused by name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +23,9 @@ __all__ = ["ARCHS", "GgufArch", "Metadata", "hf_config"]
 class Metadata:
     """A GGUF file's key/value metadata and tensor names, read by key without the `<arch>.` prefix."""
 
-    def __init__(self, fields: dict[str, Any], tensor_names: set[str]) -> None:
+    def __init__(self, fields: dict[str, Any], tensor_names: set[str], rope_freqs: list[float] | None = None) -> None:
         self.fields, self.tensor_names = fields, tensor_names
+        self.rope_freqs = rope_freqs  # the values of `rope_freqs.weight`, where the file has that tensor
         self.arch: str = fields["general.architecture"]
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -217,10 +219,54 @@ def hf_config(m: Metadata) -> dict[str, Any]:
     if head_dim is not None:
         d["head_dim"] = head_dim
     d["rope_parameters"] = _rope_parameters(m, head_dim or hidden // heads, arch.partial_rope)
-    if "rope_freqs.weight" in m.tensor_names:
-        # Llama 3's rope scaling, as the frequency factors it yields: the settings transformers computes them from
-        # are not in the file, and computing without them would rotate by the wrong angles.
-        raise NotImplementedError("GGUF tensor 'rope_freqs.weight' (Llama 3 rope scaling) is not converted")
+    if m.rope_freqs is not None:
+        d["rope_parameters"] = _llama3_rope(m.rope_freqs, d["rope_parameters"], head_dim or hidden // heads,
+                                            m.get("rope.scaling.original_context_length"))
     d |= arch.config(m, d)
     return d
+
+
+def llama3_rope_freqs(theta: float, head_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                      original: int) -> list[float]:
+    """The frequency factors llama.cpp's converter writes as `rope_freqs.weight` for Llama 3's rope scaling (what
+    each rotated pair's frequency is divided by), computed as it computes them."""
+    import numpy as np
+
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_freq_wavelen, high_freq_wavelen = original / low_freq_factor, original / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return [float(f) for f in np.array(factors, dtype=np.float32)]  # stored as float32
+
+
+# Llama 3.1, 3.2 and 3.3 all scale with these (their checkpoints' low_freq_factor, high_freq_factor and
+# original_max_position_embeddings); only the factor differs (8 or 32).
+_LLAMA3_SETTINGS = ((1.0, 4.0, 8192),)
+
+
+def _llama3_rope(file_factors: list[float], rope: dict[str, Any], head_dim: int,
+                 original: int | None) -> dict[str, Any]:
+    """Llama 3's rope settings, which the file keeps only as the frequency factors they yield: the settings whose
+    factors (computed as llama.cpp's converter computes them) are the file's, else refused by name, since
+    rotating without them, or by other factors than transformers computes, would answer wrongly."""
+    import numpy as np
+
+    factor = max(file_factors)
+    settings = _LLAMA3_SETTINGS if original is None else tuple((lo, hi, original) for lo, hi, _ in _LLAMA3_SETTINGS)
+    for low, high, context in settings:
+        expected = llama3_rope_freqs(rope["rope_theta"], head_dim, factor, low, high, context)
+        if len(expected) == len(file_factors) and np.allclose(expected, file_factors, rtol=1e-6, atol=0):
+            return {"rope_type": "llama3", "rope_theta": rope["rope_theta"], "factor": factor,
+                    "low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": context}
+    raise NotImplementedError("GGUF tensor 'rope_freqs.weight': its frequency factors are not Llama 3's rope scaling "
+                              f"(factor {factor}, low/high frequency factors 1 and 4, a trained context of "
+                              f"{original or 8192}), the only one converted")
 
