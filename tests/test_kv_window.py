@@ -497,3 +497,56 @@ def test_kernels_never_read_the_placeholder(backend, window):
     for out in outs:
         assert torch.isfinite(out).all(), "the placeholder block was read"
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+# --- the engine, against transformers ------------------------------------------------------------------------
+
+ENGINE_POOLS = {"mistral-window": 8, "qwen2-window": 16}  # blocks of the whole model's layers
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINE_POOLS))
+def windowed_model(request, tmp_path_factory):
+    """A tiny Mistral (a window of 12 on every layer) and Qwen2 (40 on two of three layers), with prompts and 48
+    new tokens that run far past their windows, and transformers' greedy tokens for them."""
+    import transformers
+
+    from tests.test_parity import PROMPT_LENS, TINY, hf_greedy
+
+    cls_name, extra = TINY[request.param]
+    config = getattr(transformers, cls_name)(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, **extra)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return request.param, path, prompts, hf_greedy(model, prompts, 48)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_windowed_models_match_transformers_in_a_pool_smaller_than_their_contexts(windowed_model,
+                                                                                  async_scheduling):
+    """Mistral's pool of 7 usable blocks (112 positions) runs a 215-token sequence beside seven others; both
+    models preempt, fork n = 3 samples and hit the prefix cache, with transformers' tokens and every block of
+    every group back."""
+    from pagedserve import LLM
+    from tests.test_parity import BS, pool_of
+
+    name, path, prompts, expected = windowed_model
+    llm = LLM(str(path), block_size=BS, kv_cache_memory=pool_of(path, ENGINE_POOLS[name]), max_num_batched_tokens=32,
+              async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    if name == "mistral-window":
+        assert stats["num_total_blocks"] * BS < len(prompts[4]) + 48
+    outs = llm.generate(prompts[:3], SamplingParams(n=3, temperature=0, max_tokens=48, ignore_eos=True))
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[e] * 3 for e in expected[:3]]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[5:6], params)] == expected[5:6]
+    before = llm.stats()["prefix_cache_hits"]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[5:6], params)] == expected[5:6]  # a hit now
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > before and stats["num_free_blocks"] == stats["num_total_blocks"]
