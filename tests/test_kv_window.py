@@ -278,6 +278,21 @@ TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
 TestWindowedBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
+def test_the_budget_splits_by_what_each_group_can_hold():
+    """One group: the whole budget, as without groups. Hybrid: the sliding group never more than the equal share
+    nor than max_num_seqs sequences hold in it; the full group the rest. All sliding: one group, the whole budget."""
+    from pagedserve.workers.kv_pool import split_kv_budget
+
+    mib = 2**20
+    assert split_kv_budget(100 * mib, kv_groups([None] * 4), [mib], 16, 256, 8192) == [100]
+    assert split_kv_budget(100 * mib, kv_groups([64] * 4), [mib], 16, 256, 8192) == [100]
+    hybrid = kv_groups([None, 64, 64, 64, 64, 64])  # block bytes 1 MiB (full) and 5 MiB (sliding)
+    full, sliding = split_kv_budget(600 * mib, hybrid, [mib, 5 * mib], 16, 256, 8192)
+    assert (full, sliding) == (100, 100)  # 256 sequences' windows need more than the equal share
+    full, sliding = split_kv_budget(600 * mib, hybrid, [mib, 5 * mib], 16, 4, 64)
+    assert sliding == 4 * (5 + 1) + 4 + 1 and full == 600 - 5 * sliding  # the rest to the full group
+
+
 # --- the scheduler, against a model-free worker ------------------------------------------------------------------
 
 
