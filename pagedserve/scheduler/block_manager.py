@@ -199,6 +199,8 @@ class BlockManager:
             seq.block_tables = [[] for _ in self.pools]
             seq.num_sent_blocks = [0] * len(self.pools)
         num_computed = seq.num_computed_tokens + (cached.num_tokens if cached else 0)
+        if cached is None and num_new_tokens > 0 and self._steady(seq, num_computed, num_new_tokens):
+            return [[] for _ in self.pools]  # most decode steps
         plans = []
         for g in range(len(self.pools)):
             self._release_out_of_window(seq, g, num_computed)
@@ -216,6 +218,21 @@ class BlockManager:
             seq.block_hashes.extend(cached.hashes)
         seq.num_computed_tokens = num_computed
         return [self._apply(seq, g, cached, *plan) for g, plan in enumerate(plans)]
+
+    def _steady(self, seq: Sequence, num_computed: int, num_new_tokens: int) -> bool:
+        """Whether a step of `num_new_tokens` changes nothing in any group: its tokens fit the blocks held, the
+        first of which is the sequence's own, and no block is leaving a window. The common decode step, checked
+        without the plan each group would make."""
+        bs = self.block_size
+        last, write = (num_computed + num_new_tokens - 1) // bs, num_computed // bs
+        for pool, table, window in zip(self.pools, seq.block_tables, self.windows, strict=False):
+            if last >= len(table) or pool.blocks[table[write]].ref_count != 1:
+                return False
+            if window is not None:
+                start = max(0, num_computed - window + 1) // bs
+                if start and _held(pool, table[start - 1]):
+                    return False
+        return len(seq.block_tables) == len(self.pools)
 
     def _release_out_of_window(self, seq: Sequence, g: int, num_computed: int) -> None:
         """Free group g's blocks that lie wholly before the window of the token at `num_computed` (the next to

@@ -158,7 +158,8 @@ class Scheduler:
                     break
             if seq_copies is None:
                 break
-            _add_copies(copies, seq_copies)
+            if any(seq_copies):
+                _add_copies(copies, seq_copies)
             scheduled.append((seq, num_new))
             budget -= num_new
             i += 1
@@ -198,7 +199,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)
-            _add_copies(copies, seq_copies)
+            if any(seq_copies):
+                _add_copies(copies, seq_copies)
             scheduled.append((seq, num_new))
             budget -= num_new
 
@@ -403,11 +405,11 @@ class Scheduler:
             else:
                 seq.slot = self._num_slots
                 self._num_slots += 1
+        sent = seq.num_sent_blocks
         for g, table in enumerate(seq.block_tables):
-            sent = seq.num_sent_blocks[g]
-            if sent < len(table):
-                batch.table_updates[g].append((seq.slot, sent, table[sent:]))
-                seq.num_sent_blocks[g] = len(table)
+            if sent[g] < len(table):
+                batch.table_updates[g].append((seq.slot, sent[g], table[sent[g]:]))
+                sent[g] = len(table)
         batch.slots.append(seq.slot)
 
     # ---- numbers -------------------------------------------------------------------------
