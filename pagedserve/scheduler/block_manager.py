@@ -6,6 +6,7 @@ token it computes, and its table holds `NULL_BLOCK` there."""
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -156,7 +157,9 @@ class BlockManager:
                 found[g].append(hit)
             cached.hashes.append(h)
             parent = h
-        while cached.hashes and not self._serves(found, len(cached.hashes)):
+        runs = [list(itertools.accumulate(found[g], lambda n, hit: 0 if hit is None else n + 1, initial=0))
+                for g in range(len(self.pools))]  # [groups][k]: cached blocks in a row just before block k
+        while cached.hashes and not self._serves(runs, len(cached.hashes)):
             cached.hashes.pop()
         num_blocks = len(cached.hashes)
         start = num_blocks * bs
@@ -168,9 +171,10 @@ class BlockManager:
             cached.blocks[g] = [NULL_BLOCK] * lo + found[g][lo:num_blocks]
         return cached
 
-    def _serves(self, found: list[list[int | None]], num_blocks: int) -> bool:
-        """Whether every group holds what a prefix of `num_blocks` whole blocks needs cached."""
-        return all(None not in found[g][self._window_start(w, num_blocks * self.block_size):num_blocks]
+    def _serves(self, runs: list[list[int]], num_blocks: int) -> bool:
+        """Whether every group holds what a prefix of `num_blocks` whole blocks needs cached: the blocks from the
+        window's first on (`runs[g][k]`: how many blocks before block k are cached in a row in group g)."""
+        return all(runs[g][num_blocks] >= num_blocks - self._window_start(w, num_blocks * self.block_size)
                    for g, w in enumerate(self.windows))
 
     def _lookup_tail(self, parent: int | None, tokens: Seq[int]) -> tuple[list[int], int] | None:
