@@ -64,7 +64,7 @@ def test_a_decode_step_sends_what_changed_not_whole_tables(tiny_random):
         # The step that admitted the four rows wrote their whole tables.
         runner.prepare(StepBatch(input_ids=[0] * (4 * context), cu_seqlens_q=[r * context for r in range(5)],
                                  context_lens=[context] * 4, slots=[0, 1, 2, 3],
-                                 table_updates=[(r, 0, t) for r, t in enumerate(tables)]))
+                                 table_updates=[[(r, 0, t) for r, t in enumerate(tables)]]))
         # The next one decodes a token for each: position `context`, in the last block of each table.
         inputs = runner.prepare(StepBatch(input_ids=[1, 2, 3, 4], cu_seqlens_q=[0, 1, 2, 3, 4],
                                           context_lens=[context + 1] * 4, slots=[3, 2, 1, 0]))

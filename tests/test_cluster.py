@@ -58,16 +58,18 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module", params=["MistralConfig", "Phi3Config"])
+@pytest.fixture(scope="module", params=["MistralConfig", "Phi3Config", "Qwen2Config"])
 def tiny_window_model(request, tmp_path_factory):
     """A sliding window of 8 positions on every layer (prompts run up to 70 tokens past it): Mistral's, and
-    Phi-3's, whose checkpoint holds q/k/v and gate/up fused (each rank reads its rows of each part)."""
+    Phi-3's, whose checkpoint holds q/k/v and gate/up fused (each rank reads its rows of each part); and on the
+    second layer only, Qwen2's (two KV-cache groups, each with its pool on every rank)."""
     import transformers
 
+    hybrid = dict(use_sliding_window=True, max_window_layers=1) if request.param == "Qwen2Config" else {}
     config = getattr(transformers, request.param)(
         vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, sliding_window=8,
-        pad_token_id=0)
+        pad_token_id=0, **hybrid)
     torch.manual_seed(22)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp(f"{request.param}_window_tp")

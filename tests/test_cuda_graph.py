@@ -30,6 +30,19 @@ def tiny_llama(tmp_path_factory) -> str:
     return f"random:{d / 'config.json'}"
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory) -> str:
+    """A 2-layer random Qwen2 whose second layer slides (a window of 10): two KV-cache groups, each with block
+    tables of its own in the graphs' static buffers."""
+    d = tmp_path_factory.mktemp("tiny_hybrid")
+    (d / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu",
+        use_sliding_window=True, sliding_window=10, max_window_layers=1)))
+    return f"random:{d / 'config.json'}"
+
+
 @pytest.mark.parametrize("max_num_seqs,expected", [
     (1, [1]), (5, [1, 2, 4, 5]), (8, [1, 2, 4, 8]), (16, [1, 2, 4, 8, 16]),
     (40, [1, 2, 4, 8, 16, 32, 40]), (256, [1, 2, 4, 8] + list(range(16, 257, 16)))])
@@ -56,10 +69,12 @@ def generate(model: str, backend: str, static: bool, capture: bool = False, **co
 CONFIG = dict(max_num_seqs=12, max_num_batched_tokens=24)
 
 
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_hybrid"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_static_decode_path_matches_the_plain_path(tiny_llama, backend):
-    plain, _ = generate(tiny_llama, backend, static=False, **CONFIG)
-    static, runs = generate(tiny_llama, backend, static=True, **CONFIG)
+def test_static_decode_path_matches_the_plain_path(model, backend, request):
+    model = request.getfixturevalue(model)
+    plain, _ = generate(model, backend, static=False, **CONFIG)
+    static, runs = generate(model, backend, static=True, **CONFIG)
     assert runs >= 20  # the static path served most steps
     for (tokens_p, lp_p), (tokens_s, lp_s) in zip(plain, static, strict=True):
         assert tokens_s == tokens_p
@@ -67,9 +82,11 @@ def test_static_decode_path_matches_the_plain_path(tiny_llama, backend):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
-def test_captured_graphs_match_the_plain_path(tiny_llama):
-    plain, _ = generate(tiny_llama, "triton", static=False, **CONFIG)
-    graphed, runs = generate(tiny_llama, "triton", static=True, capture=True, **CONFIG)
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_hybrid"])
+def test_captured_graphs_match_the_plain_path(model, request):
+    model = request.getfixturevalue(model)
+    plain, _ = generate(model, "triton", static=False, **CONFIG)
+    graphed, runs = generate(model, "triton", static=True, capture=True, **CONFIG)
     assert runs >= 20
     for (tokens_p, lp_p), (tokens_g, lp_g) in zip(plain, graphed, strict=True):
         assert tokens_g == tokens_p

@@ -86,11 +86,13 @@ def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[li
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     del llm
 
-    # (a) a pool too small for the whole batch: preemption by recompute.
+    # (a) a pool too small for the whole batch: preemption by recompute. Where every layer slides, sequences hold
+    # their windows only and the batch fits (tests/test_kv_window.py preempts those).
     llm = LLM(str(model_dir), block_size=BS, kv_cache_memory=pool_of(model_dir, small_pool), **llm_kwargs)
     assert ours(llm, prompts, **penalties) == expected
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0
+    config = ModelConfig.from_file(model_dir / "config.json")
+    assert stats["num_preemptions"] > 0 or None not in config.layer_windows
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     del llm
 

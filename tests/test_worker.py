@@ -23,8 +23,8 @@ def test_profile_batch_is_the_largest_step(num_tokens, max_num_seqs, block_size)
     assert lens == batch.context_lens and max(lens) - min(lens) <= 1  # fresh rows, evenly spread
     # each row's whole table, in a slot of its own; the last slots, so the sampler's counts cover them all
     assert batch.slots == list(range(max_num_seqs - batch.num_rows, max_num_seqs))
-    assert [(slot, start) for slot, start, _ in batch.table_updates] == [(r, 0) for r in batch.slots]
-    tables = [ids for _, _, ids in batch.table_updates]
+    assert [(slot, start) for slot, start, _ in batch.table_updates[0]] == [(r, 0) for r in batch.slots]
+    tables = [ids for _, _, ids in batch.table_updates[0]]
     blocks = [b for table in tables for b in table]
     assert sorted(blocks) == list(range(len(blocks)))  # every row its own blocks
     assert all(len(t) * block_size >= n > (len(t) - 1) * block_size for t, n in zip(tables, lens, strict=True))
@@ -39,13 +39,13 @@ def test_profile_step_runs_on_the_worker(tiny_random, max_num_batched_tokens, ro
     engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                     kv_cache_memory="1MiB"))
     worker = engine.executor.worker
-    pool_before = worker.runner.kv_pool
+    pool_before = worker.runner.kv_pools[0]
     out = worker.profile_step()
     assert len(out.samples) == rows
     # the counts' memory for all 8 slots is allocated in the profile, even when a step holds only 5 rows
     assert worker.sampler.penalties.output_counts.shape[0] == 8
     assert all(len(s.token_ids) == 1 and len(s.top_logprobs[0]) == 20 for s in out.samples)
-    assert worker.runner.kv_pool is pool_before  # the throwaway pool is not the serving one
+    assert worker.runner.kv_pools[0] is pool_before  # the throwaway pool is not the serving one
 
 
 def test_kv_budget():

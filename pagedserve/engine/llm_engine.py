@@ -24,6 +24,7 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.kv_groups import kv_groups
 from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.workers.loader import ModelSource, resolve_model
@@ -54,7 +55,8 @@ class LLMEngine:
         reasoning = reasoning_tags(config.reasoning_parser, self.tokenizer, self.model_config.vocab_size)
         self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
         self.num_failures = 0
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          [group.window for group in kv_groups(self.model_config.layer_windows)])
         # The workers' device, not this process's: a served engine's actor holds no GPU.
         device_type = self.executor.device_type
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
@@ -294,7 +296,7 @@ class LLMEngine:
         return {
             "num_total_blocks": bm.num_total_blocks,
             "num_free_blocks": bm.num_free_blocks,
-            "num_cached_blocks": bm.pool.num_cached_blocks,
+            "num_cached_blocks": sum(pool.num_cached_blocks for pool in bm.pools),
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -87,6 +87,13 @@ class AttentionContext:
     max_query_len: int  # host-side maxima: kernels size their launches without a device sync
     max_context_len: int
     token_seq_lens: torch.Tensor | None = None  # [T] each token's sequence length: for dynamic NTK and LongRoPE
+    # Further KV-cache groups (sliding-window layers beside full-attention ones, each group with blocks of its
+    # own): group g's slot mapping [T] and block tables [R, blocks] are more_tables[g - 1]; group 0's are above.
+    more_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+    def tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV-cache group `group`'s slot mapping and block tables."""
+        return (self.slot_mapping, self.block_tables) if group == 0 else self.more_tables[group - 1]
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -45,10 +45,12 @@ class StepBatch:
     """One forward step. Row i computes query tokens input_ids[cu_seqlens_q[i]:cu_seqlens_q[i+1]],
     the last of which sits at position context_lens[i] - 1 of its sequence, seq_ids[i].
 
-    The workers keep every running sequence's block table, in row `slots[i]` of a table of their own;
-    a step sends only what changed: `table_updates` holds (slot, start, block ids), the entries from
-    index `start` on, applied in order before the step runs. Entries past a row's context are stale and
-    never read.
+    The workers keep every running sequence's block tables, one per KV-cache group (`kv_groups.py`), in row
+    `slots[i]` of a table of their own per group; a step sends only what changed: `table_updates[g]` holds
+    group g's (slot, start, block ids), the entries from index `start` on, applied in order before the step
+    runs. Entries past a row's context are stale and never read; so are a sliding-window group's entries
+    before the window, which the workers' tables may still hold after the scheduler let their blocks go (a
+    valid block id either way: a kernel's first tile may read them, masked).
 
     It is also the scheduler's record of the step: `Scheduler.update` reads which sequences ran and
     what each drew from it.
@@ -64,9 +66,11 @@ class StepBatch:
     cu_seqlens_q: list[int]  # [num_rows + 1]
     context_lens: list[int]  # [num_rows]: tokens in the KV cache once this step's are written
     slots: list[int]  # [num_rows]: each row's block table in the workers' table
-    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # [groups][updates]: (slot, start, block ids) of each KV-cache group's tables
+    table_updates: list[list[tuple[int, int, list[int]]]] = field(default_factory=lambda: [[]])
     seq_ids: list[int] = field(default_factory=list)  # [num_rows]
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
+    # [groups][copies]: (src, dst) blocks of each KV-cache group: copy-on-write and tails, done first
+    block_copies: list[list[tuple[int, int]]] = field(default_factory=lambda: [[]])
     samples: list[SampleSpec] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     deferred_inputs: list[tuple[int, int]] = field(default_factory=list)

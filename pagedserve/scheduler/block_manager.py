@@ -1,7 +1,12 @@
-"""Which blocks each sequence owns: prefix-cache hits, slot allocation, copy-on-write, fork."""
+"""Which blocks each sequence owns: prefix-cache hits, slot allocation, copy-on-write, fork.
+
+One pool and one block table per sequence for each KV-cache group (`kv_groups.py`): a model without windows has
+one group. A sliding-window group lets go of a sequence's blocks that lie wholly before the window of the next
+token it computes, and its table holds `NULL_BLOCK` there."""
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -9,9 +14,14 @@ from dataclasses import dataclass, field
 import xxhash
 
 from pagedserve.scheduler.block_pool import BlockPool
+from pagedserve.scheduler.kv_groups import blocks_held_at_most
 from pagedserve.scheduler.request import Sequence
 
 _ROOT = b"pagedserve-root\x00"  # stands in for the parent hash of a sequence's first block
+# A sliding-window group's reserved block: what its tables hold where the window has let a block go. Never
+# allocated; a kernel may read it (masked) in a tile that starts before the window, so it must be a valid id.
+NULL_BLOCK = 0
+UNBOUNDED = 1 << 62  # a sequence length no pool limits
 
 
 def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
@@ -51,140 +61,272 @@ def prefix_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None =
 class CachedPrefix:
     """What the prefix cache holds of a sequence's tokens (`BlockManager.get_computed_blocks`): whole blocks,
     shared as they are, then perhaps the first tokens of the next block, copied from a block that holds them
-    (a tail: the partial last block of a sequence that has let it go)."""
+    (a tail: the partial last block of a sequence that has let it go). Per KV-cache group: its blocks (a
+    sliding-window group's hold `NULL_BLOCK` before the window of the first token to compute) and its tail's."""
 
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]]  # [groups][whole blocks]
     hashes: list[int] = field(default_factory=list)
-    tail: tuple[int, int] | None = None  # (block id, its tokens taken)
+    tail: tuple[list[int], int] | None = None  # (each group's block id, its tokens taken)
     block_size: int = 1
 
     @property
     def num_tokens(self) -> int:
-        return len(self.blocks) * self.block_size + (self.tail[1] if self.tail else 0)
+        return len(self.hashes) * self.block_size + (self.tail[1] if self.tail else 0)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    """`num_blocks` per KV-cache group (an int: one group), whose sliding `windows` (None: full attention) say
+    which blocks a sequence needs."""
+
+    def __init__(self, num_blocks: int | Seq[int], block_size: int, enable_prefix_caching: bool = True,
+                 windows: Seq[int | None] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
-        self.pool = BlockPool(num_blocks)
+        counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(windows):
+            raise ValueError(f"num_blocks={num_blocks} has {len(counts)} groups' counts for {len(windows)} windows")
+        self.windows = tuple(windows)
+        self.pools = [self._new_pool(n, w) for n, w in zip(counts, self.windows, strict=True)]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
+    @staticmethod
+    def _new_pool(num_blocks: int, window: int | None) -> BlockPool:
+        return BlockPool(num_blocks, reserved=0 if window is None else 1)  # a window's group: NULL_BLOCK
+
     def reset(self) -> None:
         """Forget every block and cached prefix (the workers' pools were rebuilt empty). No sequence may
         hold blocks; the prefix-cache counters keep counting."""
-        if self.pool.num_free_blocks != self.pool.num_blocks:
-            raise RuntimeError(f"reset with {self.pool.num_blocks - self.pool.num_free_blocks} KV blocks still held")
-        self.pool = BlockPool(self.pool.num_blocks)
+        if self.num_free_blocks != self.num_total_blocks:
+            raise RuntimeError(f"reset with {self.num_total_blocks - self.num_free_blocks} KV blocks still held")
+        self.pools = [self._new_pool(p.num_blocks, w) for p, w in zip(self.pools, self.windows, strict=True)]
+
+    @property
+    def pool(self) -> BlockPool:
+        """The first group's pool (full attention where the model has any): the one the prefix router reads."""
+        return self.pools[0]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.pools)
 
     @property
     def num_total_blocks(self) -> int:
-        return self.pool.num_blocks
+        return sum(p.num_usable_blocks for p in self.pools)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return sum(p.num_free_blocks for p in self.pools)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def blocks_needed_alone(self, num_tokens: int, chunk: int) -> list[int]:
+        """Per group, the most blocks one sequence of `num_tokens` tokens holds at once, computed in steps of at
+        most `chunk` tokens."""
+        return [blocks_held_at_most(w, self.block_size, num_tokens, chunk) for w in self.windows]
+
+    def max_seq_len(self, chunk: int) -> int:
+        """The longest sequence that fits the pools on its own, computed in steps of at most `chunk` tokens
+        (`UNBOUNDED` where only windowed groups hold it and each fits a window's span)."""
+        longest = UNBOUNDED
+        for w, pool in zip(self.windows, self.pools, strict=True):
+            if w is None or blocks_held_at_most(w, self.block_size, UNBOUNDED, chunk) > pool.num_usable_blocks:
+                longest = min(longest, pool.num_usable_blocks * self.block_size)
+        return longest
+
+    def _window_start(self, window: int | None, position: int) -> int:
+        """The first block a token at `position` (and every later one) reads in a group with `window`."""
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
 
     def get_computed_blocks(self, seq: Sequence) -> CachedPrefix:
         """Longest cached prefix of a sequence that holds no blocks, without taking it: whole cached blocks,
         then the longest tail that goes on from them.
 
-        Stops before the last token: that token must be computed for its logits (and a full cached block is
-        never written again, so the block holding it is never shared whole).
+        A prefix of P tokens needs a full-attention group's blocks [0, P) and a sliding group's blocks that the
+        window of position P reaches, all cached; the longest P every group serves wins. Stops before the last
+        token: that token must be computed for its logits (and a full cached block is never written again, so
+        the block holding it is never shared whole).
         """
-        cached = CachedPrefix(block_size=self.block_size)
+        cached = CachedPrefix([[] for _ in self.pools], block_size=self.block_size)
         if not self.enable_prefix_caching:
             return cached
         bs = self.block_size
         parent = _root(seq)
+        found: list[list[int | None]] = [[] for _ in self.pools]  # [groups][blocks]: the cached block or None
+        full = [g for g, w in enumerate(self.windows) if w is None]
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
-            block_id = self.pool.lookup(h, parent, tokens)
-            if block_id is None:
-                break
-            cached.blocks.append(block_id)
+            hits = [pool.lookup(h, parent, tokens) for pool in self.pools]
+            if any(hits[g] is None for g in full):
+                break  # a sliding group's miss may lie before a later prefix's window: go on
+            for g, hit in enumerate(hits):
+                found[g].append(hit)
             cached.hashes.append(h)
             parent = h
-        start = len(cached.blocks) * bs
-        cached.tail = self.pool.lookup_tail(parent, seq.token_ids[start:min(start + bs - 1, seq.num_tokens - 1)])
+        runs = [list(itertools.accumulate(found[g], lambda n, hit: 0 if hit is None else n + 1, initial=0))
+                for g in range(len(self.pools))]  # [groups][k]: cached blocks in a row just before block k
+        while cached.hashes and not self._serves(runs, len(cached.hashes)):
+            cached.hashes.pop()
+        num_blocks = len(cached.hashes)
+        start = num_blocks * bs
+        parent = cached.hashes[-1] if cached.hashes else _root(seq)
+        cached.tail = self._lookup_tail(parent, seq.token_ids[start:min(start + bs - 1, seq.num_tokens - 1)])
+        first_new = cached.num_tokens
+        for g, w in enumerate(self.windows):
+            lo = min(self._window_start(w, first_new), num_blocks)
+            cached.blocks[g] = [NULL_BLOCK] * lo + found[g][lo:num_blocks]
         return cached
 
+    def _serves(self, runs: list[list[int]], num_blocks: int) -> bool:
+        """Whether every group holds what a prefix of `num_blocks` whole blocks needs cached: the blocks from the
+        window's first on (`runs[g][k]`: how many blocks before block k are cached in a row in group g)."""
+        return all(runs[g][num_blocks] >= num_blocks - self._window_start(w, num_blocks * self.block_size)
+                   for g, w in enumerate(self.windows))
+
+    def _lookup_tail(self, parent: int | None, tokens: Seq[int]) -> tuple[list[int], int] | None:
+        """The longest tail after `parent` that is a prefix of `tokens` in every group: each group's block."""
+        n = len(tokens)
+        while n > 0:
+            hits = [pool.lookup_tail(parent, tokens[:n]) for pool in self.pools]
+            if None in hits:
+                return None
+            shortest = min(taken for _, taken in hits)
+            if shortest == n:
+                return [block for block, _ in hits], n
+            n = shortest
+        return None
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       cached: CachedPrefix | None = None) -> list[tuple[int, int]] | None:
-        """Make the block table cover `num_new_tokens` more tokens.
+                       cached: CachedPrefix | None = None) -> list[list[tuple[int, int]]] | None:
+        """Make the block tables cover `num_new_tokens` more tokens.
 
-        The `cached` prefix (from `get_computed_blocks`) is attached first: its whole blocks shared, its tail
-        copied into a block of the sequence's own. Returns the (src, dst) block copies the worker must do
-        before writing, or None when the pool is short, in which case nothing changed.
+        A sliding group first lets go of the blocks its window has left. The `cached` prefix (from
+        `get_computed_blocks`) is attached next: its whole blocks shared, its tail copied into a block of the
+        sequence's own. Returns each group's (src, dst) block copies the worker must do before writing, or None
+        when a pool is short, in which case nothing else changed.
         """
-        cached = cached or CachedPrefix(block_size=self.block_size)
-        computed_blocks, tail = cached.blocks, cached.tail
-        bs = self.block_size
-        num_computed = seq.num_computed_tokens + cached.num_tokens
-        table_len = len(seq.block_table) + len(computed_blocks)
-        needed = self.blocks_for(num_computed + num_new_tokens) - table_len  # the tail's copy among them
-        # The block the first new token lands in is shared after a fork: copy it first.
-        write_idx = num_computed // bs
-        cow = write_idx < len(seq.block_table) and self.pool.ref_count(seq.block_table[write_idx]) > 1
-        if needed <= 0 and not cow and not computed_blocks and tail is None:
-            return []  # most decode steps: the tokens fit the last block, which is the sequence's own
-        revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
-        # A free tail block is held while its copy is allocated (so that the copy is not the block itself).
-        held = tail is not None and tail[0] not in computed_blocks and self.pool.ref_count(tail[0]) == 0
-        if max(needed, 0) + cow > self.pool.num_free_blocks - revived - held:
-            return None
+        if len(seq.block_tables) != len(self.pools):
+            seq.block_tables = [[] for _ in self.pools]
+            seq.num_sent_blocks = [0] * len(self.pools)
+        num_computed = seq.num_computed_tokens + (cached.num_tokens if cached else 0)
+        if cached is None and num_new_tokens > 0 and self._steady(seq, num_computed, num_new_tokens):
+            return [[] for _ in self.pools]  # most decode steps
+        plans = []
+        for g in range(len(self.pools)):
+            self._release_out_of_window(seq, g, num_computed)
+            plan = self._plan(seq, g, num_computed, num_new_tokens, cached)
+            if plan is None:
+                return None
+            plans.append(plan)
+        if cached is None and not any(plans):
+            return [[] for _ in self.pools]  # most decode steps: the tokens fit the last block, the sequence's own
 
-        if seq.block_table == [] and seq.num_computed_tokens == 0 and self.enable_prefix_caching:
+        if not any(seq.block_tables) and seq.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += cached.num_tokens
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            seq.block_table.extend(computed_blocks)
+            self.prefix_cache_hits += cached.num_tokens if cached else 0
+        if cached is not None:
             seq.block_hashes.extend(cached.hashes)
         seq.num_computed_tokens = num_computed
+        return [self._apply(seq, g, cached, *plan) for g, plan in enumerate(plans)]
+
+    def _steady(self, seq: Sequence, num_computed: int, num_new_tokens: int) -> bool:
+        """Whether a step of `num_new_tokens` changes nothing in any group: its tokens fit the blocks held, the
+        first of which is the sequence's own, and no block is leaving a window. The common decode step, checked
+        without the plan each group would make."""
+        bs = self.block_size
+        last, write = (num_computed + num_new_tokens - 1) // bs, num_computed // bs
+        for pool, table, window in zip(self.pools, seq.block_tables, self.windows, strict=False):
+            if last >= len(table) or pool.blocks[table[write]].ref_count != 1:
+                return False
+            if window is not None:
+                start = max(0, num_computed - window + 1) // bs
+                if start and _held(pool, table[start - 1]):
+                    return False
+        return len(seq.block_tables) == len(self.pools)
+
+    def _release_out_of_window(self, seq: Sequence, g: int, num_computed: int) -> None:
+        """Free group g's blocks that lie wholly before the window of the token at `num_computed` (the next to
+        compute): their entries become `NULL_BLOCK`. Released entries are a prefix of the table, so the walk
+        back stops at the first one already released."""
+        table = seq.block_tables[g]
+        for j in range(min(self._window_start(self.windows[g], num_computed), len(table)) - 1, -1, -1):
+            if not _held(self.pools[g], table[j]):
+                break
+            self.pools[g].free([table[j]])
+            table[j] = NULL_BLOCK
+
+    def _plan(self, seq: Sequence, g: int, num_computed: int, num_new_tokens: int,
+              cached: CachedPrefix | None) -> tuple[int, bool] | None:
+        """Group g's new blocks (the tail's copy among them) and whether the block written first must be copied
+        (it is shared after a fork); None when its pool is short. () when nothing changes."""
+        pool, table = self.pools[g], seq.block_tables[g]
+        computed_blocks = cached.blocks[g] if cached else []
+        tail = cached.tail[0][g] if cached and cached.tail else None
+        needed = self.blocks_for(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
+        write_idx = num_computed // self.block_size
+        cow = write_idx < len(table) and _held(pool, table[write_idx]) and pool.ref_count(table[write_idx]) > 1
+        if needed <= 0 and not cow and not computed_blocks and tail is None:
+            return ()
+        revived = sum(1 for b in computed_blocks if _held(pool, b) and pool.ref_count(b) == 0)
+        # A free tail block is held while its copy is allocated (so that the copy is not the block itself).
+        held = tail is not None and tail not in computed_blocks and pool.ref_count(tail) == 0
+        if max(needed, 0) + cow > pool.num_free_blocks - revived - held:
+            return None
+        return needed, cow
+
+    def _apply(self, seq: Sequence, g: int, cached: CachedPrefix | None, needed: int = 0,
+               cow: bool = False) -> list[tuple[int, int]]:
+        pool, table = self.pools[g], seq.block_tables[g]
         copies = []
-        if tail is not None:
-            src = tail[0]
-            self.pool.touch([src])
-            dst = self.pool.allocate().block_id
-            self.pool.free([src])
-            seq.block_table.append(dst)
-            copies.append((src, dst))
-            needed -= 1
+        if cached is not None:
+            computed_blocks = cached.blocks[g]
+            pool.touch(b for b in computed_blocks if _held(pool, b))
+            table.extend(computed_blocks)
+            if cached.tail is not None:
+                src = cached.tail[0][g]
+                pool.touch([src])
+                dst = pool.allocate().block_id
+                pool.free([src])
+                table.append(dst)
+                copies.append((src, dst))
+                needed -= 1
         if cow:
-            src = seq.block_table[write_idx]
-            dst = self.pool.allocate().block_id
-            self.pool.free([src])
-            seq.block_table[write_idx] = dst
-            seq.num_sent_blocks = min(seq.num_sent_blocks, write_idx)
+            write_idx = seq.num_computed_tokens // self.block_size
+            src = table[write_idx]
+            dst = pool.allocate().block_id
+            pool.free([src])
+            table[write_idx] = dst
+            seq.num_sent_blocks[g] = min(seq.num_sent_blocks[g], write_idx)
             copies.append((src, dst))
         for _ in range(needed):
-            seq.block_table.append(self.pool.allocate().block_id)
+            table.append(pool.allocate().block_id)
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full and computed. A block whose last token is still pending (a
-        step scheduled ahead computes it) waits: its hash needs that token."""
+        step scheduled ahead computes it) waits: its hash needs that token. A block a window let go before
+        it was registered stays out of that group's cache."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_tokens) // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else _root(seq)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
             if self.enable_prefix_caching:
-                self.pool.cache(seq.block_table[i], h, parent, tokens)
+                for pool, table in zip(self.pools, seq.block_tables, strict=True):
+                    if _held(pool, table[i]):
+                        pool.cache(table[i], h, parent, tokens)
             seq.block_hashes.append(h)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes copy on demand."""
-        self.pool.touch(parent.block_table)
-        child.block_table = list(parent.block_table)
+        for pool, table in zip(self.pools, parent.block_tables, strict=True):
+            pool.touch(b for b in table if _held(pool, b))
+        child.block_tables = [list(table) for table in parent.block_tables]
+        child.num_sent_blocks = [0] * len(self.pools)
         child.block_hashes = list(parent.block_hashes)
         child.rope_long = parent.rope_long
         child.num_computed_tokens = parent.num_computed_tokens
@@ -196,13 +338,19 @@ class BlockManager:
         next turn of a chat) copies the block instead of computing them."""
         computed = min(seq.num_computed_tokens, seq.num_tokens)  # a pending token's K/V is not written yet
         full, partial = divmod(computed, self.block_size)
-        if (self.enable_prefix_caching and partial and full < len(seq.block_table)
-                and len(seq.block_hashes) >= full):
-            parent = seq.block_hashes[full - 1] if full else _root(seq)
-            start = full * self.block_size
-            self.pool.cache_tail(seq.block_table[full], parent, seq.token_ids[start:start + partial])
-        self.pool.free(reversed(seq.block_table))
-        seq.block_table = []
+        for pool, table in zip(self.pools, seq.block_tables, strict=False):
+            if (self.enable_prefix_caching and partial and full < len(table) and _held(pool, table[full])
+                    and len(seq.block_hashes) >= full):
+                parent = seq.block_hashes[full - 1] if full else _root(seq)
+                start = full * self.block_size
+                pool.cache_tail(table[full], parent, seq.token_ids[start:start + partial])
+            pool.free(b for b in reversed(table) if _held(pool, b))
+        seq.block_tables = [[] for _ in self.pools]
+        seq.num_sent_blocks = [0] * len(self.pools)
         seq.block_hashes = []
         seq.num_computed_tokens = 0
-        seq.num_sent_blocks = 0
+
+
+def _held(pool: BlockPool, block_id: int) -> bool:
+    """Whether a table entry is a block the sequence holds, not a window's placeholder (`NULL_BLOCK`)."""
+    return block_id >= pool.reserved

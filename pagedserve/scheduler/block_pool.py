@@ -25,22 +25,32 @@ class Block:
 
 
 class BlockPool:
-    """Fixed set of `num_blocks` blocks. All operations are O(1) per block."""
+    """Fixed set of `num_blocks` blocks. All operations are O(1) per block.
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+    The first `reserved` blocks are never handed out nor referenced: a sliding-window group's block 0 is the
+    placeholder its block tables hold where the window has let a block go (`BlockManager`)."""
+
+    def __init__(self, num_blocks: int, reserved: int = 0) -> None:
+        if num_blocks - reserved < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= {reserved + 1}"
+                             + (f" ({reserved} reserved)" if reserved else ""))
         self.num_blocks = num_blocks
+        self.reserved = reserved
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Unreferenced blocks, least recently freed first. An OrderedDict gives O(1)
         # removal from the middle when a cached free block is hit.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tails: dict[tuple[int | None, tuple[int, ...]], int] = {}  # (parent hash, its tokens) -> block id
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The blocks sequences can hold: all but the reserved ones."""
+        return self.num_blocks - self.reserved
 
     @property
     def num_cached_blocks(self) -> int:
@@ -137,8 +147,8 @@ class BlockPool:
             block.tail = None
 
     def _get(self, block_id: int) -> Block:
-        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"KV block id {block_id!r} is out of range [0, {self.num_blocks})")
+        if not isinstance(block_id, int) or not self.reserved <= block_id < self.num_blocks:
+            raise ValueError(f"KV block id {block_id!r} is out of range [{self.reserved}, {self.num_blocks})")
         return self.blocks[block_id]
 
     def check_invariants(self) -> None:
@@ -148,7 +158,9 @@ class BlockPool:
         used = {b.block_id for b in self.blocks if b.ref_count > 0}
         assert all(b.ref_count >= 0 for b in self.blocks), "negative ref count"
         assert not (free & used), "block both free and referenced"
-        assert len(free) + len(used) == self.num_blocks, "free + used != total"
+        assert len(free) + len(used) == self.num_usable_blocks, "free + used != total"
+        assert all(b.ref_count == 0 and b.block_hash is None and b.tail is None
+                   for b in self.blocks[:self.reserved]), "a reserved block was used"
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == h
         for key, block_id in self._tails.items():

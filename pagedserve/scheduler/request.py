@@ -90,16 +90,18 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
         self.pending_sample = 0  # the pending token's index among its step's samples
-        self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hashes of the leading full blocks, chained
+        # One block table per KV-cache group (`BlockManager` makes as many as the model has on the first
+        # allocation); a sliding-window group's holds `NULL_BLOCK` where the window let a block go.
+        self.block_tables: list[list[int]] = [[]]
+        self.block_hashes: list[int] = []  # hashes of the leading full blocks, chained (the same in every group)
         # LongRoPE: whether its K/V are computed under the long factors (it was longer than the trained context
         # when admitted); its blocks are hashed apart from the short factors' (`chain_root`).
         self.rope_long = False
-        # The workers keep each running sequence's block table in a row of their own (`slot`); a step sends
-        # only the entries past the first `num_sent_blocks`, which the block manager lowers when it
-        # rewrites an entry (copy-on-write) and zeroes when it frees the table.
+        # The workers keep each running sequence's block tables in a row of their own (`slot`); a step sends
+        # only each group's entries past its first `num_sent_blocks`, which the block manager lowers when it
+        # rewrites an entry (copy-on-write) and zeroes when it frees the tables.
         self.slot: int | None = None
-        self.num_sent_blocks = 0
+        self.num_sent_blocks: list[int] = [0]
         # Penalties: whether the sampler holds this sequence's token counts in its slot (it counts each draw
         # itself once it has the history); cleared whenever they may be off, so the history goes again.
         self.penalty_counts_sent = False
@@ -107,6 +109,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.logprobs: list[PositionLogprobs] = []
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's block table (the only one of a model without windows)."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:

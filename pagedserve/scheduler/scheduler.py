@@ -69,7 +69,7 @@ class Scheduler:
         """How many prompt tokens leave room for `max_tokens` (at least one token when None) in the longest
         context a sequence can have: the model's, or the pool's where one sequence cannot fill the model's."""
         bm = self.block_manager
-        return min(self.max_model_len, bm.num_total_blocks * bm.block_size) - (max_tokens or 1)
+        return min(self.max_model_len, bm.max_seq_len(self.max_num_batched_tokens)) - (max_tokens or 1)
 
     def check_admissible(self, request: Request) -> None:
         """Raise ValueError naming the field if the request can never run."""
@@ -87,7 +87,7 @@ class Scheduler:
         bm = self.block_manager
         if request.params.max_tokens is None:
             # Until the context is full: the model's, or the pool's if one sequence cannot fill the model's.
-            context = min(self.max_model_len, bm.num_total_blocks * bm.block_size)
+            context = min(self.max_model_len, bm.max_seq_len(self.max_num_batched_tokens))
             request.max_tokens = context - num_prompt
             if request.max_tokens < 1:
                 raise ValueError(f"prompt has {num_prompt} tokens: no room is left for output in a context "
@@ -97,12 +97,12 @@ class Scheduler:
             raise ValueError(
                 f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {total} "
                 f"positions, more than max_model_len={self.max_model_len}")
-        # One sequence must fit the pool on its own; preemption makes room for it then.
-        needed = bm.blocks_for(total)
-        if needed > bm.num_total_blocks:
-            raise ValueError(
-                f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {needed} KV "
-                f"blocks, more than the pool's {bm.num_total_blocks}: the request can never fit")
+        # One sequence must fit each group's pool on its own; preemption makes room for it then.
+        for needed, pool in zip(bm.blocks_needed_alone(total, self.max_num_batched_tokens), bm.pools, strict=True):
+            if needed > pool.num_usable_blocks:
+                raise ValueError(
+                    f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {needed} KV "
+                    f"blocks, more than the pool's {pool.num_usable_blocks}: the request can never fit")
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request now and free its blocks. Unknown ids are ignored (it may have just ended)."""
@@ -141,7 +141,7 @@ class Scheduler:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
-        copies: list[tuple[int, int]] = []
+        copies: list[list[tuple[int, int]]] = [[] for _ in range(bm.num_groups)]  # per KV-cache group
         preempted = False
 
         i = 0
@@ -165,7 +165,8 @@ class Scheduler:
                     break
             if seq_copies is None:
                 break
-            copies.extend(seq_copies)
+            if any(seq_copies):
+                _add_copies(copies, seq_copies)
             scheduled.append((seq, num_new))
             budget -= num_new
             i += 1
@@ -196,7 +197,8 @@ class Scheduler:
                         del scheduled[j]
                         budget += n
                         break
-                copies = [c for c in copies if c[1] not in victim.block_table]
+                copies = [[c for c in group if c[1] not in table]
+                          for group, table in zip(copies, victim.block_tables, strict=False)]
                 self._preempt(victim)
                 continue
             self.waiting.popleft()
@@ -205,7 +207,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)
-            copies.extend(seq_copies)
+            if any(seq_copies):
+                _add_copies(copies, seq_copies)
             scheduled.append((seq, num_new))
             budget -= num_new
 
@@ -213,8 +216,9 @@ class Scheduler:
             return None
         return self._make_batch(scheduled, copies)
 
-    def _make_batch(self, scheduled: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> StepBatch:
-        batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies)
+    def _make_batch(self, scheduled: list[tuple[Sequence, int]], copies: list[list[tuple[int, int]]]) -> StepBatch:
+        batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies,
+                          table_updates=[[] for _ in copies])
         for row, (seq, num_new) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + num_new
@@ -417,10 +421,11 @@ class Scheduler:
             else:
                 seq.slot = self._num_slots
                 self._num_slots += 1
-        table = seq.block_table
-        if seq.num_sent_blocks < len(table):
-            batch.table_updates.append((seq.slot, seq.num_sent_blocks, table[seq.num_sent_blocks:]))
-            seq.num_sent_blocks = len(table)
+        sent = seq.num_sent_blocks
+        for g, table in enumerate(seq.block_tables):
+            if sent[g] < len(table):
+                batch.table_updates[g].append((seq.slot, sent[g], table[sent[g]:]))
+                sent[g] = len(table)
         batch.slots.append(seq.slot)
 
     # ---- numbers -------------------------------------------------------------------------
@@ -447,6 +452,12 @@ POLICIES = ("fcfs", "priority")
 def _urgency(seq: Sequence) -> tuple[int, int, int]:
     """The "priority" policy's order: the request's priority (lower first), then the order requests came."""
     return seq.request.params.priority, seq.request.arrival, seq.sample_index
+
+
+def _add_copies(copies: list[list[tuple[int, int]]], seq_copies: list[list[tuple[int, int]]]) -> None:
+    """Add a sequence's block copies to the step's, group by group."""
+    for group, more in zip(copies, seq_copies, strict=True):
+        group.extend(more)
 
 
 def _seqs_to_come(seq: Sequence) -> int:

@@ -31,27 +31,29 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend, block_size: int,
-                 max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], num_groups: int, backend: AttentionBackend,
+                 block_size: int, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         self.model = model
-        self.kv_pool = kv_pool
+        self.kv_caches = kv_caches  # per layer: [2, N, B, Hkv, D]
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.capture = capture
-        dev = kv_pool.device
+        dev = kv_caches[0].device
         max_bs = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)  # [bs]
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)  # [bs]
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)  # [bs]
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.long, device=dev)  # [bs + 1]: one token a row
         self.context_lens = torch.zeros(max_bs, dtype=torch.long, device=dev)  # [bs]
-        self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.long, device=dev)  # [bs, blocks]
+        # Per KV-cache group: slot mapping [bs] and block tables [bs, blocks]
+        self.tables = [(torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+                        torch.full((max_bs, max_blocks), -1, dtype=torch.long, device=dev)) for _ in range(num_groups)]
         dtype = model.model.norm.weight.dtype  # the activations' (the embedding may be held in panels, not a tensor)
         self.hidden = torch.zeros(max_bs, model.config.hidden_size, dtype=dtype, device=dev)  # [bs, H]
         self.contexts = {bs: AttentionContext(
-            backend=backend, slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-            max_query_len=1, max_context_len=max_model_len) for bs in self.sizes}
+            backend=backend, slot_mapping=self.tables[0][0][:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            context_lens=self.context_lens[:bs], block_tables=self.tables[0][1][:bs],
+            max_query_len=1, max_context_len=max_model_len,
+            more_tables=tuple((slots[:bs], tables[:bs]) for slots, tables in self.tables[1:])) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_runs = 0  # steps served from the static buffers
         self._warm_up_and_capture()
@@ -66,12 +68,14 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= num_rows)
         self.input_ids[:num_rows].copy_(input_ids)
         self.positions[:num_rows].copy_(positions)
-        self.slot_mapping[:num_rows].copy_(ctx.slot_mapping)
-        self.slot_mapping[num_rows:bs].fill_(-1)
         self.context_lens[:num_rows].copy_(ctx.context_lens)
         self.context_lens[num_rows:bs].fill_(0)
-        width = ctx.block_tables.shape[1]  # entries past a row's length are never read: no clearing needed
-        self.block_tables[:num_rows, :width].copy_(ctx.block_tables)
+        for g, (slot_mapping, block_tables) in enumerate(self.tables):
+            step_slots, step_tables = ctx.tables(g)
+            slot_mapping[:num_rows].copy_(step_slots)
+            slot_mapping[num_rows:bs].fill_(-1)
+            width = step_tables.shape[1]  # entries past a row's length are never read: no clearing needed
+            block_tables[:num_rows, :width].copy_(step_tables)
         self.num_runs += 1
         if self.capture:
             self.graphs[bs].replay()
@@ -80,7 +84,7 @@ class DecodeGraphs:
         return self.hidden[:num_rows]
 
     def _forward(self, bs: int) -> None:
-        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_pool, self.contexts[bs])
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self.contexts[bs])
 
     @torch.inference_mode()
     def _warm_up_and_capture(self) -> None:

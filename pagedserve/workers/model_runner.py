@@ -12,6 +12,7 @@ from pagedserve.kernels.cpu.native_forward import native_forward
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
+from pagedserve.workers.kv_pool import layer_caches
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
 from pagedserve.workers.tensors import host_tensor, on_device, on_device_packed
@@ -29,8 +30,8 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     ctx: AttentionContext
     sample_rows: torch.Tensor  # [S] the row of each SampleSpec
-    copy_src: torch.Tensor  # [C] KV blocks copied to copy_dst before the forward (copy-on-write)
-    copy_dst: torch.Tensor  # [C]
+    # Per KV-cache group: (src [C], dst [C]), blocks copied before the forward (copy-on-write, tails)
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -44,22 +45,24 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend, block_size: int,
+    def __init__(self, model: CausalLM, kv_pools: list[torch.Tensor], backend: AttentionBackend, block_size: int,
                  sampler: Sampler | None, share_draws: bool = False) -> None:
         self.model = model
-        self.kv_pool = kv_pool  # [L, 2, N, B, Hkv, D]
+        self.kv_pools = kv_pools  # per KV-cache group: [its layers, 2, N, B, Hkv, D]
+        self.kv_caches = layer_caches(model.config, kv_pools)  # per layer: its view of its group's pool
         self.backend = backend
         self.block_size = block_size
         self.sampler = sampler  # None on tensor-parallel ranks other than 0: they return no tokens
         # Tensor parallelism with async scheduling: every rank fills the next step's deferred inputs, so rank 0
         # broadcasts each step's draws to the others.
         self.share_draws = share_draws
-        self.device = kv_pool.device
+        self.device = kv_pools[0].device
         self.seq_len_rope = model.model.rope.needs_seq_lens  # dynamic NTK, LongRoPE: frequencies by sequence length
         self.decode_graphs: DecodeGraphs | None = None
         self.last_tokens: torch.Tensor | None = None  # [D] the last step's draws, for the next one's deferred inputs
-        self.block_tables = BlockTables(self.device)
-        self.native_forward = native_forward(model, kv_pool, backend)  # None: the modules run the layers
+        self.block_tables = [BlockTables(self.device) for _ in kv_pools]  # per KV-cache group
+        # None: the modules run the layers (always for a model with windows, which the native one leaves them)
+        self.native_forward = native_forward(model, kv_pools[0], backend) if len(kv_pools) == 1 else None
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -67,8 +70,8 @@ class ModelRunner:
             log.warning("decode CUDA graphs are off: the rotary embedding (dynamic NTK, LongRoPE) depends on each "
                         "step's lengths")
             return
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.backend, self.block_size, max_num_seqs,
-                                          max_model_len, capture)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, len(self.kv_pools), self.backend,
+                                          self.block_size, max_num_seqs, max_model_len, capture)
 
     def execute(self, batch: StepBatch, late_masks: list[bytes | None] | None = None) -> StepOutput | None:
         return self.collect(self.launch(batch, late_masks))
@@ -79,15 +82,16 @@ class ModelRunner:
         runs, and queue the next step behind it. A batch with `late_masks` draws with `late_masks` (the
         masks of those samples) when given, else it stops before drawing until `sample` gives them."""
         inputs = self.prepare(batch)
-        if batch.block_copies:
-            self.kv_pool[:, :, inputs.copy_dst] = self.kv_pool[:, :, inputs.copy_src]
+        for pool, group_copies, (src, dst) in zip(self.kv_pools, batch.block_copies, inputs.copies, strict=True):
+            if group_copies:
+                pool[:, :, dst] = pool[:, :, src]
         ctx = inputs.ctx
         if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
         elif self.native_forward is not None:
             hidden = self.native_forward(inputs.input_ids, inputs.positions, ctx)  # [T, H]
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_pool, ctx)  # [T, H]
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, ctx)  # [T, H]
         prompt_scores = self._score_prompts(hidden, batch)
         if prompt_scores is not None:
             prompt_scores.to_host()
@@ -175,33 +179,46 @@ class ModelRunner:
         offset_in_row = torch.arange(batch.num_tokens) - cu[:-1][row_of_token]
         positions = (context_lens - q_lens)[row_of_token] + offset_in_row  # [T]
         max_query_len = int(q_lens.max())
-        entry_slots, entry_cols, entry_ids, table_shape = table_entries(batch.table_updates)
         deferred_index = [i for i, _ in batch.deferred_inputs]
         deferred_source = [s for _, s in batch.deferred_inputs]
         seq_lens = (batch.seq_lens or batch.context_lens) if self.seq_len_rope else []  # [R] or none
-        (positions, row_of_token, cu, context_lens, input_ids, slots, entry_slots, entry_cols, entry_ids,
-         deferred_index, deferred_source, sample_rows, copy_src, copy_dst, seq_lens) = on_device_packed(self.device, [
-            positions, row_of_token, cu, context_lens, batch.input_ids, batch.slots,
-            entry_slots, entry_cols, entry_ids, deferred_index, deferred_source, [s.row for s in batch.samples],
-            [s for s, _ in batch.block_copies], [d for _, d in batch.block_copies], seq_lens])
+        # Per KV-cache group: its table entries (slots, columns, ids) and copies (src, dst), five lists each.
+        num_groups = len(self.kv_pools)
+        if len(batch.table_updates) != num_groups or len(batch.block_copies) != num_groups:
+            raise ValueError(f"the step's table_updates and block_copies hold {len(batch.table_updates)} and "
+                             f"{len(batch.block_copies)} KV-cache groups, the pools {num_groups}")
+        entries = [table_entries(updates) for updates in batch.table_updates]
+        group_lists = [lst for (e_slots, e_cols, e_ids, _), copies in zip(entries, batch.block_copies, strict=True)
+                       for lst in (e_slots, e_cols, e_ids, [s for s, _ in copies], [d for _, d in copies])]
+        (positions, row_of_token, cu, context_lens, input_ids, slots, deferred_index, deferred_source, sample_rows,
+         seq_lens, *group_tensors) = on_device_packed(self.device, [
+            positions, row_of_token, cu, context_lens, batch.input_ids, batch.slots, deferred_index, deferred_source,
+            [s.row for s in batch.samples], seq_lens, *group_lists])
         # From here on every tensor is the device's.
         bs = self.block_size
-        self.block_tables.write(table_shape, entry_slots, entry_cols, entry_ids)
         max_context_len = max(batch.context_lens)
-        block_tables = self.block_tables.rows(slots, (max(batch.slots) + 1, -(-max_context_len // bs)))  # [R, blocks]
-        slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs  # [T]
+        shape = (max(batch.slots) + 1, -(-max_context_len // bs))
+        tables, copies = [], []
+        for g in range(num_groups):
+            e_slots, e_cols, e_ids, src, dst = group_tensors[5 * g:5 * g + 5]
+            self.block_tables[g].write(entries[g][3], e_slots, e_cols, e_ids)
+            block_tables = self.block_tables[g].rows(slots, shape)  # [R, blocks]
+            slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs  # [T]
+            tables.append((slot_mapping, block_tables))
+            copies.append((src, dst))
         ctx = AttentionContext(
             backend=self.backend,
-            slot_mapping=slot_mapping,
+            slot_mapping=tables[0][0],
             cu_seqlens_q=cu,
             context_lens=context_lens,
-            block_tables=block_tables,
+            block_tables=tables[0][1],
             max_query_len=max_query_len,
             max_context_len=max_context_len,
             token_seq_lens=seq_lens[row_of_token] if self.seq_len_rope else None,
+            more_tables=tuple(tables[1:]),
         )
         if batch.deferred_inputs:
             if self.last_tokens is None:
                 raise RuntimeError("the step has deferred inputs but the step before it drew no tokens")
             input_ids[deferred_index] = self.last_tokens[deferred_source]
-        return StepInputs(input_ids, positions, ctx, sample_rows, copy_src, copy_dst)
+        return StepInputs(input_ids, positions, ctx, sample_rows, copies)

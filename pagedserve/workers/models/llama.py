@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.backend import AttentionContext, RMSNormHeads, RMSNormRows, SiluMul
+from pagedserve.scheduler.kv_groups import kv_groups, layer_group_slots
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
 from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
@@ -91,10 +92,12 @@ def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None, rope: bool = True) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None, rope: bool = True,
+                 kv_group: int = 0) -> None:
         super().__init__()
         self.tp = tp
         self.window = window  # a sliding-window layer's: it attends to the last `window` positions only
+        self.kv_group = kv_group  # whose block tables and slots it reads and writes through (`kv_groups.py`)
         self.rope = rope  # False: positions reach this layer through the causal mask alone (SmolLM3's)
         self.num_heads = tp.num_heads
         self.num_kv_heads = tp.num_kv_heads
@@ -133,8 +136,9 @@ class Attention(nn.Module):
             rotate(q, k, cos, sin)  # in place
         elif self.rope:
             q, k = reference.rotate_qk(q, k, cos, sin)
-        ctx.backend.write_kv_cache(k, v, kv_cache, ctx.slot_mapping)
-        o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
+        slot_mapping, block_tables = ctx.tables(self.kv_group)
+        ctx.backend.write_kv_cache(k, v, kv_cache, slot_mapping)
+        o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,
                                         max_context_len=ctx.max_context_len, window=self.window)
         return row_parallel(self.o_proj, o.reshape(-1, self.q_size), self.tp)
@@ -181,9 +185,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None, rope: bool = True) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None, rope: bool = True,
+                 kv_group: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, tp, window, rope)
+        self.self_attn = Attention(config, tp, window, rope, kv_group)
         # Granite scales what each sublayer adds to the residual stream; the norm after it does the add
         self.residual_multiplier = config.residual_multiplier
         self.mlp = MLP(config, tp)
@@ -231,8 +236,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rope = RotaryEmbedding(config, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config, tp)
-        self.layers = nn.ModuleList([DecoderLayer(config, tp, window, rope)
-                                     for window, rope in zip(config.layer_windows, config.rope_layers, strict=True)])
+        groups = layer_group_slots(kv_groups(config.layer_windows))
+        self.layers = nn.ModuleList([DecoderLayer(config, tp, window, rope, groups[i][0]) for i, (window, rope)
+                                     in enumerate(zip(config.layer_windows, config.rope_layers, strict=True))])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -250,7 +256,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions [T]; kv_caches [L, 2, N, B, Hkv, D]. Returns hidden states [T, H]."""
+        """input_ids, positions [T]; kv_caches: each layer's [2, N, B, Hkv, D]. Returns hidden states [T, H]."""
         h = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             h = h * self.config.embedding_multiplier
