@@ -15,7 +15,6 @@ from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout, shard_range
-from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
 
 RANDOM_PREFIX = "random:"
 
@@ -122,7 +121,7 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     held = held_by(model) if held_by is not None else set()
     model = model.to_empty(device=device).to(dtype)
     # RoPE tables are computed, not loaded: build them for real (meta tensors hold no values).
-    model.model.rope = RotaryEmbedding(config, max_positions).to(device)
+    model.model.build_ropes(config, max_positions, device)
     if source.is_random:
         _load(model, _random_tensors(config, seed), "random weights", held)
     else:
@@ -172,6 +171,8 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "mlp.down_proj.bias": (h,)}
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if config.norms == "sandwich":
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes
@@ -183,8 +184,8 @@ def _random_tensors(config: ModelConfig, seed: int) -> Iterator[tuple[str, tuple
     for name, shape in hf_tensor_shapes(config).items():
         # Seeded by name, not by order: every rank and every tp size draws the same full tensor.
         gen = torch.Generator().manual_seed(xxhash.xxh64_intdigest(f"{seed}:{name}".encode()) & (2**63 - 1))
-        if name.endswith("norm.weight"):
-            full = torch.ones(shape)
+        if name.endswith("norm.weight"):  # the identity norm: weights of 1 (Gemma's: offsets of 0 from 1)
+            full = torch.full(shape, 1.0 - config.family.norm_weight_offset)
         else:
             full = torch.randn(shape, generator=gen) * config.initializer_range
         yield name, shape, functools.partial(_narrow, full)
@@ -223,6 +224,9 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
         dim, start, length = shard_range(name, tp, config) or (0, 0, shape[0])
         stop = min(start + length, shape[dim])
         tensor = read(dim, start, stop)
+        if name.endswith("norm.weight") and config.family.norm_weight_offset:
+            # Gemma's norms multiply by (1 + weight), in fp32: added here once, so every norm kernel takes them
+            tensor = tensor.float() + config.family.norm_weight_offset
         region = param.data.narrow(0, offset, length) if dim == 0 else param.data  # what this tensor fills
         dest = region.narrow(dim, 0, stop - start)
         if stop - start < length:  # the last vocabulary shard's padding rows
