@@ -33,6 +33,14 @@ TINY = {
     # Every second layer without rotary embedding, and sliding (a window of 12).
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 12,
                                   "pad_token_id": 0}),
+    # Sandwich norms of (1 + weight), scaled embeddings, GELU, query_pre_attn_scalar, windows on alternate layers,
+    # and soft caps that bite (weights drawn large enough that scores and logits reach past them).
+    "gemma2": ("Gemma2Config", {"sliding_window": 12, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
+                                "final_logit_softcapping": 2.0, "initializer_range": 0.2}),
+    # Gemma 2's layers with q/k norms, one full layer to two sliding ones whose rope has a base of its own.
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 20, "sliding_window_pattern": 2, "rope_theta": 10000.0,
+                                         "rope_local_base_freq": 100.0, "query_pre_attn_scalar": 24,
+                                         "final_logit_softcapping": 3.0}),
 }
 
 
@@ -107,6 +115,10 @@ def tiny_model(request, tmp_path_factory):
         for layer in model.model.layers:  # random biases: zero ones would not test the bias path
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if request.param.startswith("gemma"):  # their norms' weights are offsets from 1, zeros as initialised
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(param, std=0.3)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)
