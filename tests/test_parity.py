@@ -242,12 +242,16 @@ def test_rope_scaling_matches_transformers(kind, tmp_path):
         assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
 
 
-def test_granite_scales_match_transformers_logprobs(tmp_path):
-    """Greedy tokens do not move when logits are divided by a constant: the logprobs of every step do."""
+@pytest.mark.parametrize("family", ["granite", "gemma2", "gemma3_text"])
+def test_logit_scales_and_caps_match_transformers_logprobs(tmp_path, family):
+    """Greedy tokens do not move when logits are divided by a constant (Granite) or soft-capped (Gemma): the
+    logprobs of every step do."""
     import transformers
 
-    config = transformers.GraniteConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, **TINY["granite"][1])
+    cls_name, extra = TINY[family]
+    config = getattr(transformers, cls_name)(vocab_size=500, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             **extra)
     torch.manual_seed(98)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(tmp_path)
