@@ -320,7 +320,9 @@ def test_soft_capped_scores_match_the_reference(softcap, window, dtype):
     expected = ref.paged_attention(query.float(), kv.float(), cu, ctx, tables, 0.125, window=window, softcap=softcap)
     out = cpu.paged_attention(query, poisoned, cu, ctx, hidden, 0.125, window=window, softcap=softcap)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
+    # A tight cap flattens the softmax: each output averages ~1000 values, whose fp32 sums differ by order
+    tol = max(ATOL[dtype], 2e-5)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     uncapped = cpu.paged_attention(query, poisoned, cu, ctx, hidden, 0.125, window=window)
     assert not torch.allclose(out, uncapped, atol=1e-3), "the cap changed nothing: it was not applied"
 
