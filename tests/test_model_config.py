@@ -150,8 +150,32 @@ def test_gemma_settings_it_does_not_compute_are_refused_by_name(tmp_path):
             ModelConfig.from_dict(d | {key: value})
 
 
-def test_the_multimodal_gemma3_checkpoint_is_refused_and_the_text_model_named(tmp_path):
-    d = saved(tmp_path, transformers.Gemma3Config(text_config=TINY))
-    with pytest.raises(ValueError, match=r"model_type='gemma3' is Gemma 3's multimodal checkpoint .* its text model "
-                                         r"is \(model_type gemma3_text"):
-        ModelConfig.from_dict(d)
+def test_a_multimodal_gemma3_checkpoint_is_read_as_its_text_model():
+    """As gemma-3-4b-it's config.json holds it: a text_config of a few keys (the rest Gemma3TextConfig's
+    defaults), the image settings and eos ids at the top level."""
+    d = dict(architectures=["Gemma3ForConditionalGeneration"], boi_token_index=255999, eoi_token_index=256000,
+             eos_token_id=[1, 106], image_token_index=262144, initializer_range=0.02, mm_tokens_per_image=256,
+             model_type="gemma3", torch_dtype="bfloat16", transformers_version="4.50.0.dev0",
+             text_config=dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text",
+                              num_hidden_layers=34, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                              sliding_window=1024),
+             vision_config=dict(hidden_size=1152, image_size=896, model_type="siglip_vision_model"))
+    config = ModelConfig.from_dict(d)
+    expected = transformers.Gemma3Config(**{k: v for k, v in d.items() if k != "model_type"}).text_config
+    assert (config.model_type, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.vocab_size) == ("gemma3_text", 34, 2560, expected.num_attention_heads,
+                                                    expected.num_key_value_heads, expected.head_dim,
+                                                    expected.vocab_size)
+    assert config.layer_windows == tuple(1024 if kind == "sliding_attention" else None
+                                         for kind in expected.layer_types)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling["factor"]) == (
+        expected.rope_parameters["full_attention"]["rope_theta"],
+        expected.rope_parameters["sliding_attention"]["rope_theta"], 8.0)
+    assert config.eos_token_ids == (1, 106) and config.tie_word_embeddings and config.torch_dtype == "bfloat16"
+    assert config.attention_multiplier == expected.query_pre_attn_scalar ** -0.5
+    with pytest.raises(ValueError, match=r"model_type='gemma3' .* does not compute: audio_config"):
+        ModelConfig.from_dict(d | {"audio_config": {}})
+    with pytest.raises(ValueError, match=r"text_config.final_logit_softcapping=30.0 \(never applied by the"):
+        ModelConfig.from_dict(d | {"text_config": d["text_config"] | {"final_logit_softcapping": 30.0}})
+    with pytest.raises(ValueError, match=r"text_config.model_type='gemma2'"):
+        ModelConfig.from_dict(d | {"text_config": {"model_type": "gemma2"}})

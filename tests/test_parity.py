@@ -267,3 +267,37 @@ def test_logit_scales_and_caps_match_transformers_logprobs(tmp_path, family):
     ref_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, tokens, strict=True)]
     got_lp = [e.logprob for e in out.outputs[0].logprobs]
     assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma3ForConditionalGeneration's text model (its language_model weights; the vision tower's are not read)
+    gives transformers' tokens and logprobs for text prompts, with rope scaling on its full layers."""
+    import transformers
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                **TINY["gemma3_text"][1] | {"final_logit_softcapping": None})  # which its head never applies
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(param, std=0.3)
+    model.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 290, (n,), generator=gen).tolist() for n in (1, 15, 40, 70)]
+    expected = hf_greedy(model, prompts)
+    llm = LLM(str(tmp_path), block_size=BS)
+    assert ours(llm, prompts) == expected
+    ids = torch.tensor([prompts[2]])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    out = llm.generate(prompts[2:3], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                    logprobs=0))[0]
+    ref_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, out.outputs[0].token_ids, strict=True)]
+    got_lp = [e.logprob for e in out.outputs[0].logprobs]
+    assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

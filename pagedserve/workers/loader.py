@@ -125,7 +125,7 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     if source.is_random:
         _load(model, _random_tensors(config, seed), "random weights", held)
     else:
-        _load(model, _safetensors(source.weights_dir), source.weights_dir.name, held)
+        _load(model, _text_model(_safetensors(source.weights_dir)), source.weights_dir.name, held)
     return model.eval().requires_grad_(False)
 
 
@@ -143,6 +143,25 @@ def _safetensors(weights_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Read
             for key in st.keys():
                 sl = st.get_slice(key)
                 yield key, tuple(sl.get_shape()), functools.partial(_read_slice, sl)  # reads only this slice
+
+
+# A multimodal checkpoint's text model (Gemma 3's) under the names of a text-only one; its vision tower and
+# projector are never read. Both layouts transformers has saved them in.
+_TEXT_MODEL_NAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                     ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model(tensors: Iterator[tuple[str, tuple[int, ...], Reader]]
+                ) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    for name, shape, read in tensors:
+        if name.startswith(_NOT_TEXT):
+            continue
+        for prefix, text_prefix in _TEXT_MODEL_NAMES:
+            if name.startswith(prefix):
+                name = text_prefix + name[len(prefix):]
+                break
+        yield name, shape, read
 
 
 def _read_slice(sl, dim: int, start: int, stop: int) -> torch.Tensor:

@@ -38,6 +38,10 @@ _GEMMA = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "a
                     "final_logit_softcapping", "use_bidirectional_attention", "attention_bias"})
 _GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
                    ("sliding_window", 4096), ("tie_word_embeddings", True))
+# Gemma3TextConfig's shape, which the text_config of a multimodal checkpoint leaves out where it keeps it.
+_GEMMA3_SHAPE = (("vocab_size", 262_208), ("hidden_size", 2304), ("intermediate_size", 9216),
+                 ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
+                 ("max_position_embeddings", 131_072), ("rms_norm_eps", 1e-6))
 _WINDOWS_BY_LAYER = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 _BIASES = frozenset({"attention_bias", "mlp_bias"})
 FAMILIES = {
@@ -74,8 +78,14 @@ FAMILIES = {
                           layer_types=("full_attention", "sliding_attention"), norms="sandwich",
                           norm_weight_offset=1.0, embeddings_scaled=True, unread=frozenset({"attn_logit_softcapping"}),
                           defaults=_GEMMA_DEFAULTS + (("sliding_window_pattern", 6), ("rope_theta", 1_000_000.0),
-                                                      ("rope_local_base_freq", 10_000.0))),
+                                                      ("rope_local_base_freq", 10_000.0), *_GEMMA3_SHAPE)),
 }
+# Gemma 3's multimodal checkpoints (model_type gemma3): the keys beside `text_config` that its text model does not
+# read (the vision tower's, the image tokens'), and those it takes from the top level.
+_MULTIMODAL_UNREAD = frozenset({"vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
+                                "mm_tokens_per_image"})
+_MULTIMODAL_TOP = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype",
+                   "initializer_range")
 _LAYER_TYPE_ROPES = ("full_attention", "sliding_attention")  # the keys of Gemma 3's rope_parameters per layer type
 
 # What a config may hold. A key outside these is refused by name at load: one this engine does not know may change
@@ -162,6 +172,7 @@ def check_honoured(d: dict[str, Any]) -> None:
     model_type = d.get("model_type")
     family = FAMILIES[model_type]
     known = _HONOURED | family.keys | _INERT
+    num_layers = d.get("num_hidden_layers", dict(family.defaults).get("num_hidden_layers"))
     refused = [f"{key} (not a setting of {model_type} models that this engine knows)"
                for key in sorted(set(d) - known)]
     window = d.get("sliding_window")
@@ -173,12 +184,11 @@ def check_honoured(d: dict[str, Any]) -> None:
         if other_layers:
             refused.append(f"layer_types (layers of {', '.join(map(repr, other_layers))} are not supported for "
                            f"{model_type}: {', '.join(family.layer_types)})")
-        if len(layer_types) != d.get("num_hidden_layers"):
-            refused.append(f"layer_types ({len(layer_types)} entries for num_hidden_layers="
-                           f"{d.get('num_hidden_layers')})")
+        if len(layer_types) != num_layers:
+            refused.append(f"layer_types ({len(layer_types)} entries for num_hidden_layers={num_layers})")
     no_rope = d.get("no_rope_layers")
-    if no_rope is not None and (len(no_rope) != d.get("num_hidden_layers") or set(no_rope) - {0, 1}):
-        refused.append(f"no_rope_layers (one 0 or 1 per layer, {d.get('num_hidden_layers')} of them)")
+    if no_rope is not None and (len(no_rope) != num_layers or set(no_rope) - {0, 1}):
+        refused.append(f"no_rope_layers (one 0 or 1 per layer, {num_layers} of them)")
     refused += [f"{key}={d[key]!r} (held by {model_type}'s config class, never applied by its model)"
                 for key in sorted(family.unread) if d.get(key)]
     if d.get("use_bidirectional_attention"):
@@ -195,6 +205,24 @@ def check_honoured(d: dict[str, Any]) -> None:
     if refused:
         raise ValueError(f"config of model_type={model_type!r} asks for what this engine does not compute: "
                          + "; ".join(refused))
+
+
+def text_part(d: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config (a gemma3_text one) of a multimodal Gemma 3 checkpoint's config `d`: its
+    `text_config`, with the settings the top level holds for it. ValueError naming the keys that mean more than
+    text (images are not supported: the vision tower's weights are never read)."""
+    text = dict(d.get("text_config") or {})
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ValueError(f"text_config.model_type={text['model_type']!r}: a gemma3 checkpoint's text model is "
+                         "gemma3_text")
+    unknown = sorted(set(d) - _MULTIMODAL_UNREAD - set(_MULTIMODAL_TOP) - _INERT - {"model_type", "text_config"})
+    if text.get("final_logit_softcapping"):  # Gemma3ForConditionalGeneration's head never applies it
+        unknown.append(f"text_config.final_logit_softcapping={text['final_logit_softcapping']!r} (never applied by "
+                       "the multimodal model's head)")
+    if unknown:
+        raise ValueError("config of model_type='gemma3' (Gemma 3's multimodal checkpoint, whose text model is "
+                         f"served) asks for what this engine does not compute: {', '.join(unknown)}")
+    return text | {key: d[key] for key in _MULTIMODAL_TOP if key in d} | {"model_type": "gemma3_text"}
 
 
 def _rope_settings(d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -260,9 +288,8 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type")
         if model_type == "gemma3":
-            raise ValueError("model_type='gemma3' is Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration"
-                             ", a text_config inside), which is not supported; its text model is (model_type "
-                             "gemma3_text, Gemma3ForCausalLM)")
+            d = text_part(d)
+            model_type = d["model_type"]
         if model_type not in FAMILIES:
             raise ValueError(f"model_type={model_type!r} is not supported (supported: {sorted(FAMILIES)})")
         check_honoured(d)
