@@ -58,18 +58,33 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module", params=["MistralConfig", "Phi3Config", "Qwen2Config"])
+# Qwen2's window on its second layer only; Gemma's: tied embeddings (each rank holds its vocabulary rows), a window
+# on the first layer only; Gemma 2's scores soft-capped (weights large enough that the cap bites), Gemma 3's sliding
+# layer with a rope base of its own.
+WINDOW_MODELS = {
+    "MistralConfig": {},
+    "Phi3Config": {},
+    "Qwen2Config": dict(use_sliding_window=True, max_window_layers=1),
+    "Gemma2Config": dict(tie_word_embeddings=True, attn_logit_softcapping=3.0, final_logit_softcapping=2.0,
+                         query_pre_attn_scalar=24, initializer_range=0.2),
+    "Gemma3TextConfig": dict(tie_word_embeddings=True, sliding_window_pattern=2, rope_local_base_freq=100.0,
+                             rope_theta=10000.0, query_pre_attn_scalar=24),
+}
+
+
+@pytest.fixture(scope="module", params=["MistralConfig", "Phi3Config", "Qwen2Config",
+                                        pytest.param("Gemma2Config", marks=pytest.mark.slow),
+                                        pytest.param("Gemma3TextConfig", marks=pytest.mark.slow)])
 def tiny_window_model(request, tmp_path_factory):
-    """A sliding window of 8 positions on every layer (prompts run up to 70 tokens past it): Mistral's, and
-    Phi-3's, whose checkpoint holds q/k/v and gate/up fused (each rank reads its rows of each part); and on the
-    second layer only, Qwen2's (two KV-cache groups, each with its pool on every rank)."""
+    """A sliding window of 8 positions (prompts run up to 70 tokens past it) on every layer: Mistral's, and
+    Phi-3's, whose checkpoint holds q/k/v and gate/up fused (each rank reads its rows of each part); on the second
+    layer only, Qwen2's (two KV-cache groups, each with its pool on every rank); on Gemma's sliding layers."""
     import transformers
 
-    hybrid = dict(use_sliding_window=True, max_window_layers=1) if request.param == "Qwen2Config" else {}
-    config = getattr(transformers, request.param)(
+    config = getattr(transformers, request.param)(**dict(
         vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, sliding_window=8,
-        pad_token_id=0, **hybrid)
+        pad_token_id=0) | WINDOW_MODELS[request.param])
     torch.manual_seed(22)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp(f"{request.param}_window_tp")

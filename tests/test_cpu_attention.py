@@ -304,3 +304,43 @@ def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch):
         monkeypatch.undo()
         native.paged_attention_library.cache_clear()
     assert cpu.available()
+
+
+# --- attention-logit soft cap (Gemma 2's) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 7, 40, 600])
+@pytest.mark.parametrize("softcap", [0.5, 3.0])
+def test_soft_capped_scores_match_the_reference(softcap, window, dtype):
+    """Every row kind, long contexts cut into slices, GQA; caps that bite (scores here reach about +-4) and one
+    that all but flattens them; with and without a window (keys before it poisoned)."""
+    query, kv, poisoned, cu, ctx, tables = make_batch(WINDOW_ROWS, 9, 3, 64, 16, dtype)
+    hidden = tables if window is None else hide_before_windows(poisoned, cu, ctx, tables, window)
+    expected = ref.paged_attention(query.float(), kv.float(), cu, ctx, tables, 0.125, window=window, softcap=softcap)
+    out = cpu.paged_attention(query, poisoned, cu, ctx, hidden, 0.125, window=window, softcap=softcap)
+    assert torch.isfinite(out).all()
+    # A tight cap flattens the softmax: each output averages ~1000 values, whose fp32 sums differ by order
+    tol = max(ATOL[dtype], 2e-5)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    uncapped = cpu.paged_attention(query, poisoned, cu, ctx, hidden, 0.125, window=window)
+    assert not torch.allclose(out, uncapped, atol=1e-3), "the cap changed nothing: it was not applied"
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_with_a_soft_cap_a_prefill_token_gets_the_bits_of_a_decode_row(window):
+    num_q, ctx_len = 200, 1100
+    query, _, kv, cu, ctx, tables = make_batch([(num_q, ctx_len)], 9, 3, 64, 16, torch.float32)
+    prefill = cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, window=window, softcap=2.0)
+    start = ctx_len - num_q
+    for i in range(0, num_q, 13):
+        decode = cpu.paged_attention(query[i:i + 1], kv, torch.tensor([0, 1]), torch.tensor([start + i + 1]),
+                                     tables, 0.125, max_query_len=1, window=window, softcap=2.0)
+        assert torch.equal(decode, prefill[i:i + 1]), i
+
+
+def test_a_soft_cap_under_zero_is_an_error():
+    query, kv, _, cu, ctx, tables = make_batch([(1, 20)], 4, 2, 64, 16, torch.float32)
+    for backend in (cpu, ref):
+        with pytest.raises(ValueError, match="softcap=-1.0 must be positive"):
+            backend.paged_attention(query, kv, cu, ctx, tables, 0.125, softcap=-1.0)

@@ -1,6 +1,7 @@
 """The engine on the Triton kernels (interpreted off-GPU) gives the same greedy tokens as HF transformers,
 through prefill, decode, chunked prefill, prefix-cache hits and copy-on-write forks, with and without a sliding
-window; and OLMo 2's and LongRoPE Phi-3's logprobs."""
+window, and for a Gemma 2 whose windowed layers' scores are soft-capped; and OLMo 2's and LongRoPE Phi-3's
+logprobs."""
 
 from __future__ import annotations
 
@@ -12,28 +13,35 @@ from pagedserve import LLM, SamplingParams
 
 from .test_parity import hf_greedy
 
-# Qwen2 in full, and with a sliding window of 10 positions on its second layer (prompts run past it).
-WINDOWS = {"full": {}, "window": dict(use_sliding_window=True, sliding_window=10, max_window_layers=1)}
+# Qwen2 in full, and with a sliding window of 10 positions on its second layer (prompts run past it); Gemma 2
+# with a window of 10 on its first layer and attention soft caps that bite (large enough weights) on both.
+MODELS = {
+    "qwen2-full": ("Qwen2Config", {}),
+    "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=10, max_window_layers=1)),
+    "gemma2-softcap": ("Gemma2Config", dict(sliding_window=10, attn_logit_softcapping=3.0, final_logit_softcapping=2.0,
+                                            query_pre_attn_scalar=24, initializer_range=0.2)),
+}
 
 
-@pytest.fixture(scope="module", params=sorted(WINDOWS))
-def tiny_qwen2(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def tiny_model(request, tmp_path_factory):
     import transformers
 
-    config = transformers.Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      **WINDOWS[request.param])
+    cls_name, extra = MODELS[request.param]
+    config = getattr(transformers, cls_name)(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=256, **extra)
     torch.manual_seed(5)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp(f"qwen2_triton_{request.param}")
+    path = tmp_path_factory.mktemp(f"triton_{request.param}")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 15, 16, 17, 40)]
     return path, prompts, hf_greedy(model, prompts, new_tokens=12)
 
 
-def test_triton_backend_matches_transformers(tiny_qwen2):
-    path, prompts, expected = tiny_qwen2
+def test_triton_backend_matches_transformers(tiny_model):
+    path, prompts, expected = tiny_model
     llm = LLM(str(path), attention_backend="triton", block_size=16, max_num_batched_tokens=24)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

@@ -398,3 +398,44 @@ def test_sliding_window_prefill_tiles_launched_heavy_first_and_bad_window():
                  torch.float16)
     with pytest.raises(ValueError, match="window=0 must be at least 1"):
         paged_attention(query, kv, cu, ctx, tables, 0.125, window=0)
+
+
+# --- attention-logit soft cap (Gemma 2's) -------------------------------------------------------------------
+
+
+def test_the_references_soft_cap_is_transformers_eager_attention():
+    """The oracle itself: the reference's capped attention equals transformers' Gemma 2 eager attention (scores
+    scaled, capped, masked, softmax in fp32), for a fresh prompt with and without a window."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    query, kv, _, cu, ctx, tables = make_cpu_batch([(30, 30)], 4, 2, 16, 16, torch.float32, seed=16)
+    k, v = ref.gather_kv(kv, tables[0], 30)  # [30, Hkv, D] each
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    for window in (None, 7):
+        keys, positions = torch.arange(30)[None, :], torch.arange(30)[:, None]
+        allowed = (keys <= positions) & ((keys > positions - window) if window else True)
+        mask = torch.zeros(30, 30).masked_fill(~allowed, float("-inf"))[None, None]  # transformers' additive mask
+        expected, _ = eager_attention_forward(module, query.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], mask, scaling=0.3, softcap=2.0)
+        out = ref.paged_attention(query, kv, cu, ctx, tables, 0.3, window=window, softcap=2.0)
+        torch.testing.assert_close(out, expected[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,dtype",
+                         [(8, 2, 64, 16, torch.float32), (14, 2, 80, 32, torch.float16)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_soft_capped_scores_match_the_reference(window, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Every row kind, with and without split-KV and a window (keys before it poisoned); a cap that bites."""
+    query, kv, poisoned, cu, ctx, tables = make_batch(WINDOW_ROWS, num_q_heads, num_kv_heads, head_dim, block_size,
+                                                      dtype, seed=17)
+    expected = ref.paged_attention(query.float().cpu(), kv.float().cpu(), cu.cpu(), ctx.cpu(), tables.cpu(), 0.25,
+                                   window=window, softcap=1.5).to(DEVICE)
+    if window is not None:
+        poisoned, tables = poison_before_window(poisoned, cu, ctx, tables, window)
+    for split_kv in (False, True):
+        out = run_triton(query, poisoned, cu, ctx, tables, 0.25, split_kv=split_kv, window=window, softcap=1.5)
+        assert_close(out, expected, dtype)
+    uncapped = run_triton(query, poisoned, cu, ctx, tables, 0.25, window=window)
+    assert not torch.allclose(out.float(), uncapped.float(), atol=1e-2), "the cap changed nothing"

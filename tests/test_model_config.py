@@ -26,7 +26,8 @@ def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
 @pytest.mark.parametrize("config", [transformers.LlamaConfig(**TINY), transformers.MistralConfig(**TINY),
                                     transformers.Qwen2Config(**TINY), transformers.Qwen3Config(**TINY),
                                     transformers.GraniteConfig(**TINY), transformers.SmolLM3Config(**TINY),
-                                    transformers.Phi3Config(**TINY), transformers.Olmo2Config(**TINY)],
+                                    transformers.Phi3Config(**TINY), transformers.Olmo2Config(**TINY),
+                                    transformers.Gemma2Config(**TINY), transformers.Gemma3TextConfig(**TINY)],
                          ids=lambda c: c.model_type)
 def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, config):
     d = saved(tmp_path, config)
@@ -43,7 +44,12 @@ def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, 
     (transformers.SmolLM3Config(**TINY, no_rope_layer_interval=2), (None, None)),
     (transformers.SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8),
      (None, 8)),  # by default its layers without rotary embedding slide
-], ids=["llama", "mistral", "mistral-none", "qwen2-off", "qwen2", "qwen3", "smollm3-off", "smollm3"])
+    (transformers.Gemma2Config(**TINY | dict(num_hidden_layers=3), sliding_window=8), (8, None, 8)),
+    (transformers.Gemma3TextConfig(**TINY | dict(num_hidden_layers=7), sliding_window=8), (8,) * 5 + (None, 8)),
+    (transformers.Gemma3TextConfig(**TINY | dict(num_hidden_layers=3), sliding_window=8, sliding_window_pattern=2),
+     (8, None, 8)),
+], ids=["llama", "mistral", "mistral-none", "qwen2-off", "qwen2", "qwen3", "smollm3-off", "smollm3", "gemma2",
+        "gemma3", "gemma3-pattern"])
 def test_each_layer_has_the_window_transformers_gives_it(tmp_path, config, windows):
     d = saved(tmp_path, config)
     assert ModelConfig.from_dict(d).layer_windows == windows
@@ -166,3 +172,67 @@ def test_rope_scalings_this_engine_does_not_compute_stay_refused_by_name(tmp_pat
     d = saved(tmp_path, transformers.LlamaConfig(**TINY), partial_rotary_factor=0.5)  # Llama rotates whole heads
     with pytest.raises(ValueError, match=r"partial_rotary_factor \(not a setting of llama models"):
         ModelConfig.from_dict(d)
+
+
+def test_gemma3_configs_written_before_rope_parameters_per_layer_type(tmp_path):
+    """As Gemma 3 checkpoints hold them: rope_theta and rope_scaling for the full layers, rope_local_base_freq for
+    the sliding ones, sliding_window_pattern and no layer_types; and transformers 5's dict per layer type."""
+    d = dict(TINY, model_type="gemma3_text", num_hidden_layers=4, rope_theta=1e6, rope_local_base_freq=1e4,
+             rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=16, sliding_window_pattern=4,
+             query_pre_attn_scalar=16, cache_implementation="hybrid", attn_logit_softcapping=None,
+             final_logit_softcapping=None)
+    config = ModelConfig.from_dict(d)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert config.layer_windows == (16, 16, 16, None)
+    assert config.attention_multiplier == 16 ** -0.5 and config.hidden_act == "gelu_pytorch_tanh"
+    new = saved(tmp_path, transformers.Gemma3TextConfig(**TINY, rope_theta=1e6, rope_local_base_freq=1e4,
+                                                        rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    config = ModelConfig.from_dict(new)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+
+
+def test_gemma_settings_it_does_not_compute_are_refused_by_name(tmp_path):
+    d = saved(tmp_path, transformers.Gemma3TextConfig(**TINY))
+    refused = {
+        "use_bidirectional_attention": (True, r"use_bidirectional_attention \(attention here is causal\)"),
+        # transformers' Gemma 3 holds the setting and never applies it: computing it would differ from it
+        "attn_logit_softcapping": (50.0, r"attn_logit_softcapping=50.0 \(held by gemma3_text's config class, never"),
+        "rope_parameters": ({"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                            r"rope_parameters.sliding_attention.rope_type='linear'"),
+        "hidden_activation": ("gelu", r"hidden_activation='gelu' is not supported"),
+    }
+    for key, (value, message) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict(d | {key: value})
+
+
+def test_a_multimodal_gemma3_checkpoint_is_read_as_its_text_model():
+    """As gemma-3-4b-it's config.json holds it: a text_config of a few keys (the rest Gemma3TextConfig's
+    defaults), the image settings and eos ids at the top level."""
+    d = dict(architectures=["Gemma3ForConditionalGeneration"], boi_token_index=255999, eoi_token_index=256000,
+             eos_token_id=[1, 106], image_token_index=262144, initializer_range=0.02, mm_tokens_per_image=256,
+             model_type="gemma3", torch_dtype="bfloat16", transformers_version="4.50.0.dev0",
+             text_config=dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text",
+                              num_hidden_layers=34, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                              sliding_window=1024),
+             vision_config=dict(hidden_size=1152, image_size=896, model_type="siglip_vision_model"))
+    config = ModelConfig.from_dict(d)
+    expected = transformers.Gemma3Config(**{k: v for k, v in d.items() if k != "model_type"}).text_config
+    assert (config.model_type, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.vocab_size) == ("gemma3_text", 34, 2560, expected.num_attention_heads,
+                                                    expected.num_key_value_heads, expected.head_dim,
+                                                    expected.vocab_size)
+    assert config.layer_windows == tuple(1024 if kind == "sliding_attention" else None
+                                         for kind in expected.layer_types)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling["factor"]) == (
+        expected.rope_parameters["full_attention"]["rope_theta"],
+        expected.rope_parameters["sliding_attention"]["rope_theta"], 8.0)
+    assert config.eos_token_ids == (1, 106) and config.tie_word_embeddings and config.torch_dtype == "bfloat16"
+    assert config.attention_multiplier == expected.query_pre_attn_scalar ** -0.5
+    with pytest.raises(ValueError, match=r"model_type='gemma3' .* does not compute: audio_config"):
+        ModelConfig.from_dict(d | {"audio_config": {}})
+    with pytest.raises(ValueError, match=r"text_config.final_logit_softcapping=30.0 \(never applied by the"):
+        ModelConfig.from_dict(d | {"text_config": d["text_config"] | {"final_logit_softcapping": 30.0}})
+    with pytest.raises(ValueError, match=r"text_config.model_type='gemma2'"):
+        ModelConfig.from_dict(d | {"text_config": {"model_type": "gemma2"}})

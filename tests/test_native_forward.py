@@ -5,6 +5,8 @@ and the engine's outputs with and without it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -104,6 +106,24 @@ def test_models_it_does_not_cover_run_through_the_modules():
     assert native_forward(tiny_gguf_model("phi3"), pool, CPU) is not None
     assert native_forward(tiny_gguf_model("phi3", partial_rotary_factor=0.75), pool, CPU) is None
     assert native_forward(tiny_gguf_model("olmo2"), pool, CPU) is None
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_gemma_runs_through_the_modules(model_type):
+    """Gemma's layers (sandwich norms, GELU, soft caps, windows, scaled embeddings) are not the driver's."""
+    model = tiny_gguf_model(model_type)
+    assert native_forward(model, torch.zeros(2, 2, 16, BLOCK, 2, 16), CPU) is None
+
+
+@pytest.mark.parametrize("change", [dict(norms="sandwich"), dict(hidden_act="gelu_pytorch_tanh"),
+                                    dict(attn_logit_softcapping=50.0)], ids=lambda c: next(iter(c)))
+def test_each_gemma_difference_alone_steps_aside(change):
+    """Each on an otherwise covered Llama: none is left to the driver's Llama layers by another's check."""
+    model = tiny_gguf_model("llama")
+    pool = torch.zeros(2, 2, 16, BLOCK, 2, 16)
+    assert native_forward(model, pool, CPU) is not None
+    model.config = dataclasses.replace(model.config, **change)
+    assert native_forward(model, pool, CPU) is None
 
 
 def test_a_slot_or_block_outside_the_pool_is_an_error():

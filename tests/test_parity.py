@@ -43,6 +43,14 @@ TINY = {
     "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 50, "pad_token_id": 0, "rope_scaling": {
         "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0],
         "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 12.0, 20.0, 40.0]}}),
+    # Sandwich norms of (1 + weight), scaled embeddings, GELU, query_pre_attn_scalar, windows on alternate layers,
+    # and soft caps that bite (weights drawn large enough that scores and logits reach past them).
+    "gemma2": ("Gemma2Config", {"sliding_window": 12, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
+                                "final_logit_softcapping": 2.0, "initializer_range": 0.2}),
+    # Gemma 2's layers with q/k norms, one full layer to two sliding ones whose rope has a base of its own.
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 20, "sliding_window_pattern": 2, "rope_theta": 10000.0,
+                                         "rope_local_base_freq": 100.0, "query_pre_attn_scalar": 24,
+                                         "final_logit_softcapping": 3.0}),
 }
 
 
@@ -123,6 +131,10 @@ def tiny_model(request, tmp_path_factory):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 torch.nn.init.normal_(param, mean=1.0, std=0.3)
+    if request.param.startswith("gemma"):  # their norms' weights are offsets from 1, zeros as initialised
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(param, std=0.3)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)
@@ -246,12 +258,16 @@ def test_rope_scaling_matches_transformers(kind, tmp_path):
         assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
 
 
-def test_granite_scales_match_transformers_logprobs(tmp_path):
-    """Greedy tokens do not move when logits are divided by a constant: the logprobs of every step do."""
+@pytest.mark.parametrize("family", ["granite", "gemma2", "gemma3_text"])
+def test_logit_scales_and_caps_match_transformers_logprobs(tmp_path, family):
+    """Greedy tokens do not move when logits are divided by a constant (Granite) or soft-capped (Gemma): the
+    logprobs of every step do."""
     import transformers
 
-    config = transformers.GraniteConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, **TINY["granite"][1])
+    cls_name, extra = TINY[family]
+    config = getattr(transformers, cls_name)(vocab_size=500, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             **extra)
     torch.manual_seed(98)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(tmp_path)
@@ -315,3 +331,34 @@ def test_phi3_longrope_and_partial_rotary_match_transformers_logprobs(tmp_path):
             assert out.outputs[0].token_ids == ref_tokens
             got_lp = [e.logprob for e in out.outputs[0].logprobs]
             assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma3ForConditionalGeneration's text model (its language_model weights; the vision tower's are not read)
+    gives transformers' tokens and logprobs for text prompts, with rope scaling on its full layers."""
+    import transformers
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                **TINY["gemma3_text"][1] | {"final_logit_softcapping": None})  # which its head never applies
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(param, std=0.3)
+    model.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 290, (n,), generator=gen).tolist() for n in (1, 15, 40, 70)]
+    expected = hf_greedy(model, prompts)
+    llm = LLM(str(tmp_path), block_size=BS)
+    assert ours(llm, prompts) == expected
+    out = llm.generate(prompts[2:3], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                    logprobs=0))[0]
+    ref_tokens, ref_lp = hf_logprobs(model, prompts[2])
+    assert out.outputs[0].token_ids == ref_tokens
+    got_lp = [e.logprob for e in out.outputs[0].logprobs]
+    assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

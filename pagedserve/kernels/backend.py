@@ -36,9 +36,9 @@ class PagedAttention(Protocol):
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                  max_query_len: int | None = None, max_context_len: int | None = None,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Each row's new queries [T, Hq, D] over its paged context, the last `window` positions of it for a
-        sliding-window layer; see reference.paged_attention."""
+        sliding-window layer, scores soft-capped by `softcap` where given; see reference.paged_attention."""
 
 
 class RMSNormRows(Protocol):

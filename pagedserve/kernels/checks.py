@@ -24,3 +24,9 @@ def check_window(window: int | None) -> None:
     """ValueError unless `window` is a sliding window (at least one position) or None (full attention)."""
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be at least 1")
+
+
+def check_softcap(softcap: float | None) -> None:
+    """ValueError unless `softcap` is an attention-logit soft cap (a positive number) or None (no cap)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be positive (or None: no cap)")

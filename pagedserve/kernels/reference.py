@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.checks import check_window
+from pagedserve.kernels.checks import check_softcap, check_window
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,6 +64,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context.
 
@@ -71,29 +72,32 @@ def paged_attention(
     block_tables [R, max_blocks] (entries past a row's length are ignored). Row r's query i
     sits at position p = context_len - num_q + i and sees keys 0..p (causal among the new tokens,
     full over the prefix); with a sliding `window`, only keys p - window + 1 .. p (transformers'
-    `sliding_window`: at most `window` keys, its own included). Returns [T, Hq, D] in query's dtype.
+    `sliding_window`: at most `window` keys, its own included). With a `softcap` (Gemma's
+    attn_logit_softcapping), each scaled score s becomes softcap * tanh(s / softcap) before the mask.
+    Returns [T, Hq, D] in query's dtype.
     The max_* hints are for the Triton backend (launch shapes without a device sync); the reference
     reads the lists.
     """
     check_window(window)
+    check_softcap(softcap)
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     q_lens = [cu[r + 1] - cu[r] for r in range(len(lens))]
     decode_rows = [r for r, n in enumerate(q_lens) if n == 1]
     if len(decode_rows) > 1:
-        _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out, window)
+        _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out, window, softcap)
     else:
         decode_rows = []
     skip = set(decode_rows)
     attend_rows(query, kv_cache, cu, lens, block_tables, scale, [r for r in range(len(lens)) if r not in skip], out,
-                window)
+                window, softcap)
     return out
 
 
 def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens: list[int],
                 block_tables: torch.Tensor, scale: float, rows: list[int], out: torch.Tensor,
-                window: int | None = None) -> None:
+                window: int | None = None, softcap: float | None = None) -> None:
     """Row by row: gather the row's K/V and run one causal SDPA over its new queries, into `out`."""
     for r in rows:
         num_q = cu[r + 1] - cu[r]
@@ -102,7 +106,7 @@ def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens
         k, v = gather_kv(kv_cache, block_tables[r], lens[r])  # [L, Hkv, D] each
         q = query[cu[r]:cu[r + 1]].transpose(0, 1)  # [Hq, nq, D]
         start = lens[r] - num_q
-        if start == 0 and window is None:  # plain causal, which lets SDPA skip the masked-out tiles
+        if start == 0 and window is None and softcap is None:  # plain causal: SDPA skips the masked-out tiles
             mask = None
         else:
             keys = torch.arange(lens[r], device=query.device)[None, :]
@@ -112,13 +116,12 @@ def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens
                 mask &= keys > positions - window
             mask = mask[None, None]  # [1, 1, nq, L]
         # 4-D inputs: on CPU, 3-D ones fall back to SDPA's math path (~100x slower here).
-        o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None].to(q.dtype),
-                                           v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask,
-                                           is_causal=mask is None, scale=scale, enable_gqa=True)
+        o = _attention(q[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype), mask,
+                       scale, softcap)
         out[cu[r]:cu[r + 1]] = o[0].transpose(0, 1)
 
 
-def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out, window=None) -> None:
+def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out, window=None, softcap=None) -> None:
     """One batched SDPA for all single-token rows: gather padded K/V and mask by length."""
     block_size = kv_cache.shape[2]
     max_len = max(lens[r] for r in rows)
@@ -135,9 +138,26 @@ def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out, wind
     if window is not None:
         mask &= keys >= row_lens[:, None] - window
     mask = mask[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    o = _attention(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), mask, scale, softcap)
     out[token_idx] = o.squeeze(2)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               softcap: float | None) -> torch.Tensor:
+    """q [B, Hq, nq, D] over k, v [B, Hkv, L, D] (GQA: Hq a multiple of Hkv), where the bool `mask` [B or 1, 1, nq, L]
+    allows (None: causal, nq == L). Without a soft cap one SDPA; with one, transformers' eager attention: the
+    scaled scores capped, then masked, softmax in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, nq, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,6 @@ from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout, shard_range
-from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
 
 RANDOM_PREFIX = "random:"
 
@@ -122,11 +121,11 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     held = held_by(model) if held_by is not None else set()
     model = model.to_empty(device=device).to(dtype)
     # RoPE tables are computed, not loaded: build them for real (meta tensors hold no values).
-    model.model.rope = RotaryEmbedding(config, max_positions).to(device)
+    model.model.build_ropes(config, max_positions, device)
     if source.is_random:
         _load(model, _random_tensors(config, seed), "random weights", held)
     else:
-        _load(model, _safetensors(source.weights_dir), source.weights_dir.name, held)
+        _load(model, _text_model(_safetensors(source.weights_dir)), source.weights_dir.name, held)
     return model.eval().requires_grad_(False)
 
 
@@ -146,8 +145,36 @@ def _safetensors(weights_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Read
                 yield key, tuple(sl.get_shape()), functools.partial(_read_slice, sl)  # reads only this slice
 
 
+# A multimodal checkpoint's text model (Gemma 3's) under the names of a text-only one; its vision tower and
+# projector are never read. Both layouts transformers has saved them in.
+_TEXT_MODEL_NAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                     ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model(tensors: Iterator[tuple[str, tuple[int, ...], Reader]]
+                ) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    for name, shape, read in tensors:
+        if name.startswith(_NOT_TEXT):
+            continue
+        for prefix, text_prefix in _TEXT_MODEL_NAMES:
+            if name.startswith(prefix):
+                name = text_prefix + name[len(prefix):]
+                break
+        yield name, shape, read
+
+
 def _read_slice(sl, dim: int, start: int, stop: int) -> torch.Tensor:
     return sl[start:stop] if dim == 0 else sl[:, start:stop]
+
+
+# Each layer's RMSNorms, by where they sit (`Family.norms`)
+_LAYER_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+}
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -157,9 +184,8 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        other_norm = "input_layernorm" if config.norms == "pre" else "post_feedforward_layernorm"  # post: OLMo 2
-        shapes |= {p + other_norm + ".weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+        shapes |= {p + norm + ".weight": (h,) for norm in _LAYER_NORMS[config.norms]}
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                    p + "mlp.down_proj.weight": (h, inter)}
@@ -185,8 +211,8 @@ def _random_tensors(config: ModelConfig, seed: int) -> Iterator[tuple[str, tuple
     for name, shape in hf_tensor_shapes(config).items():
         # Seeded by name, not by order: every rank and every tp size draws the same full tensor.
         gen = torch.Generator().manual_seed(xxhash.xxh64_intdigest(f"{seed}:{name}".encode()) & (2**63 - 1))
-        if name.endswith("norm.weight"):
-            full = torch.ones(shape)
+        if name.endswith("norm.weight"):  # the identity norm: weights of 1 (Gemma's: offsets of 0 from 1)
+            full = torch.full(shape, 1.0 - config.family.norm_weight_offset)
         else:
             full = torch.randn(shape, generator=gen) * config.initializer_range
         yield name, shape, functools.partial(_narrow, full)
@@ -225,6 +251,9 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
         dim, start, length = shard_range(name, tp, config) or (0, 0, shape[0])
         stop = min(start + length, shape[dim])
         tensor = read(dim, start, stop)
+        if name.endswith("norm.weight") and config.family.norm_weight_offset:
+            # Gemma's norms multiply by (1 + weight), in fp32: added here once, so every norm kernel takes them
+            tensor = tensor.float() + config.family.norm_weight_offset
         region = param.data.narrow(0, offset, length) if dim == 0 else param.data  # what this tensor fills
         dest = region.narrow(dim, 0, stop - start)
         if stop - start < length:  # the last vocabulary shard's padding rows

@@ -2,7 +2,8 @@
 
 At a decode step of a few sequences, the Python and torch dispatch between the CPU kernels (twelve calls a
 layer) costs about a third of the step. The driver makes the same kernel calls on the same values in C, so
-its outputs are the modules' bits. It takes the models those kernels cover: Llama / Qwen2 / Qwen3 layers whose
+its outputs are the modules' bits. It takes the models those kernels cover: Llama / Qwen2 / Qwen3 layers (a norm
+before each sublayer, SiLU, no soft cap) whose
 projections all run on the GGUF-block kernel (`QuantLinear`: GGUF blocks or plain panels; `ConcatQuantLinear`:
 parts of different types), fp32, one rank, on
 the `cpu` attention backend; the modules
@@ -101,7 +102,13 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
     if config.norms != "pre" or config.qk_norm_across_heads:
         return f"norms placed {config.norms!r} or over all heads"  # decoder.c has Llama's and Qwen3's
     if (config.embedding_multiplier, config.residual_multiplier) != (1.0, 1.0):
-        return "scaled embeddings or residual adds"  # the logits' scale is applied after it, by compute_logits
+        return "scaled embeddings or residual adds"  # the logits' scale and cap are applied after it (compute_logits)
+    if config.norms != "pre":
+        return f"{config.norms} norms"  # its layers are Llama's: a norm before each sublayer only
+    if config.hidden_act != "silu":
+        return f"a {config.hidden_act} MLP"
+    if config.attn_logit_softcapping is not None:
+        return "soft-capped attention scores"  # it calls the kernel's entry without a cap
     if None in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library()):
         return "a kernel that could not be built"
     if not ops.supports_shape(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.checks import check_rotation, check_window
+from pagedserve.kernels.checks import check_rotation, check_softcap, check_window
 from pagedserve.kernels.cpu.native import layer_ops_library, paged_attention_library
 
 __all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "supports_shape",
@@ -41,17 +41,19 @@ def paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """See reference.paged_attention. Returns [T, Hq, D] in query's dtype. With a `window`, each token reads
     only the blocks its window reaches."""
     check_window(window)
+    check_softcap(softcap)
     lib = paged_attention_library()
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if (lib is None or kv_cache.dtype not in _KV_DTYPES or kv_cache.device.type != "cpu"
             or not supports_shape(num_q_heads, num_kv_heads, head_dim, block_size)):
         return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                         window=window)
+                                         window=window, softcap=softcap)
 
     fp32 = query.dtype == torch.float32
     q32 = query.contiguous() if fp32 else query.float().contiguous()  # [T, Hq, D]
@@ -64,7 +66,7 @@ def paged_attention(
         q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(), context_lens.shape[0],
         cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         num_q_heads, num_kv_heads, head_dim, block_size, kv_cache.shape[1], ctypes.c_float(scale),
-        torch.get_num_threads(), 0 if window is None else window)
+        torch.get_num_threads(), 0 if window is None else window, ctypes.c_float(softcap or 0.0))
     if status == -2:
         raise ValueError(f"block_tables name a block outside the KV pool (num_blocks={kv_cache.shape[1]})")
     if status == -3:

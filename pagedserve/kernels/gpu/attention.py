@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.checks import check_window
+from pagedserve.kernels.checks import check_softcap, check_window
 
 _LOG2E = 1.4426950408889634
 
@@ -46,6 +46,7 @@ def _attend_tile(
     head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     MASK_LEN: tl.constexpr, CAUSAL: tl.constexpr, MASK_WIN: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one row and KV head.
 
@@ -75,6 +76,10 @@ def _attend_tile(
     else:
         s = tl.dot(q, k)
     s = s * scale_log2  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP > 0:
+        # cap * tanh(s / cap) with s and the cap both in log2 units (SOFTCAP: the cap times log2(e)), before the
+        # masks; tanh(x) = 1 - 2 / (e^2x + 1), which saturates to +-1 without a NaN
+        s = SOFTCAP * (1.0 - 2.0 / (tl.exp2(s * (2.8853900817779268 / SOFTCAP)) + 1.0))  # 2 log2(e) / SOFTCAP
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < ctx_len), s, float("-inf"))
     elif MASK_LEN or MASK_WIN:
@@ -129,7 +134,7 @@ def _prefill_kernel(
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if HEAVY_FIRST:
@@ -179,28 +184,28 @@ def _prefill_kernel(
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, key_lo, lo_pos,
                 head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-                BLOCK_N, BLOCK_SIZE, False, False, True, UPCAST)
+                BLOCK_N, BLOCK_SIZE, False, False, True, UPCAST, SOFTCAP)
         for start_n in range(win_full, full_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, key_lo, lo_pos,
                 head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-                BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST)
+                BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST, SOFTCAP)
         for start_n in range(full_end, last_pos + 1, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, key_lo, lo_pos,
                 head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-                BLOCK_N, BLOCK_SIZE, True, True, True, UPCAST)
+                BLOCK_N, BLOCK_SIZE, True, True, True, UPCAST, SOFTCAP)
     else:
         for start_n in range(0, full_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, 0, q_pos,
                 head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-                BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST)
+                BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST, SOFTCAP)
         for start_n in range(full_end, last_pos + 1, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, q_pos, 0, q_pos,
                 head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-                BLOCK_N, BLOCK_SIZE, True, True, False, UPCAST)
+                BLOCK_N, BLOCK_SIZE, True, True, False, UPCAST, SOFTCAP)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -223,7 +228,7 @@ def _decode_kernel(
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -272,7 +277,7 @@ def _decode_kernel(
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, kv_ptr, table_row, lo, hi, offs_g, key_lo, lo_pos,
                 head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-                BLOCK_N, BLOCK_SIZE, True, False, True, UPCAST)
+                BLOCK_N, BLOCK_SIZE, True, False, True, UPCAST, SOFTCAP)
             lo = tl.minimum(lo + BLOCK_N, hi)
     # A split boundary is a multiple of BLOCK_N, so only the row's last tile needs a length mask.
     full_end = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
@@ -280,12 +285,12 @@ def _decode_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, kv_ptr, table_row, start_n, ctx_len, offs_g, key_lo, lo_pos,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST)
+            BLOCK_N, BLOCK_SIZE, False, False, False, UPCAST, SOFTCAP)
     if full_end < hi:
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, kv_ptr, table_row, full_end, hi, offs_g, key_lo, lo_pos,
             head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
-            BLOCK_N, BLOCK_SIZE, True, False, False, UPCAST)
+            BLOCK_N, BLOCK_SIZE, True, False, False, UPCAST, SOFTCAP)
 
     if SPLIT:
         # part_out [R, Hq, S, BLOCK_D], part_lse [R, Hq, S]; lse in log2 units.
@@ -454,6 +459,7 @@ def paged_attention(
     tiles: Tiles | None = None,
     num_splits: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context (see reference.paged_attention).
 
@@ -469,10 +475,13 @@ def paged_attention(
     max(0, p - window + 1) .. p only; None is full causal attention. The window is a compile-time constant of
     the kernels (one variant per distinct value, which a model fixes per layer: at most two), so full attention
     runs exactly the code it ran without the argument, and a CUDA graph captures each layer's variant as is.
+    softcap: Gemma's attention-logit soft cap (scores s -> softcap * tanh(s / softcap) before the mask), a
+    compile-time constant as the window is; None compiles the uncapped kernels unchanged.
     """
     if num_splits is not None and (split_kv is not None or num_splits < 1):
         raise ValueError(f"num_splits={num_splits} must be at least 1, and split_kv={split_kv} left unset with it")
     check_window(window)
+    check_softcap(softcap)
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     num_rows = context_lens.shape[0]
@@ -498,6 +507,8 @@ def paged_attention(
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=block_d, UPCAST=fp32_dot,
         # 0: full attention. A window past any context is clamped so that position arithmetic stays in int32.
         WINDOW=min(window or 0, 1 << 30),
+        # 0.0: no soft cap, the code uncapped models always ran; else the cap in the scores' log2 units
+        SOFTCAP=0.0 if softcap is None else softcap * _LOG2E,
     )
     scale_log2 = scale * _LOG2E
 

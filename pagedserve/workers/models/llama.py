@@ -1,6 +1,6 @@
-"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3 and OLMo 2 as one decoder: their differences are
-`ModelConfig`'s values (biases, q/k norms, where the norms sit, each layer's window and rotary embedding, Granite's
-scales), read where each applies.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, OLMo 2 and Gemma 2 / 3 as one decoder: their differences
+are `ModelConfig`'s values (biases, q/k norms, where the norms sit, each layer's window and rotary embedding,
+Granite's scales, Gemma's soft caps and GELU), read where each applies.
 
 Tokens of all rows are flattened into one [T, ...] batch; attention reads and writes the
 paged KV pool through `AttentionContext`. q/k/v and gate/up projections are fused. Under
@@ -105,6 +105,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5 if config.attention_multiplier is None else config.attention_multiplier
+        self.softcap = config.attn_logit_softcapping
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.qk_norm_across_heads = config.qk_norm_across_heads
@@ -140,7 +141,8 @@ class Attention(nn.Module):
         ctx.backend.write_kv_cache(k, v, kv_cache, slot_mapping)
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,
-                                        max_context_len=ctx.max_context_len, window=self.window)
+                                        max_context_len=ctx.max_context_len, window=self.window,
+                                        softcap=self.softcap)
         return row_parallel(self.o_proj, o.reshape(-1, self.q_size), self.tp)
 
 
@@ -151,14 +153,16 @@ class MLP(nn.Module):
         self.intermediate_size = tp.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
     def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None) -> torch.Tensor:
-        """`silu_mul`: the backend's one-call gate, where the projection's output is rows it takes."""
+        """`silu_mul`: the backend's one-call SiLU gate, where the projection's output is rows it takes."""
         gate_up = self.gate_up_proj(x)
-        if silu_mul is not None and gate_up.dim() == 2:
+        if silu_mul is not None and not self.gelu and gate_up.dim() == 2:
             return row_parallel(self.down_proj, silu_mul(gate_up), self.tp)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return row_parallel(self.down_proj, F.silu(gate).mul_(up), self.tp)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return row_parallel(self.down_proj, act.mul_(up), self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -192,14 +196,16 @@ class DecoderLayer(nn.Module):
         # Granite scales what each sublayer adds to the residual stream; the norm after it does the add
         self.residual_multiplier = config.residual_multiplier
         self.mlp = MLP(config, tp)
-        self.norms = config.norms
-        if config.norms not in ("pre", "post"):
-            raise ValueError(f"norms={config.norms!r}: this decoder places them 'pre' or 'post'")
-        if config.norms == "pre":
+        self.norms = config.norms  # where its RMSNorms sit: `Family.norms`
+        if config.norms not in ("pre", "sandwich", "post"):
+            raise ValueError(f"norms={config.norms!r} is not a placement this decoder computes (pre, sandwich, post)")
+        if config.norms != "post":
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        else:
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.norms == "sandwich":  # Gemma's: the sublayers' outputs are normalized too, before their adds
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.norms != "pre":
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,8 +219,12 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x, norm)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual, norm)
-        h, residual = self.post_attention_layernorm.add_forward(
-            self._scaled(self.self_attn(h, cos, sin, kv_cache, ctx)), residual, norm)
+        attn = self.self_attn(h, cos, sin, kv_cache, ctx)
+        if self.norms == "sandwich":
+            h, residual = self.pre_feedforward_layernorm.add_forward(
+                self.post_attention_layernorm(attn, norm), residual, norm)
+            return self.post_feedforward_layernorm(self.mlp(h, ctx.backend.silu_mul), norm), residual
+        h, residual = self.post_attention_layernorm.add_forward(self._scaled(attn), residual, norm)
         return self._scaled(self.mlp(h, ctx.backend.silu_mul)), residual
 
     def _post_norms(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -234,12 +244,19 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout) -> None:
         super().__init__()
-        self.rope = RotaryEmbedding(config, max_positions)
+        self.build_ropes(config, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config, tp)
         groups = layer_group_slots(kv_groups(config.layer_windows))
         self.layers = nn.ModuleList([DecoderLayer(config, tp, window, rope, groups[i][0]) for i, (window, rope)
                                      in enumerate(zip(config.layer_windows, config.rope_layers, strict=True))])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_ropes(self, config: ModelConfig, max_positions: int, device: torch.device | None = None) -> None:
+        """The rotary embeddings' tables (computed, never loaded): `rope` for every layer, but the sliding ones
+        where they have a base of their own (`local_rope`, Gemma 3's; else None)."""
+        self.rope = RotaryEmbedding(config, max_positions).to(device)
+        self.local_rope = (None if config.local_rope_theta is None
+                           else RotaryEmbedding(config, max_positions, local=True).to(device))
 
 
 class CausalLM(nn.Module):
@@ -258,11 +275,16 @@ class CausalLM(nn.Module):
                 ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T]; kv_caches: each layer's [2, N, B, Hkv, D]. Returns hidden states [T, H]."""
         h = self.model.embed_tokens(input_ids)
-        if self.config.embedding_multiplier != 1.0:
+        if self.config.family.embeddings_scaled:  # Gemma's: by sqrt(hidden_size) rounded to the dtype, as its own
+            h = h * torch.tensor(self.config.embedding_multiplier).to(h.dtype)
+        elif self.config.embedding_multiplier != 1.0:
             h = h * self.config.embedding_multiplier
-        cos, sin = self.model.rope.cos_sin(positions, ctx.token_seq_lens, h.dtype)
+        cos_sin = self.model.rope.cos_sin(positions, ctx.token_seq_lens, h.dtype)
+        local = self.model.local_rope
+        local_cos_sin = cos_sin if local is None else local.cos_sin(positions, None, h.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
+            cos, sin = local_cos_sin if layer.self_attn.window is not None else cos_sin
             h, residual = layer(h, residual, cos, sin, kv_caches[i], ctx)
         norm = ctx.backend.rms_norm
         if residual is None:  # no layers
@@ -277,4 +299,7 @@ class CausalLM(nn.Module):
         logits = all_gather_last_dim(local, self.tp)[:, : self.config.vocab_size]  # [S, V]
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model's dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -16,16 +16,33 @@ class Family:
     o_bias: bool | None = None  # the output projection's; None: the config's attention_bias
     qk_norm: bool = False  # an RMSNorm of q and k
     qk_norm_across_heads: bool = False  # that norm over all heads together (OLMo 2's), else over each head alone
-    # Where the RMSNorms sit in a layer. "pre" (Llama's): input_layernorm before attention, post_attention_layernorm
-    # before the MLP. "post" (OLMo 2's): post_attention_layernorm on the attention's output and
-    # post_feedforward_layernorm on the MLP's, each before its residual add, none before a sublayer. "sandwich"
-    # (Gemma's): both, with pre_feedforward_layernorm before the MLP.
-    norms: str = "pre"
     keys: frozenset[str] = frozenset()  # config keys its class reads besides the common ones (`_HONOURED`)
     layer_types: tuple[str, ...] = ("full_attention",)  # the attention types its layers may have
     window_on_every_layer: bool = False  # one `sliding_window` for all layers; else only with use_sliding_window
+    # Where each layer's RMSNorms sit. "pre": Llama's (input_layernorm before attention, post_attention_layernorm
+    # before the MLP). "sandwich": Gemma's (input_layernorm, then post_attention_layernorm on the attention's
+    # output; pre_feedforward_layernorm before the MLP, post_feedforward_layernorm on its output). "post": OLMo 2's
+    # (post_attention_layernorm and post_feedforward_layernorm on the sublayers' outputs, no norm before them).
+    norms: str = "pre"
+    # Gemma's RMSNorms multiply by (1 + weight): the checkpoint holds offsets from 1, which the loader adds.
+    norm_weight_offset: float = 0.0
+    embeddings_scaled: bool = False  # Gemma's: the embeddings times sqrt(hidden_size), rounded to the dtype
+    # What transformers' config class sets for keys a config.json may lack (only those that change the
+    # computation and differ from this module's own defaults).
+    defaults: tuple[tuple[str, Any], ...] = ()
+    # Keys its config class holds that its model never reads: refused when set, since a checkpoint that sets one
+    # means a computation transformers does not do.
+    unread: frozenset[str] = frozenset()
 
 
+_GEMMA = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                    "final_logit_softcapping", "use_bidirectional_attention", "attention_bias"})
+_GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
+                   ("sliding_window", 4096), ("tie_word_embeddings", True))
+# Gemma3TextConfig's shape, which the text_config of a multimodal checkpoint leaves out where it keeps it.
+_GEMMA3_SHAPE = (("vocab_size", 262_208), ("hidden_size", 2304), ("intermediate_size", 9216),
+                 ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
+                 ("max_position_embeddings", 131_072), ("rms_norm_eps", 1e-6))
 _WINDOWS_BY_LAYER = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 _BIASES = frozenset({"attention_bias", "mlp_bias"})
 FAMILIES = {
@@ -49,7 +66,31 @@ FAMILIES = {
                       layer_types=("full_attention", "sliding_attention")),
     # Llama's layers with the norms after each sublayer, and q/k RMSNorms over all heads together.
     "olmo2": Family(keys=frozenset({"attention_bias"}), qk_norm=True, qk_norm_across_heads=True, norms="post"),
+    # Gemma's: sandwich norms of (1 + weight), scaled embeddings, a GELU (tanh) MLP, attention scores scaled by
+    # query_pre_attn_scalar ** -0.5 and soft-capped, soft-capped logits, windows on the layers `layer_types`
+    # names sliding (every other one by default).
+    "gemma2": Family(keys=_GEMMA, layer_types=("full_attention", "sliding_attention"), norms="sandwich",
+                     norm_weight_offset=1.0, embeddings_scaled=True,
+                     defaults=_GEMMA_DEFAULTS + (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+                                                 ("sliding_window_pattern", 2))),
+    # Gemma 2's layers with q/k norms, no logit soft cap by default and no attention soft cap (its class holds
+    # one, which its attention never applies), five sliding layers to one full by default (`sliding_window_pattern`),
+    # and rope of its own base on the sliding layers (`rope_local_base_freq`, or transformers 5's `rope_parameters`
+    # per layer type).
+    "gemma3_text": Family(qk_norm=True, keys=_GEMMA | {"sliding_window_pattern", "_sliding_window_pattern",
+                                                       "rope_local_base_freq"},
+                          layer_types=("full_attention", "sliding_attention"), norms="sandwich",
+                          norm_weight_offset=1.0, embeddings_scaled=True, unread=frozenset({"attn_logit_softcapping"}),
+                          defaults=_GEMMA_DEFAULTS + (("sliding_window_pattern", 6), ("rope_theta", 1_000_000.0),
+                                                      ("rope_local_base_freq", 10_000.0), *_GEMMA3_SHAPE)),
 }
+# Gemma 3's multimodal checkpoints (model_type gemma3): the keys beside `text_config` that its text model does not
+# read (the vision tower's, the image tokens'), and those it takes from the top level.
+_MULTIMODAL_UNREAD = frozenset({"vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
+                                "mm_tokens_per_image"})
+_MULTIMODAL_TOP = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype",
+                   "initializer_range")
+_LAYER_TYPE_ROPES = ("full_attention", "sliding_attention")  # the keys of Gemma 3's rope_parameters per layer type
 
 # What a config may hold. A key outside these is refused by name at load: one this engine does not know may change
 # what the model computes (a window, a soft cap, experts), and computing without it would answer wrongly.
@@ -67,7 +108,7 @@ _INERT = frozenset({
     "_name_or_path", "_model_name_or_path", "name_or_path", "architectures", "transformers_version", "auto_map",
     "transformers.js_config", "is_llama_config", "rope_interleaved", "pretraining_tp", "attention_dropout",
     "hidden_dropout", "resid_pdrop", "embd_pdrop", "use_cache", "pad_token_id", "unk_token_id", "sep_token_id",
-    "decoder_start_token_id",
+    "decoder_start_token_id", "cache_implementation",
     "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
     "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
     "torchscript", "pruned_heads", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task",
@@ -91,13 +132,19 @@ _ROPE_KEYS = {
 
 def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers' class for the family computes it.
-    Mistral, Phi-3: `sliding_window` on every layer. Qwen2, Qwen3, SmolLM3: a window only with
+    Mistral, Phi-3: `sliding_window` on every layer. Gemma: on the layers `layer_types` names sliding (by default
+    all but every `sliding_window_pattern`-th). Qwen2, Qwen3, SmolLM3: a window only with
     `use_sliding_window`, on the layers `layer_types` names sliding (by default those from `max_window_layers` on;
     SmolLM3's, those without rotary embedding)."""
     num_layers = d["num_hidden_layers"]
     model_type = d["model_type"]
     if FAMILIES[model_type].window_on_every_layer:
         return (d.get("sliding_window"),) * num_layers
+    if "sliding_window_pattern" in dict(FAMILIES[model_type].defaults):  # Gemma's: no use_sliding_window
+        pattern = d["sliding_window_pattern"]  # every pattern-th layer attends in full
+        types = d.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                         for i in range(num_layers)]
+        return tuple(d.get("sliding_window") if kind == "sliding_attention" else None for kind in types)
     if "use_sliding_window" not in FAMILIES[model_type].keys or not d.get("use_sliding_window"):
         return (None,) * num_layers
     window = d.get("sliding_window")
@@ -131,6 +178,7 @@ def check_honoured(d: dict[str, Any]) -> None:
     model_type = d.get("model_type")
     family = FAMILIES[model_type]
     known = _HONOURED | family.keys | _INERT
+    num_layers = d.get("num_hidden_layers", dict(family.defaults).get("num_hidden_layers"))
     refused = [f"{key} (not a setting of {model_type} models that this engine knows)"
                for key in sorted(set(d) - known)]
     window = d.get("sliding_window")
@@ -142,14 +190,16 @@ def check_honoured(d: dict[str, Any]) -> None:
         if other_layers:
             refused.append(f"layer_types (layers of {', '.join(map(repr, other_layers))} are not supported for "
                            f"{model_type}: {', '.join(family.layer_types)})")
-        if len(layer_types) != d.get("num_hidden_layers"):
-            refused.append(f"layer_types ({len(layer_types)} entries for num_hidden_layers="
-                           f"{d.get('num_hidden_layers')})")
+        if len(layer_types) != num_layers:
+            refused.append(f"layer_types ({len(layer_types)} entries for num_hidden_layers={num_layers})")
     no_rope = d.get("no_rope_layers")
-    if no_rope is not None and (len(no_rope) != d.get("num_hidden_layers") or set(no_rope) - {0, 1}):
-        refused.append(f"no_rope_layers (one 0 or 1 per layer, {d.get('num_hidden_layers')} of them)")
-    for name in ("rope_scaling", "rope_parameters"):
-        rope = d.get(name) or {}
+    if no_rope is not None and (len(no_rope) != num_layers or set(no_rope) - {0, 1}):
+        refused.append(f"no_rope_layers (one 0 or 1 per layer, {num_layers} of them)")
+    refused += [f"{key}={d[key]!r} (held by {model_type}'s config class, never applied by its model)"
+                for key in sorted(family.unread) if d.get(key)]
+    if d.get("use_bidirectional_attention"):
+        refused.append("use_bidirectional_attention (attention here is causal)")
+    for name, rope in _rope_settings(d):
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind in _ROPE_KEYS:
             # a rotary embedding over the whole head (factor 1.0) is what a family without the key computes
@@ -157,9 +207,41 @@ def check_honoured(d: dict[str, Any]) -> None:
                             if not (key == "partial_rotary_factor"
                                     and (rope[key] == 1.0 or key in family.keys)))
             refused += [f"{name}.{key} (not read for rope_type {kind!r})" for key in unread]
+        if name.endswith("sliding_attention") and kind != "default":
+            refused.append(f"{name}.rope_type={kind!r} (the sliding layers' rope is the default type here)")
     if refused:
         raise ValueError(f"config of model_type={model_type!r} asks for what this engine does not compute: "
                          + "; ".join(refused))
+
+
+def text_part(d: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config (a gemma3_text one) of a multimodal Gemma 3 checkpoint's config `d`: its
+    `text_config`, with the settings the top level holds for it. ValueError naming the keys that mean more than
+    text (images are not supported: the vision tower's weights are never read)."""
+    text = dict(d.get("text_config") or {})
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ValueError(f"text_config.model_type={text['model_type']!r}: a gemma3 checkpoint's text model is "
+                         "gemma3_text")
+    unknown = sorted(set(d) - _MULTIMODAL_UNREAD - set(_MULTIMODAL_TOP) - _INERT - {"model_type", "text_config"})
+    if text.get("final_logit_softcapping"):  # Gemma3ForConditionalGeneration's head never applies it
+        unknown.append(f"text_config.final_logit_softcapping={text['final_logit_softcapping']!r} (never applied by "
+                       "the multimodal model's head)")
+    if unknown:
+        raise ValueError("config of model_type='gemma3' (Gemma 3's multimodal checkpoint, whose text model is "
+                         f"served) asks for what this engine does not compute: {', '.join(unknown)}")
+    return text | {key: d[key] for key in _MULTIMODAL_TOP if key in d} | {"model_type": "gemma3_text"}
+
+
+def _rope_settings(d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The config's rope settings, each with the name it is refused by: `rope_scaling`, `rope_parameters`, or
+    each entry of Gemma 3's `rope_parameters` per layer type (transformers 5)."""
+    settings = [("rope_scaling", d.get("rope_scaling") or {})]
+    rope = d.get("rope_parameters") or {}
+    if set(rope) & set(_LAYER_TYPE_ROPES) and "rope_local_base_freq" in FAMILIES[d["model_type"]].keys:
+        settings += [(f"rope_parameters.{kind}", rope.get(kind) or {}) for kind in _LAYER_TYPE_ROPES]
+    else:
+        settings.append(("rope_parameters", rope))
+    return settings
 
 
 @dataclass
@@ -192,7 +274,11 @@ class ModelConfig:
     residual_multiplier: float
     attention_multiplier: float | None
     logits_scaling: float
-    hidden_act: str
+    # Soft caps (None: none): attention scores, before the mask, and the logits become cap * tanh(x / cap) (Gemma's)
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+    local_rope_theta: float | None  # the sliding layers' rope base where it is their own (Gemma 3's), else None
+    hidden_act: str  # silu, or gelu_pytorch_tanh (GELU's tanh approximation)
     initializer_range: float
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -205,6 +291,10 @@ class ModelConfig:
             return None
         return self.rope_scaling["original_max_position_embeddings"]
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         with open(path) as f:
@@ -213,16 +303,26 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type")
+        if model_type == "gemma3":
+            d = text_part(d)
+            model_type = d["model_type"]
         if model_type not in FAMILIES:
             raise ValueError(f"model_type={model_type!r} is not supported (supported: {sorted(FAMILIES)})")
         check_honoured(d)
         family = FAMILIES[model_type]
+        defaults = dict(family.defaults)
+        # transformers 5 keeps rope settings only in `rope_parameters` (Gemma 3's: one per layer type); older
+        # configs at top level. The family's default bases apply where neither gives one.
+        rope = dict(d.get("rope_parameters") or {})
+        local_theta = d.get("rope_local_base_freq", defaults.get("rope_local_base_freq"))
+        if "full_attention" in rope and local_theta is not None:
+            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+            rope = dict(rope["full_attention"])
+        rope_theta = d.get("rope_theta", rope.get("rope_theta", defaults.get("rope_theta", 10000.0)))
+        d = defaults | d
         attention_bias = bool(d.get("attention_bias", False))
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
-        # transformers 5 keeps rope settings only in `rope_parameters`; older configs at top level.
-        rope = dict(d.get("rope_parameters") or {})
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             scaling = dict(scaling)
@@ -238,9 +338,17 @@ class ModelConfig:
             scaling = _longrope(scaling, d, rotary_dim)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        hidden_act = d.get("hidden_act", d.get("hidden_activation", "silu"))
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only silu)")
+        # Gemma's classes read hidden_activation (their configs may hold a hidden_act too, unread)
+        act_key = "hidden_activation" if "hidden_activation" in d else "hidden_act"
+        hidden_act = d.get(act_key, "silu")
+        if hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"{act_key}={hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
+        if model_type == "granite":  # Granite's default is 1.0 (GraniteConfig's), not 1 / sqrt(head_dim)
+            attention_multiplier = float(d.get("attention_multiplier", 1.0))
+        elif "query_pre_attn_scalar" in family.keys:
+            attention_multiplier = d["query_pre_attn_scalar"] ** -0.5
+        else:
+            attention_multiplier = None
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -264,11 +372,14 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             layer_windows=layer_windows(d),
             rope_layers=rope_layers(d),
-            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+            embedding_multiplier=(hidden ** 0.5 if family.embeddings_scaled
+                                  else float(d.get("embedding_multiplier", 1.0))),
             residual_multiplier=float(d.get("residual_multiplier", 1.0)),
-            # Granite's default is 1.0 (GraniteConfig's), not 1 / sqrt(head_dim)
-            attention_multiplier=float(d.get("attention_multiplier", 1.0)) if model_type == "granite" else None,
+            attention_multiplier=attention_multiplier,
             logits_scaling=float(d.get("logits_scaling", 1.0)),
+            attn_logit_softcapping=_cap(d, "attn_logit_softcapping"),
+            final_logit_softcapping=_cap(d, "final_logit_softcapping"),
+            local_rope_theta=None if local_theta is None else float(local_theta),
             hidden_act=hidden_act,
             initializer_range=d.get("initializer_range", 0.02),
             eos_token_ids=eos_ids,
@@ -303,3 +414,13 @@ def _longrope(scaling: dict[str, Any], d: dict[str, Any], rotary_dim: int) -> di
             raise ValueError(f"rope_scaling.{key} must be a list of {rotary_dim // 2} numbers (one per rotated pair "
                              f"of dims), got {factors!r}")
     return {**scaling, "original_max_position_embeddings": original}
+
+
+def _cap(d: dict[str, Any], key: str) -> float | None:
+    """A soft cap's value (None or 0: none); ValueError naming `key` unless it is a positive number."""
+    cap = d.get(key)
+    if not cap:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or cap < 0:
+        raise ValueError(f"{key}={cap!r} must be a positive number (or null: no cap)")
+    return float(cap)

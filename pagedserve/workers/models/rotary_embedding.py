@@ -48,11 +48,13 @@ def _longrope_inv_freq(base: float, dim: int, factors: list[float]) -> torch.Ten
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, local: bool = False) -> None:
+        """`local`: the sliding layers' rope where the config gives them a base of their own (Gemma 3's
+        `local_rope_theta`, default type, no scaling)."""
         super().__init__()
         self.dim = config.rotary_dim
-        self.base = config.rope_theta
-        self.scaling = config.rope_scaling
+        self.base = config.local_rope_theta if local else config.rope_theta
+        self.scaling = None if local else config.rope_scaling
         self.max_position_embeddings = config.max_position_embeddings
         inv_freq = _inv_freq(self.base, self.dim)
         rope_type = self.scaling["rope_type"] if self.scaling else "default"

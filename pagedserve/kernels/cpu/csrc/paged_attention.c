@@ -7,7 +7,9 @@
  * same slices, the same merge. So a token's output does not depend on how it was scheduled (alone, in a
  * batch, in a prefill chunk of any size, recomputed after a preemption): a sequence gets the same bits
  * whatever else shares its steps. With a window the same holds: a token's slices and blocks follow from its own
- * position and window alone.
+ * position and window alone. A soft cap (Gemma's attn_logit_softcapping: each scaled score s becomes
+ * cap * tanh(s / cap) before the softmax) is applied to each score where it is computed, in the one copy of
+ * attend_block every token goes through, so it changes no path's bits but its own.
  *
  * A work item is a tile of up to 16 consecutive new tokens of one row (a decode row is a tile of one), or a
  * tile's single KV head when tiles are few. Each block's K and V are read once for the tile's tokens and
@@ -167,13 +169,16 @@ int paged_attention_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t 
 }
 
 /* One block's n tokens (K and V `kstride`/`vstride` floats apart) for one query token's `group` heads of one KV
- * head: their scores, the online-softmax update of acc [group, D], m and l [group], and the p.v sum. Every
+ * head: their scores (soft-capped when softcap > 0), the online-softmax update of acc [group, D], m and l [group], and the p.v sum. Every
  * token of every row goes through this one compiled copy, whatever tile it is computed in: its bits follow
  * from its own query and context alone. */
 __attribute__((noinline)) static void attend_block(const float *q, const float *k, int64_t kstride, const float *v,
                                                    int64_t vstride, int64_t n, int64_t group, int64_t D, int64_t B,
-                                                   float *scores, float *acc, float *m, float *l) {
+                                                   float softcap, float *scores, float *acc, float *m, float *l) {
     for (int64_t j = 0; j < group; j++) dot_tokens(q + j * D, k, kstride, n, D, scores + j * B);
+    if (softcap > 0.0f)
+        for (int64_t j = 0; j < group; j++)
+            for (int64_t t = 0; t < n; t++) scores[j * B + t] = softcap * tanhf(scores[j * B + t] / softcap);
     for (int64_t j = 0; j < group; j++) {
         float *s = scores + j * B, block_max = -FLT_MAX, sum = 0.0f;
         for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
@@ -201,7 +206,8 @@ __attribute__((noinline)) static void attend_block(const float *q, const float *
 static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int64_t ctx0, const void *kv,
                         int kv_dtype, int64_t elem_size, const int64_t *table, int64_t t0, int64_t t1, int64_t h0,
                         int64_t heads, int64_t group, int64_t D, int64_t B, int64_t token_stride, int64_t v_offset,
-                        int64_t num_blocks, float scale, int64_t window, float *parts, int64_t stride) {
+                        int64_t num_blocks, float scale, int64_t window, float softcap, float *parts,
+                        int64_t stride) {
     const int64_t hg = heads * group, hgd = hg * D;
     const int64_t end = ctx0 + count - 1 < t1 ? ctx0 + count - 1 : t1;  /* the last token's */
     const int64_t lo = window_start(ctx0, window), from = lo > t0 ? lo / B * B : t0;  /* the first token's */
@@ -241,7 +247,7 @@ static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int6
                 if (own <= before) continue;
                 float *part = parts + i * stride;
                 attend_block(q + i * hgd + h * group * D, k + (before - skip) * kstride, kstride,
-                             v + (before - skip) * vstride, vstride, own - before, group, D, B, scores,
+                             v + (before - skip) * vstride, vstride, own - before, group, D, B, softcap, scores,
                              part + h * group * D, part + hgd + h * group, part + hgd + hg + h * group);
             }
         }
@@ -288,7 +294,8 @@ __attribute__((noinline)) static void merge_slices(const float *parts, int64_t c
 /* Returns 0; -1 for a shape paged_attention_supports refuses; -2 when a block table names a block
  * outside the pool (nothing outside the pool is read; the output is then not valid); -3 when out of memory;
  * -4 when a row has more new tokens than context. `window` > 0: each token sees the last `window` positions
- * up to itself only (a sliding-window layer); 0: its whole context. */
+ * up to itself only (a sliding-window layer); 0: its whole context. `softcap` > 0: each scaled score s is
+ * softcap * tanh(s / softcap); 0: scores as they are. */
 int paged_attention_windowed(
     const float *query,          /* [T, Hq, D] fp32, contiguous */
     const void *kv,              /* [2, N, B, Hkv, D] one layer's pool, contiguous, of kv_dtype */
@@ -302,7 +309,8 @@ int paged_attention_windowed(
     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
     float scale,
     int num_threads,              /* torch.get_num_threads(): the kernel follows torch's setting */
-    int64_t window)               /* > 0: the sliding window's length; 0: none */
+    int64_t window,               /* > 0: the sliding window's length; 0: none */
+    float softcap)                /* > 0: the scores' soft cap; 0: none */
 {
     const int64_t group = num_q_heads / num_kv_heads, D = head_dim, B = block_size, Hkv = num_kv_heads;
     if (!paged_attention_supports(num_q_heads, num_kv_heads, head_dim, block_size)) return -1;
@@ -368,8 +376,8 @@ int paged_attention_windowed(
              * apart. */
             if (attend_range(query + at, num_q_heads * D, count, ctx0, kv, kv_dtype, elem_size,
                              block_tables + r * table_stride, sp * slice, (sp + 1) * slice, h0, heads, group, D, B,
-                             token_stride, v_offset, num_blocks, scale, window, own + (sp - s0) * tile * stride,
-                             stride)) {
+                             token_stride, v_offset, num_blocks, scale, window, softcap,
+                             own + (sp - s0) * tile * stride, stride)) {
                 #pragma omp atomic write
                 bad_block = 1;
             }
@@ -396,13 +404,13 @@ int paged_attention_windowed(
     return bad_block ? -2 : 0;
 }
 
-/* Full attention (no window): the entry the one-call decoder calls through its function pointer, whose
- * signature stays as it was. */
+/* Full attention (no window, no soft cap): the entry the one-call decoder calls through its function pointer,
+ * whose signature stays as it was. */
 int paged_attention(const float *query, const void *kv, int kv_dtype, float *out, int64_t num_rows,
                     const int64_t *cu_seqlens_q, const int64_t *context_lens, const int64_t *block_tables,
                     int64_t table_stride, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, int64_t num_blocks, float scale, int num_threads) {
     return paged_attention_windowed(query, kv, kv_dtype, out, num_rows, cu_seqlens_q, context_lens, block_tables,
                                     table_stride, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                                    num_threads, 0);
+                                    num_threads, 0, 0.0f);
 }
