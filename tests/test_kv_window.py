@@ -260,7 +260,8 @@ class WindowedBlockManagerMachine(RuleBasedStateMachine):
         for seq in self.seqs:
             computed = seq.num_computed_tokens
             assert len(seq.block_tables[0]) == len(seq.block_tables[1]) == -(-computed // BS)
-            for g, lo in ((0, 0), (1, max(0, computed - self.window))):
+            # the next query, at position `computed`, attends to computed - window + 1 on in the sliding group
+            for g, lo in ((0, 0), (1, max(0, computed - self.window + 1))):
                 for pos in range(lo, computed):
                     block = seq.block_tables[g][pos // BS]
                     assert self.kv[g][block][pos % BS] == (pos, seq.token_ids[pos]), (g, seq.seq_id, pos)
