@@ -115,6 +115,8 @@ TP_FAMILIES = {
     # q/k norms over all heads: each rank's partial mean of squares summed, its share of the weights; at 4 ranks the
     # 2 KV heads are each held twice, and counted once.
     "olmo2": ("Olmo2Config", {}, (1, 17, 70), (2, 4)),
+    # q/k norms per head: each rank normalizes its own heads by the shared weight.
+    "qwen3": ("Qwen3Config", {"head_dim": 16}, (1, 17, 70), (2,)),
     # LongRoPE over 0.75 of each head (Phi-4-mini's): 40 and 70 past original_max_position_embeddings, 1 and 9
     # within it to the end, 20 growing past it (recomputed under the long factors).
     "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 32, "partial_rotary_factor": 0.75,

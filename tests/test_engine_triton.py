@@ -55,9 +55,11 @@ def test_triton_backend_matches_transformers(tiny_model):
 
 # Families whose layers take other paths through the Triton kernels: OLMo 2's norms after each sublayer (the norm
 # kernel without a residual add) and its q/k norms over all heads; Phi-4-mini's rotation of 0.75 of each head under
-# LongRoPE (the 40-token prompt past original_max_position_embeddings, the 17-token one growing past it).
+# LongRoPE (the 40-token prompt past original_max_position_embeddings, the 17-token one growing past it); Qwen3's
+# q/k norms per head (the per-head norm kernel).
 FAMILIES = {
     "olmo2": ("Olmo2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "phi3-longrope": ("Phi3Config", {"original_max_position_embeddings": 24, "partial_rotary_factor": 0.75,
                                      "rope_scaling": {"rope_type": "longrope",
                                                       "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
