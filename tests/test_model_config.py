@@ -119,9 +119,9 @@ def test_smollm3_layers_without_rotary_embedding_are_those_transformers_skips(tm
 
 def test_olmo2_norms_sit_after_each_sublayer_and_its_qk_norms_span_all_heads(tmp_path):
     config = ModelConfig.from_dict(saved(tmp_path, transformers.Olmo2Config(**TINY)))
-    assert (config.norms, config.qk_norm, config.qk_norm_across_heads) == ("post", True, True)
+    assert (config.family.norms, config.family.qk_norm, config.family.qk_norm_across_heads) == ("post", True, True)
     llama = ModelConfig.from_dict(saved(tmp_path, transformers.LlamaConfig(**TINY)))
-    assert (llama.norms, llama.qk_norm, llama.qk_norm_across_heads) == ("pre", False, False)
+    assert (llama.family.norms, llama.family.qk_norm, llama.family.qk_norm_across_heads) == ("pre", False, False)
     d = saved(tmp_path, transformers.Olmo2Config(**TINY), mlp_bias=True)  # Olmo2MLP has no biases
     with pytest.raises(ValueError, match=r"mlp_bias \(not a setting of olmo2 models"):
         ModelConfig.from_dict(d)

@@ -82,7 +82,7 @@ def steps(num_blocks: int):
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_one_call_gives_the_modules_bits(model_type):
     model = tiny_gguf_model(model_type)
-    assert model.config.qkv_bias == (model_type == "qwen2") and model.config.qk_norm == (model_type == "qwen3")
+    assert model.config.qkv_bias == (model_type == "qwen2") and model.config.family.qk_norm == (model_type == "qwen3")
     config = model.config
     pools = [torch.zeros(config.num_layers, 2, 16, BLOCK, config.num_kv_heads, config.head_dim) for _ in range(2)]
     native = native_forward(model, pools[1], CPU)
@@ -117,12 +117,18 @@ def test_gemma_runs_through_the_modules(model_type):
 
 @pytest.mark.parametrize("change", [dict(norms="sandwich"), dict(hidden_act="gelu_pytorch_tanh"),
                                     dict(attn_logit_softcapping=50.0)], ids=lambda c: next(iter(c)))
-def test_each_gemma_difference_alone_steps_aside(change):
+def test_each_gemma_difference_alone_steps_aside(change, monkeypatch):
     """Each on an otherwise covered Llama: none is left to the driver's Llama layers by another's check."""
+    from pagedserve.workers.models import model_config
+
     model = tiny_gguf_model("llama")
     pool = torch.zeros(2, 2, 16, BLOCK, 2, 16)
     assert native_forward(model, pool, CPU) is not None
-    model.config = dataclasses.replace(model.config, **change)
+    if "norms" in change:  # the family's (`ModelConfig.family`), not the checkpoint's
+        monkeypatch.setitem(model_config.FAMILIES, "llama", dataclasses.replace(model_config.FAMILIES["llama"],
+                                                                                **change))
+    else:
+        model.config = dataclasses.replace(model.config, **change)
     assert native_forward(model, pool, CPU) is None
 
 

@@ -184,7 +184,7 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + norm + ".weight": (h,) for norm in _LAYER_NORMS[config.norms]}
+        shapes |= {p + norm + ".weight": (h,) for norm in _LAYER_NORMS[config.family.norms]}
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
@@ -197,8 +197,8 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                        p + "mlp.down_proj.bias": (h,)}
-        if config.qk_norm:  # each head's, or (OLMo 2) all heads' at once
-            q_norm, k_norm = ((q,), (kv,)) if config.qk_norm_across_heads else ((d,), (d,))
+        if config.family.qk_norm:  # each head's, or (OLMo 2) all heads' at once
+            q_norm, k_norm = ((q,), (kv,)) if config.family.qk_norm_across_heads else ((d,), (d,))
             shapes |= {p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)

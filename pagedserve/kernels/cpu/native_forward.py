@@ -99,12 +99,11 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return "layers without rotary embedding"
     if config.rotary_dim != config.head_dim:
         return "a rotary embedding over part of each head"  # decoder.c rotates whole heads
-    if config.norms != "pre" or config.qk_norm_across_heads:
-        return f"norms placed {config.norms!r} or over all heads"  # decoder.c has Llama's and Qwen3's
+    if config.family.norms != "pre" or config.family.qk_norm_across_heads:
+        # decoder.c has Llama's norms (one before each sublayer) and Qwen3's q/k norms per head
+        return f"norms placed {config.family.norms!r} or over all heads"
     if (config.embedding_multiplier, config.residual_multiplier) != (1.0, 1.0):
         return "scaled embeddings or residual adds"  # the logits' scale and cap are applied after it (compute_logits)
-    if config.norms != "pre":
-        return f"{config.norms} norms"  # its layers are Llama's: a norm before each sublayer only
     if config.hidden_act != "silu":
         return f"a {config.hidden_act} MLP"
     if config.attn_logit_softcapping is not None:

@@ -108,14 +108,14 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcapping
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.qk_norm_across_heads = config.qk_norm_across_heads
-        if config.qk_norm and config.qk_norm_across_heads:
+        self.qk_norm_across_heads = config.family.qk_norm_across_heads
+        if config.family.qk_norm and self.qk_norm_across_heads:
             # KV heads replicated across ranks (tp > num_kv_heads) are held by tp / num_kv_heads ranks each
             kv_copies = max(1, tp.size // config.num_kv_heads)
             self.q_norm = AcrossHeadsRMSNorm(self.q_size, config.num_heads * self.head_dim, config.rms_norm_eps, tp)
             self.k_norm = AcrossHeadsRMSNorm(self.kv_size, config.num_kv_heads * self.head_dim, config.rms_norm_eps,
                                              tp, kv_copies)
-        elif config.qk_norm:
+        elif config.family.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
@@ -196,15 +196,15 @@ class DecoderLayer(nn.Module):
         # Granite scales what each sublayer adds to the residual stream; the norm after it does the add
         self.residual_multiplier = config.residual_multiplier
         self.mlp = MLP(config, tp)
-        self.norms = config.norms  # where its RMSNorms sit: `Family.norms`
-        if config.norms not in ("pre", "sandwich", "post"):
-            raise ValueError(f"norms={config.norms!r} is not a placement this decoder computes (pre, sandwich, post)")
-        if config.norms != "post":
+        self.norms = norms = config.family.norms  # where its RMSNorms sit
+        if norms not in ("pre", "sandwich", "post"):
+            raise ValueError(f"norms={norms!r} is not a placement this decoder computes (pre, sandwich, post)")
+        if norms != "post":
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.norms == "sandwich":  # Gemma's: the sublayers' outputs are normalized too, before their adds
+        if norms == "sandwich":  # Gemma's: the sublayers' outputs are normalized too, before their adds
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.norms != "pre":
+        if norms != "pre":
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

@@ -262,9 +262,6 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
-    qk_norm_across_heads: bool  # the q/k norms over all heads together (OLMo 2), else each head alone (Qwen3)
-    norms: str  # where the layers' RMSNorms sit: `Family.norms`
     rotary_dim: int  # the leading dims of each head that rotary embedding rotates (head_dim but for Phi-3's partial)
     layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
     rope_layers: tuple[bool, ...]  # per layer: whether it rotates queries and keys
@@ -293,6 +290,8 @@ class ModelConfig:
 
     @property
     def family(self) -> Family:
+        """What its model_type computes beyond Llama's decoder (q/k norms, where the norms sit, ...): read from
+        here, never copied."""
         return FAMILIES[self.model_type]
 
     @classmethod
@@ -366,9 +365,6 @@ class ModelConfig:
             qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
             o_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=family.qk_norm,
-            qk_norm_across_heads=family.qk_norm_across_heads,
-            norms=family.norms,
             rotary_dim=rotary_dim,
             layer_windows=layer_windows(d),
             rope_layers=rope_layers(d),

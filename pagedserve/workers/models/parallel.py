@@ -49,9 +49,9 @@ def shard_range(name: str, tp: TPLayout, config) -> tuple[int, int, int] | None:
         return 0, tp.q_head_start * d, tp.num_heads * d
     if ".k_proj." in name or ".v_proj." in name:
         return 0, tp.kv_head_start * d, tp.num_kv_heads * d
-    if config.qk_norm_across_heads and name.endswith("q_norm.weight"):  # one weight per dim of every head
+    if config.family.qk_norm_across_heads and name.endswith("q_norm.weight"):  # one weight per dim of every head
         return 0, tp.q_head_start * d, tp.num_heads * d
-    if config.qk_norm_across_heads and name.endswith("k_norm.weight"):
+    if config.family.qk_norm_across_heads and name.endswith("k_norm.weight"):
         return 0, tp.kv_head_start * d, tp.num_kv_heads * d
     if ".gate_proj." in name or ".up_proj." in name:
         return 0, tp.rank * tp.intermediate_size, tp.intermediate_size
