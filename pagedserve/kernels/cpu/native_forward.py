@@ -105,6 +105,8 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return "scaled embeddings or residual adds"  # the logits' scale and cap are applied after it (compute_logits)
     if config.norms != "pre":
         return f"{config.norms} norms"  # its layers are Llama's: a norm before each sublayer only
+    if config.num_experts:
+        return "mixture-of-experts layers"  # decoder.c's layers have one dense MLP each
     if config.hidden_act != "silu":
         return f"a {config.hidden_act} MLP"
     if config.attn_logit_softcapping is not None:
