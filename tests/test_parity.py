@@ -386,7 +386,8 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
 @pytest.mark.parametrize("family", MOE)
 def test_moe_logprobs_match_transformers(tmp_path, family):
     """A routing error (a wrong expert, weight or renormalization) need not move a greedy token of a tiny model;
-    the logprobs of every step show it. Prompts prefilled whole and in chunks, and decoded."""
+    the logprobs of every step show it. Prompts prefilled whole and in chunks, and decoded; the checkpoint in the
+    per-expert layout transformers saves by default (Mixtral's w1/w2/w3 names) and in its own stacked one."""
     import transformers
 
     cls_name, extra = TINY[family]
@@ -396,12 +397,21 @@ def test_moe_logprobs_match_transformers(tmp_path, family):
     torch.manual_seed(96)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     decisive_routers(model)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path / "original")
+    model.save_pretrained(tmp_path / "stacked", save_original_format=False)
+    from safetensors import safe_open
+
+    layouts = {}
+    for layout in ("original", "stacked"):
+        with safe_open(tmp_path / layout / "model.safetensors", framework="pt") as f:
+            layouts[layout] = any(key.endswith("experts.gate_up_proj") for key in f.keys())
+    assert layouts == {"original": False, "stacked": True}
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    for llm_kwargs in ({}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False}):
-        outs = LLM(str(tmp_path), block_size=BS, **llm_kwargs).generate(prompts, params)
+    for layout, llm_kwargs in (("original", {}), ("original", {"max_num_batched_tokens": 24,
+                                                                "enable_prefix_caching": False}), ("stacked", {})):
+        outs = LLM(str(tmp_path / layout), block_size=BS, **llm_kwargs).generate(prompts, params)
         for prompt, out in zip(prompts, outs, strict=True):
             ref_tokens, ref_lp = hf_logprobs(model, prompt)
             assert out.outputs[0].token_ids == ref_tokens
