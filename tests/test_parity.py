@@ -51,8 +51,8 @@ TINY = {
     "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 20, "sliding_window_pattern": 2, "rope_theta": 10000.0,
                                          "rope_local_base_freq": 100.0, "query_pre_attn_scalar": 24,
                                          "final_logit_softcapping": 3.0}),
-    # Mixtures of experts, 4 or 8 experts, top-2: Mixtral's (renormalized, on every layer, here with a window) ...
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 40}),
+    # Mixtures of experts, 4 or 8 experts, top-2: Mixtral's (renormalized, on every layer) ...
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # ... Qwen3-MoE's (renormalized by norm_topk_prob; its second layer a dense MLP) ...
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                      "norm_topk_prob": True, "mlp_only_layers": [1]}),

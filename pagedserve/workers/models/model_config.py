@@ -68,7 +68,7 @@ FAMILIES = {
                       moe_renormalize=True),
     # Qwen3's layers, MoE blocks on the layers `decoder_sparse_step` picks but `mlp_only_layers`; one window for
     # all layers under use_sliding_window (its model never reads max_window_layers, which its checkpoints hold).
-    "qwen3_moe": Family(qk_norm=True, keys=_QWEN_MOE | _WINDOWS_BY_LAYER | {"attention_bias"},
+    "qwen3_moe": Family(qk_norm=True, keys=_QWEN_MOE | (_WINDOWS_BY_LAYER - {"layer_types"}) | {"attention_bias"},
                         window_on_every_layer=True),
     # Qwen2's layers (q/k/v biases as its `qkv_bias` says), MoE blocks as Qwen3-MoE's plus a shared expert, a
     # dense MLP whose output is scaled by sigmoid(shared_expert_gate) and added.
