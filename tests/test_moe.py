@@ -87,3 +87,46 @@ def test_routing_is_transformers_routers(family, norm_topk_prob):
         weights, experts = route(F.linear(x, router.weight), 3, family == "mixtral" or norm_topk_prob)
     assert torch.equal(experts, ref_experts)
     assert torch.equal(weights, ref_weights)
+
+
+@pytest.mark.parametrize("layout", ["original", "stacked"])
+def test_each_rank_loads_its_columns_of_every_expert(tmp_path, layout):
+    """Under tensor parallelism 2 each rank holds its half of every expert's intermediate dimension (gate and up
+    columns, down rows) and of the shared expert's, and the whole router, from either checkpoint layout."""
+    import transformers
+
+    from pagedserve.workers.loader import build_model, resolve_model
+    from pagedserve.workers.models.model_config import ModelConfig
+    from pagedserve.workers.models.parallel import TPLayout
+
+    config = transformers.Qwen2MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=24, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, save_original_format=layout == "original")
+    ours = ModelConfig.from_file(tmp_path / "config.json")
+    assert ours.moe_layers == (True, False)
+    moe = hf.model.layers[0].mlp
+    gate_up, down = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()  # [E, 2I, H], [E, H, I]
+    shared = moe.shared_expert
+    for rank in range(2):
+        tp = TPLayout.make(ours, rank, 2)
+        model = build_model(resolve_model(str(tmp_path)), ours, torch.float32, torch.device("cpu"), 64, tp=tp)
+        block = model.model.layers[0].mlp
+        cols = slice(rank * 8, rank * 8 + 8)
+        torch.testing.assert_close(block.experts.gate_up_proj,
+                                   torch.cat([gate_up[:, :16][:, cols], gate_up[:, 16:][:, cols]], dim=1),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(block.experts.down_proj, down[:, :, cols], rtol=0, atol=0)
+        torch.testing.assert_close(block.gate.weight, moe.gate.weight.detach(), rtol=0, atol=0)
+        shared_cols = slice(rank * 12, rank * 12 + 12)
+        shared_gate_up = torch.cat([shared.gate_proj.weight[shared_cols], shared.up_proj.weight[shared_cols]])
+        torch.testing.assert_close(block.shared_expert.gate_up_proj.weight, shared_gate_up, rtol=0, atol=0)
+        torch.testing.assert_close(block.shared_expert.down_proj.weight, shared.down_proj.weight[:, shared_cols],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(block.shared_expert_gate.weight, moe.shared_expert_gate.weight.detach(),
+                                   rtol=0, atol=0)
+        dense = model.model.layers[1].mlp  # mlp_only_layers: a dense MLP of intermediate_size
+        assert dense.gate_up_proj.weight.shape == (64, 32)
