@@ -36,6 +36,9 @@ class Family:
     # Mixture of experts: the top-k routing weights renormalized to sum to 1 (Mixtral's, always); None: as the
     # config's norm_topk_prob says (Qwen2-MoE's and Qwen3-MoE's, off by default).
     moe_renormalize: bool | None = None
+    # The routing weights kept in fp32 as the experts' outputs are weighted and summed (Mixtral's), else rounded to
+    # the model's dtype first (the Qwen families'): the same in fp32, not in bf16.
+    moe_weights_fp32: bool = False
     # Qwen2-MoE's default layer_types under use_sliding_window: every other layer (the first, third, ...) below
     # max_window_layers slides, where Qwen2's slide from max_window_layers on.
     alternate_windows: bool = False
@@ -65,7 +68,7 @@ FAMILIES = {
     # Mistral's layers with a sparse MoE block in place of every MLP: softmax over all experts, the top k
     # renormalized.
     "mixtral": Family(False, False, keys=_MOE | {"sliding_window"}, window_on_every_layer=True,
-                      moe_renormalize=True),
+                      moe_renormalize=True, moe_weights_fp32=True),
     # Qwen3's layers, MoE blocks on the layers `decoder_sparse_step` picks but `mlp_only_layers`; one window for
     # all layers under use_sliding_window (its model never reads max_window_layers, which its checkpoints hold).
     "qwen3_moe": Family(qk_norm=True, keys=_QWEN_MOE | (_WINDOWS_BY_LAYER - {"layer_types"}) | {"attention_bias"},

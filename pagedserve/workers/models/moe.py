@@ -33,14 +33,16 @@ class Gate(nn.Module):
         return F.linear(x, self.weight)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]), as transformers' routers compute them:
-    softmax over all experts in fp32, the top k, divided by their sum where `renormalize`."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          keep_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k], expert ids [T, k]), as transformers' routers compute them:
+    softmax over all experts in fp32, the top k, divided by their sum where `renormalize`; the weights then in
+    the logits' dtype unless `keep_fp32`."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+    return (weights if keep_fp32 else weights.to(logits.dtype)), experts
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
@@ -59,9 +61,10 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
             gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
             out[start:start + n] = F.linear(F.silu(gate) * up, down[e])
             start += n
-    # weights times outputs in the pairs' sorted order, then back in token order and summed over each token's k
-    # pairs, as transformers' grouped path does (so fp32 bits match where its matmuls do)
-    weighted = out * weights.reshape(-1)[order, None].to(out.dtype)
+    # weights times outputs in the pairs' sorted order (in the weights' dtype where it is wider: Mixtral's fp32),
+    # then back in token order and summed over each token's k pairs, as transformers' grouped path does (so fp32
+    # bits match where its matmuls do)
+    weighted = out * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
     return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
@@ -87,6 +90,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.tp = tp
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.weights_fp32 = config.family.moe_weights_fp32
         self.gate = Gate(config.hidden_size, config.num_experts)  # replicated on every rank
         self.experts = Experts(config, tp)
         if config.shared_expert_intermediate_size:
@@ -97,7 +101,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H], all-reduced."""
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32)
         out = self.experts(x, weights, experts)
         if self.shared_expert is not None:  # its partial sums scaled before the one all-reduce: the same sum
             shared = self.shared_expert(x, silu_mul, reduce=False)
