@@ -127,6 +127,8 @@ TP_FAMILIES = {
     # Mixtures of experts: every expert split along its intermediate dimension, the router replicated, the block's
     # output all-reduced once; Qwen2-MoE's shared expert split as a dense MLP (its second layer dense).
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, (1, 17, 70), (2,)),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "norm_topk_prob": True}, (1, 17, 70), (2,)),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                      "shared_expert_intermediate_size": 96, "mlp_only_layers": [1]},
                   (1, 17, 70), (2,)),
