@@ -87,10 +87,10 @@ def _unfused(tensors: Iterator[tuple[str, tuple[int, ...], Reader]],
             part = m.group(2) if m.group(3) is None else m.group(2)[:-2] + _MIXTRAL_EXPERT[m.group(3)]
             name = f"{m.group(1)}.mlp.{part}.weight"
         if m := _FUSED_EXPERTS.match(name):
-            inter = shape[1] // 2
+            half = shape[1] // 2
             for i, part in enumerate(("gate_proj", "up_proj")):
-                yield (f"{m.group(1)}.{part}", (shape[0], inter, shape[2]),
-                       functools.partial(_read_part_of, read, i * inter, 1))
+                yield (f"{m.group(1)}.{part}", (shape[0], half, shape[2]),
+                       functools.partial(_read_part_of, read, i * half, 1))
             continue
         m = _FUSED_IN_CHECKPOINT.match(name)
         if m is None:
