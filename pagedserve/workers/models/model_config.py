@@ -263,6 +263,8 @@ def _moe_refusals(d: dict[str, Any], num_layers: int) -> list[str]:
     step = d.get("decoder_sparse_step")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
         refused.append(f"decoder_sparse_step={step!r} (every how many layers a MoE block sits, at least 1)")
+    if experts and d.get("hidden_act", "silu") != "silu":
+        refused.append(f"hidden_act={d['hidden_act']!r} (the experts here are SiLU-gated)")
     dense = d.get("mlp_only_layers") or []
     if any(not isinstance(i, int) or not 0 <= i < (num_layers or 0) for i in dense):
         refused.append(f"mlp_only_layers={dense!r} (layer indices below num_hidden_layers={num_layers})")
