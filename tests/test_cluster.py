@@ -124,6 +124,14 @@ TP_FAMILIES = {
                                                       "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
                                                       "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}},
                       (1, 9, 20, 40, 70), (2,)),
+    # Mixtures of experts: every expert split along its intermediate dimension, the router replicated, the block's
+    # output all-reduced once; Qwen2-MoE's shared expert split as a dense MLP (its second layer dense).
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, (1, 17, 70), (2,)),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "norm_topk_prob": True}, (1, 17, 70), (2,)),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 96, "mlp_only_layers": [1]},
+                  (1, 17, 70), (2,)),
 }
 
 
@@ -143,6 +151,8 @@ def tiny_family(request, tmp_path_factory):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):  # ones would hide a rank reading another's share
                 param.normal_(1.0, 0.3)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # no near ties among experts
+                param.normal_(0.0, 0.3)
     path = tmp_path_factory.mktemp(f"{request.param}_tp")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(6)

@@ -27,7 +27,9 @@ def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
                                     transformers.Qwen2Config(**TINY), transformers.Qwen3Config(**TINY),
                                     transformers.GraniteConfig(**TINY), transformers.SmolLM3Config(**TINY),
                                     transformers.Phi3Config(**TINY), transformers.Olmo2Config(**TINY),
-                                    transformers.Gemma2Config(**TINY), transformers.Gemma3TextConfig(**TINY)],
+                                    transformers.Gemma2Config(**TINY), transformers.Gemma3TextConfig(**TINY),
+                                    transformers.MixtralConfig(**TINY), transformers.Qwen3MoeConfig(**TINY),
+                                    transformers.Qwen2MoeConfig(**TINY)],
                          ids=lambda c: c.model_type)
 def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, config):
     d = saved(tmp_path, config)
@@ -236,3 +238,67 @@ def test_a_multimodal_gemma3_checkpoint_is_read_as_its_text_model():
         ModelConfig.from_dict(d | {"text_config": d["text_config"] | {"final_logit_softcapping": 30.0}})
     with pytest.raises(ValueError, match=r"text_config.model_type='gemma2'"):
         ModelConfig.from_dict(d | {"text_config": {"model_type": "gemma2"}})
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize("config", [
+    transformers.MixtralConfig(**TINY | dict(num_hidden_layers=4), num_local_experts=4, num_experts_per_tok=2),
+    transformers.Qwen3MoeConfig(**TINY | dict(num_hidden_layers=4), **MOE, decoder_sparse_step=2),
+    transformers.Qwen3MoeConfig(**TINY | dict(num_hidden_layers=4), **MOE, mlp_only_layers=[0, 2]),
+    transformers.Qwen2MoeConfig(**TINY | dict(num_hidden_layers=4), **MOE, shared_expert_intermediate_size=24,
+                                norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3]),
+], ids=["mixtral", "qwen3_moe-step", "qwen3_moe-mlp-only", "qwen2_moe"])
+def test_moe_layers_and_sizes_are_those_transformers_builds(tmp_path, config):
+    d = saved(tmp_path, config)
+    ours = ModelConfig.from_dict(d)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    sparse = tuple(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    assert ours.moe_layers == sparse and any(sparse)
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    assert ours.num_experts == moe.experts.gate_up_proj.shape[0] == 4
+    assert ours.moe_intermediate_size == moe.experts.down_proj.shape[2]
+    assert ours.num_experts_per_tok == 2
+    shared = getattr(moe, "shared_expert", None)
+    assert ours.shared_expert_intermediate_size == (0 if shared is None else shared.down_proj.in_features)
+    assert ours.norm_topk_prob == getattr(config, "norm_topk_prob", True)  # Mixtral always renormalizes
+
+
+def test_moe_settings_it_does_not_compute_are_refused_by_name(tmp_path):
+    d = saved(tmp_path, transformers.Qwen3MoeConfig(**TINY, **MOE), num_experts_per_tok=5, decoder_sparse_step=0,
+              mlp_only_layers=[7], moe_layer_freq=2)
+    with pytest.raises(ValueError) as refused:
+        ModelConfig.from_dict(d)
+    message = str(refused.value)
+    for key in ("num_experts_per_tok=5 (", "decoder_sparse_step=0 (", "mlp_only_layers=[7] (", "moe_layer_freq ("):
+        assert key in message, key
+    # a dense family's config with experts stays refused
+    d = saved(tmp_path, transformers.MistralConfig(**TINY), num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"num_local_experts \(not a setting of mistral"):
+        ModelConfig.from_dict(d)
+    # Mixtral's renormalization is not a setting of its class
+    d = saved(tmp_path, transformers.MixtralConfig(**TINY), norm_topk_prob=False)
+    with pytest.raises(ValueError, match=r"norm_topk_prob \(not a setting of mixtral"):
+        ModelConfig.from_dict(d)
+
+
+def test_router_training_settings_change_nothing(tmp_path):
+    d = saved(tmp_path, transformers.MixtralConfig(**TINY), router_aux_loss_coef=0.02, router_jitter_noise=0.1,
+              output_router_logits=True)
+    assert ModelConfig.from_dict(d).num_experts == 8
+
+
+@pytest.mark.parametrize("config, windows", [
+    (transformers.Qwen3MoeConfig(**TINY, sliding_window=8), (None, None)),  # without use_sliding_window: none
+    (transformers.Qwen3MoeConfig(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=0), (8, 8)),
+    (transformers.Qwen2MoeConfig(**TINY), (None, None)),
+    (transformers.Qwen2MoeConfig(**TINY | dict(num_hidden_layers=4), use_sliding_window=True, sliding_window=8,
+                                 max_window_layers=3), (8, None, 8, None)),
+    (transformers.MixtralConfig(**TINY, sliding_window=8), (8, 8)),
+], ids=["qwen3_moe-off", "qwen3_moe", "qwen2_moe-off", "qwen2_moe", "mixtral"])
+def test_moe_families_layers_have_the_windows_transformers_gives_them(tmp_path, config, windows):
+    d = saved(tmp_path, config)
+    assert ModelConfig.from_dict(d).layer_windows == windows
+    d.pop("layer_types", None)  # as configs written before transformers kept them
+    assert ModelConfig.from_dict(d).layer_windows == windows

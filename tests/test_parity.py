@@ -51,7 +51,24 @@ TINY = {
     "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 20, "sliding_window_pattern": 2, "rope_theta": 10000.0,
                                          "rope_local_base_freq": 100.0, "query_pre_attn_scalar": 24,
                                          "final_logit_softcapping": 3.0}),
+    # Mixtures of experts, 4 or 8 experts, top-2: Mixtral's (renormalized, on every layer) ...
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # ... Qwen3-MoE's (renormalized by norm_topk_prob; its second layer a dense MLP) ...
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # ... and Qwen2-MoE's (not renormalized, a shared expert under its sigmoid gate; MoE on the second layer only).
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2}),
 }
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+def decisive_routers(model) -> None:
+    """Router weights large enough that no token's top k is a near tie: an initializer's tiny scores would let a
+    last-bit rounding pick another expert."""
+    for name, param in model.named_parameters():
+        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            torch.nn.init.normal_(param, std=0.3)
 
 
 def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **generate) -> list[list[int]]:
@@ -127,6 +144,8 @@ def tiny_model(request, tmp_path_factory):
         for layer in model.model.layers:  # random biases: zero ones would not test the bias path
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if request.param in MOE:
+        decisive_routers(model)
     if request.param == "olmo2":  # norm weights of ones would not tell one norm's (or one head's) weight from another
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -362,3 +381,39 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
     assert out.outputs[0].token_ids == ref_tokens
     got_lp = [e.logprob for e in out.outputs[0].logprobs]
     assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_logprobs_match_transformers(tmp_path, family):
+    """A routing error (a wrong expert, weight or renormalization) need not move a greedy token of a tiny model;
+    the logprobs of every step show it. Prompts prefilled whole and in chunks, and decoded; the checkpoint in the
+    per-expert layout transformers saves by default (Mixtral's w1/w2/w3 names) and in its own stacked one."""
+    import transformers
+
+    cls_name, extra = TINY[family]
+    config = getattr(transformers, cls_name)(vocab_size=500, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                             **extra)
+    torch.manual_seed(96)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    decisive_routers(model)
+    model.save_pretrained(tmp_path / "original")
+    model.save_pretrained(tmp_path / "stacked", save_original_format=False)
+    from safetensors import safe_open
+
+    layouts = {}
+    for layout in ("original", "stacked"):
+        with safe_open(tmp_path / layout / "model.safetensors", framework="pt") as f:
+            layouts[layout] = any(key.endswith("experts.gate_up_proj") for key in f.keys())
+    assert layouts == {"original": False, "stacked": True}
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    for layout, llm_kwargs in (("original", {}), ("original", {"max_num_batched_tokens": 24,
+                                                                "enable_prefix_caching": False}), ("stacked", {})):
+        outs = LLM(str(tmp_path / layout), block_size=BS, **llm_kwargs).generate(prompts, params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            ref_tokens, ref_lp = hf_logprobs(model, prompt)
+            assert out.outputs[0].token_ids == ref_tokens
+            got_lp = [e.logprob for e in out.outputs[0].logprobs]
+            assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

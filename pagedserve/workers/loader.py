@@ -69,6 +69,11 @@ def _has_tokenizer(d: Path) -> bool:
 
 # A checkpoint that stores them fused (Phi-3's): read as its parts, which the loader then places as any other.
 _FUSED_IN_CHECKPOINT = re.compile(r"(.*)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
+# Experts stacked and gate|up fused as transformers 5 writes them ([E, 2I, H]): read as stacked gate and up parts.
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.gate_up_proj$")
+# Mixtral's original names: block_sparse_moe for mlp; each expert's w1 (gate), w3 (up), w2 (down).
+_MIXTRAL_NAMES = re.compile(r"(.*)\.block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3))\.weight$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _unfused(tensors: Iterator[tuple[str, tuple[int, ...], Reader]],
@@ -78,6 +83,15 @@ def _unfused(tensors: Iterator[tuple[str, tuple[int, ...], Reader]],
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     for name, shape, read in tensors:
+        if m := _MIXTRAL_NAMES.match(name):
+            part = m.group(2) if m.group(3) is None else m.group(2)[:-2] + _MIXTRAL_EXPERT[m.group(3)]
+            name = f"{m.group(1)}.mlp.{part}.weight"
+        if m := _FUSED_EXPERTS.match(name):
+            half = shape[1] // 2
+            for i, part in enumerate(("gate_proj", "up_proj")):
+                yield (f"{m.group(1)}.{part}", (shape[0], half, shape[2]),
+                       functools.partial(_read_part_of, read, i * half, 1))
+            continue
         m = _FUSED_IN_CHECKPOINT.match(name)
         if m is None:
             yield name, shape, read
@@ -95,6 +109,14 @@ def _unfused(tensors: Iterator[tuple[str, tuple[int, ...], Reader]],
             first += rows
 
 
+def _read_part_of(read: Reader, first: int, part_dim: int, dim: int, start: int, stop: int) -> torch.Tensor:
+    """A part's slice along `dim`, read from the fused tensor whose entries along `part_dim` from `first` on are
+    the part's."""
+    if dim != part_dim:
+        raise ValueError("stacked experts' fused gate|up tensor is split along its intermediate dimension only")
+    return read(dim, first + start, first + stop)
+
+
 def _read_rows_from(read: Reader, first: int, dim: int, start: int, stop: int) -> torch.Tensor:
     """A part's slice, read from the fused tensor whose rows from `first` on are the part's."""
     if dim != 0:
@@ -102,11 +124,16 @@ def _read_rows_from(read: Reader, first: int, dim: int, start: int, stop: int) -
     return read(0, first + start, first + stop)
 
 
-# HF name -> (our fused parameter, which part of it). Parts are in concatenation order.
+# HF name -> (our fused parameter, which part of it). Parts are in concatenation order. A MoE block's experts are
+# stacked: one expert's tensor (`experts.<e>.gate_proj.weight`) fills its slab of `experts.gate_up_proj`; the
+# stacked parts (`experts.gate_proj`) fill theirs of every slab at once.
 _FUSED = [
     (re.compile(r"(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$"), "qkv_proj", ("q", "k", "v")),
-    (re.compile(r"(.*\.mlp)\.(gate|up)_proj\.(weight|bias)$"), "gate_up_proj", ("gate", "up")),
+    (re.compile(r"(.*\.(?:mlp|shared_expert))\.(gate|up)_proj\.(weight|bias)$"), "gate_up_proj", ("gate", "up")),
+    (re.compile(r"(.*\.experts)\.\d+\.(gate|up)_proj\.(weight)$"), "gate_up_proj", ("gate", "up")),
+    (re.compile(r"(.*\.experts)\.(gate|up)_proj()$"), "gate_up_proj", ("gate", "up")),
 ]
+_ONE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -165,7 +192,7 @@ def _text_model(tensors: Iterator[tuple[str, tuple[int, ...], Reader]]
 
 
 def _read_slice(sl, dim: int, start: int, stop: int) -> torch.Tensor:
-    return sl[start:stop] if dim == 0 else sl[:, start:stop]
+    return sl[(slice(None),) * dim + (slice(start, stop),)]
 
 
 # Each layer's RMSNorms, by where they sit (`Family.norms`)
@@ -186,9 +213,8 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes |= {p + norm + ".weight": (h,) for norm in _LAYER_NORMS[config.family.norms]}
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                   p + "mlp.down_proj.weight": (h, inter)}
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+        shapes |= _moe_shapes(config, p + "mlp.") if config.moe_layers[i] else _mlp_shapes(p + "mlp.", h, inter)
         if config.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -202,6 +228,23 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
+def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A sparse MoE block's tensors as transformers 5 writes them: the router, the experts stacked (gate|up
+    fused), and Qwen2-MoE's shared expert and its gate."""
+    h, e, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    shapes = {prefix + "gate.weight": (e, h), prefix + "experts.gate_up_proj": (e, 2 * inter, h),
+              prefix + "experts.down_proj": (e, h, inter)}
+    if config.shared_expert_intermediate_size:
+        shapes |= _mlp_shapes(prefix + "shared_expert.", h, config.shared_expert_intermediate_size)
+        shapes[prefix + "shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -239,14 +282,18 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
         if name in expected and tuple(shape) != expected[name]:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, "
                              f"the config implies {expected[name]}")
-        target, offset = name, 0
+        target, offset, expert = name, 0, None
+        if m := _ONE_EXPERT.match(name):  # one expert's: its slab of the stacked parameter
+            target, expert = f"{m.group(1)}.{m.group(3)}.weight", int(m.group(2))
         for pattern, fused, parts in _FUSED:
             if m := pattern.match(name):
-                target = f"{m.group(1)}.{fused}.{m.group(3)}"
-                offset = sum(local[p] for p in parts[: parts.index(m.group(2))])
+                target = f"{m.group(1)}.{fused}" + (f".{m.group(3)}" if m.group(3) else "")
+                offset = tp.mlp_columns(name) * parts.index(m.group(2)) if fused == "gate_up_proj" else sum(
+                    local[p] for p in parts[: parts.index(m.group(2))])
                 break
+        target = target.removesuffix(".weight") if ".experts." in target else target  # stacked: no suffix
         param = params.get(target)
-        if param is None:
+        if param is None or (expert is not None and expert >= param.shape[0]):
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.model_type} model")
         dim, start, length = shard_range(name, tp, config) or (0, 0, shape[0])
         stop = min(start + length, shape[dim])
@@ -254,7 +301,9 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
         if name.endswith("norm.weight") and config.family.norm_weight_offset:
             # Gemma's norms multiply by (1 + weight), in fp32: added here once, so every norm kernel takes them
             tensor = tensor.float() + config.family.norm_weight_offset
-        region = param.data.narrow(0, offset, length) if dim == 0 else param.data  # what this tensor fills
+        base = param.data if expert is None else param.data[expert]
+        parts_dim = 1 if base.dim() == 3 else 0  # where fused parts lie side by side: after a stacked expert dim
+        region = base.narrow(parts_dim, offset, length) if dim == parts_dim else base  # what this tensor fills
         dest = region.narrow(dim, 0, stop - start)
         if stop - start < length:  # the last vocabulary shard's padding rows
             region.narrow(dim, stop - start, length - (stop - start)).zero_()

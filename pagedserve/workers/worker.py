@@ -95,7 +95,10 @@ class Worker:
                                   self.sampler if self.rank == 0 else None,
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
         if self.config.replays_graphs(self.device.type):
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and self.model_config.num_experts:
+                # the experts' grouped loop reads each expert's token count on the host: not capturable
+                log.info("CUDA graphs are off for a mixture-of-experts model: decode steps run eagerly")
+            elif self.device.type == "cuda":
                 self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
             else:
                 log.warning("cuda_graphs=True has no effect on %s", self.device)

@@ -104,6 +104,8 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return f"norms placed {config.family.norms!r} or over all heads"
     if (config.embedding_multiplier, config.residual_multiplier) != (1.0, 1.0):
         return "scaled embeddings or residual adds"  # the logits' scale and cap are applied after it (compute_logits)
+    if config.num_experts:
+        return "mixture-of-experts layers"  # decoder.c's layers have one dense MLP each
     if config.hidden_act != "silu":
         return f"a {config.hidden_act} MLP"
     if config.attn_logit_softcapping is not None:

@@ -1,6 +1,7 @@
-"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, OLMo 2 and Gemma 2 / 3 as one decoder: their differences
-are `ModelConfig`'s values (biases, q/k norms, where the norms sit, each layer's window and rotary embedding,
-Granite's scales, Gemma's soft caps and GELU), read where each applies.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, OLMo 2, Gemma 2 / 3, Mixtral, Qwen2-MoE and Qwen3-MoE as
+one decoder: their differences are `ModelConfig`'s values (biases, q/k norms, where the norms sit, each layer's
+window and rotary embedding, Granite's scales, Gemma's soft caps and GELU, which layers have a sparse MoE block
+(`moe.py`) in place of the MLP), read where each applies.
 
 Tokens of all rows are flattened into one [T, ...] batch; attention reads and writes the
 paged KV pool through `AttentionContext`. q/k/v and gate/up projections are fused. Under
@@ -18,6 +19,7 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.backend import AttentionContext, RMSNormHeads, RMSNormRows, SiluMul
 from pagedserve.scheduler.kv_groups import kv_groups, layer_group_slots
 from pagedserve.workers.models.model_config import ModelConfig
+from pagedserve.workers.models.moe import SparseMoeBlock
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
 from pagedserve.workers.models.rotary_embedding import RotaryEmbedding
 
@@ -147,22 +149,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
+    def __init__(self, config: ModelConfig, tp: TPLayout, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: this rank's columns (None: the dense MLP's; a shared expert's has its own)."""
         super().__init__()
         self.tp = tp
-        self.intermediate_size = tp.intermediate_size
+        self.intermediate_size = tp.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
-    def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None) -> torch.Tensor:
-        """`silu_mul`: the backend's one-call SiLU gate, where the projection's output is rows it takes."""
+    def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None, reduce: bool = True) -> torch.Tensor:
+        """`silu_mul`: the backend's one-call SiLU gate, where the projection's output is rows it takes.
+        `reduce=False`: this rank's partial sums of the down projection, without its bias (a MoE block adds them
+        to its experts' before its one all-reduce)."""
         gate_up = self.gate_up_proj(x)
         if silu_mul is not None and not self.gelu and gate_up.dim() == 2:
-            return row_parallel(self.down_proj, silu_mul(gate_up), self.tp)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return row_parallel(self.down_proj, act.mul_(up), self.tp)
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)
+        return row_parallel(self.down_proj, act, self.tp) if reduce else linear_product(self.down_proj, act)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -190,12 +196,12 @@ class VocabParallelEmbedding(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPLayout, window: int | None = None, rope: bool = True,
-                 kv_group: int = 0) -> None:
+                 kv_group: int = 0, moe: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(config, tp, window, rope, kv_group)
         # Granite scales what each sublayer adds to the residual stream; the norm after it does the add
         self.residual_multiplier = config.residual_multiplier
-        self.mlp = MLP(config, tp)
+        self.mlp = SparseMoeBlock(config, tp, MLP) if moe else MLP(config, tp)  # `moe`: a sparse MoE block
         self.norms = norms = config.family.norms  # where its RMSNorms sit
         if norms not in ("pre", "sandwich", "post"):
             raise ValueError(f"norms={norms!r} is not a placement this decoder computes (pre, sandwich, post)")
@@ -247,8 +253,9 @@ class DecoderModel(nn.Module):
         self.build_ropes(config, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config, tp)
         groups = layer_group_slots(kv_groups(config.layer_windows))
-        self.layers = nn.ModuleList([DecoderLayer(config, tp, window, rope, groups[i][0]) for i, (window, rope)
-                                     in enumerate(zip(config.layer_windows, config.rope_layers, strict=True))])
+        self.layers = nn.ModuleList([
+            DecoderLayer(config, tp, window, rope, groups[i][0], moe) for i, (window, rope, moe)
+            in enumerate(zip(config.layer_windows, config.rope_layers, config.moe_layers, strict=True))])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def build_ropes(self, config: ModelConfig, max_positions: int, device: torch.device | None = None) -> None:

@@ -33,6 +33,15 @@ class Family:
     # Keys its config class holds that its model never reads: refused when set, since a checkpoint that sets one
     # means a computation transformers does not do.
     unread: frozenset[str] = frozenset()
+    # Mixture of experts: the top-k routing weights renormalized to sum to 1 (Mixtral's, always); None: as the
+    # config's norm_topk_prob says (Qwen2-MoE's and Qwen3-MoE's, off by default).
+    moe_renormalize: bool | None = None
+    # The routing weights kept in fp32 as the experts' outputs are weighted and summed (Mixtral's), else rounded to
+    # the model's dtype first (the Qwen families'): the same in fp32, not in bf16.
+    moe_weights_fp32: bool = False
+    # Qwen2-MoE's default layer_types under use_sliding_window: every other layer (the first, third, ...) below
+    # max_window_layers slides, where Qwen2's slide from max_window_layers on.
+    alternate_windows: bool = False
 
 
 _GEMMA = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
@@ -45,12 +54,31 @@ _GEMMA3_SHAPE = (("vocab_size", 262_208), ("hidden_size", 2304), ("intermediate_
                  ("max_position_embeddings", 131_072), ("rms_norm_eps", 1e-6))
 _WINDOWS_BY_LAYER = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 _BIASES = frozenset({"attention_bias", "mlp_bias"})
+# Mixtures of experts. The router's aux loss and jitter are training settings (inference never adds noise);
+# num_experts is what Mixtral's and Qwen3-MoE's classes also call num_local_experts.
+_MOE = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "output_router_logits",
+                  "router_aux_loss_coef", "router_jitter_noise"})
+_QWEN_MOE = _MOE | {"moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
 FAMILIES = {
     "llama": Family(keys=_BIASES),
     "mistral": Family(False, False, keys=frozenset({"sliding_window", "layer_types"}), window_on_every_layer=True),
     "qwen2": Family(True, False, keys=_WINDOWS_BY_LAYER, layer_types=("full_attention", "sliding_attention")),
     "qwen3": Family(qk_norm=True, keys=_WINDOWS_BY_LAYER | {"attention_bias"},
                     layer_types=("full_attention", "sliding_attention")),
+    # Mistral's layers with a sparse MoE block in place of every MLP: softmax over all experts, the top k
+    # renormalized.
+    "mixtral": Family(False, False, keys=_MOE | {"sliding_window"}, window_on_every_layer=True,
+                      moe_renormalize=True, moe_weights_fp32=True),
+    # Qwen3's layers, MoE blocks on the layers `decoder_sparse_step` picks but `mlp_only_layers`; one window for
+    # all layers under use_sliding_window (its model never reads max_window_layers, which its checkpoints hold).
+    "qwen3_moe": Family(qk_norm=True, keys=_QWEN_MOE | (_WINDOWS_BY_LAYER - {"layer_types"}) | {"attention_bias"},
+                        window_on_every_layer=True),
+    # Qwen2's layers (q/k/v biases as its `qkv_bias` says), MoE blocks as Qwen3-MoE's plus a shared expert, a
+    # dense MLP whose output is scaled by sigmoid(shared_expert_gate) and added.
+    "qwen2_moe": Family(None, False, keys=_QWEN_MOE | _WINDOWS_BY_LAYER | {"qkv_bias",
+                                                                         "shared_expert_intermediate_size"},
+                        layer_types=("full_attention", "sliding_attention"), alternate_windows=True,
+                        defaults=(("qkv_bias", True),)),
     # Llama's layers from fused checkpoints (qkv_proj, gate_up_proj: the loader reads their parts), rotary
     # embedding over the first `partial_rotary_factor` of each head; original_max_position_embeddings is LongRoPE's.
     "phi3": Family(False, False, keys=frozenset({"sliding_window", "original_max_position_embeddings",
@@ -138,17 +166,22 @@ def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     SmolLM3's, those without rotary embedding)."""
     num_layers = d["num_hidden_layers"]
     model_type = d["model_type"]
-    if FAMILIES[model_type].window_on_every_layer:
-        return (d.get("sliding_window"),) * num_layers
+    family = FAMILIES[model_type]
+    gated = "use_sliding_window" in family.keys  # windows only with use_sliding_window
+    if family.window_on_every_layer:  # Qwen3-MoE's too, under use_sliding_window
+        return (d.get("sliding_window") if not gated or d.get("use_sliding_window") else None,) * num_layers
     if "sliding_window_pattern" in dict(FAMILIES[model_type].defaults):  # Gemma's: no use_sliding_window
         pattern = d["sliding_window_pattern"]  # every pattern-th layer attends in full
         types = d.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                          for i in range(num_layers)]
         return tuple(d.get("sliding_window") if kind == "sliding_attention" else None for kind in types)
-    if "use_sliding_window" not in FAMILIES[model_type].keys or not d.get("use_sliding_window"):
+    if not gated or not d.get("use_sliding_window"):
         return (None,) * num_layers
     window = d.get("sliding_window")
-    if "no_rope_layers" in FAMILIES[model_type].keys:  # by default the layers without rotary embedding slide
+    if family.alternate_windows:
+        default = ["sliding_attention" if i % 2 == 0 and i < d.get("max_window_layers", 28) else "full_attention"
+                   for i in range(num_layers)]
+    elif "no_rope_layers" in family.keys:  # by default the layers without rotary embedding slide
         default = ["sliding_attention" if window is not None and not rope else "full_attention"
                    for rope in rope_layers(d)]
     else:
@@ -181,7 +214,8 @@ def check_honoured(d: dict[str, Any]) -> None:
     num_layers = d.get("num_hidden_layers", dict(family.defaults).get("num_hidden_layers"))
     refused = [f"{key} (not a setting of {model_type} models that this engine knows)"
                for key in sorted(set(d) - known)]
-    window = d.get("sliding_window")
+    # Qwen2-MoE's config class writes sliding_window 0 where use_sliding_window is off: unread then
+    window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         refused.append(f"sliding_window={window!r} (a number of positions, at least 1)")
     layer_types = d.get("layer_types")
@@ -197,6 +231,7 @@ def check_honoured(d: dict[str, Any]) -> None:
         refused.append(f"no_rope_layers (one 0 or 1 per layer, {num_layers} of them)")
     refused += [f"{key}={d[key]!r} (held by {model_type}'s config class, never applied by its model)"
                 for key in sorted(family.unread) if d.get(key)]
+    refused += _moe_refusals(d, num_layers)
     if d.get("use_bidirectional_attention"):
         refused.append("use_bidirectional_attention (attention here is causal)")
     for name, rope in _rope_settings(d):
@@ -212,6 +247,38 @@ def check_honoured(d: dict[str, Any]) -> None:
     if refused:
         raise ValueError(f"config of model_type={model_type!r} asks for what this engine does not compute: "
                          + "; ".join(refused))
+
+
+def _moe_refusals(d: dict[str, Any], num_layers: int) -> list[str]:
+    """What a mixture-of-experts config asks for that this engine does not compute (no experts on a MoE block,
+    more experts per token than there are, a dense layer that is not one)."""
+    refused = []
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if "num_experts" in d and "num_local_experts" in d and d["num_experts"] != d["num_local_experts"]:
+        refused.append(f"num_experts={d['num_experts']!r} and num_local_experts={d['num_local_experts']!r} (one "
+                       "count of experts, under either name)")
+    per_token = d.get("num_experts_per_tok")
+    if experts is not None and per_token is not None and not 0 < per_token <= experts:
+        refused.append(f"num_experts_per_tok={per_token!r} (between 1 and num_experts={experts})")
+    step = d.get("decoder_sparse_step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+        refused.append(f"decoder_sparse_step={step!r} (every how many layers a MoE block sits, at least 1)")
+    if experts and d.get("hidden_act", "silu") != "silu":
+        refused.append(f"hidden_act={d['hidden_act']!r} (the experts here are SiLU-gated)")
+    dense = d.get("mlp_only_layers") or []
+    if any(not isinstance(i, int) or not 0 <= i < (num_layers or 0) for i in dense):
+        refused.append(f"mlp_only_layers={dense!r} (layer indices below num_hidden_layers={num_layers})")
+    return refused
+
+
+def moe_layers(d: dict[str, Any]) -> tuple[bool, ...]:
+    """Whether each layer has a sparse MoE block in place of its MLP, as transformers' classes choose: every layer
+    (Mixtral), or those whose index + 1 is a multiple of `decoder_sparse_step` and not in `mlp_only_layers`
+    (Qwen2-MoE, Qwen3-MoE); none without experts."""
+    experts = d.get("num_experts", d.get("num_local_experts")) or 0
+    step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
+    return tuple(experts > 0 and "num_experts_per_tok" in FAMILIES[d["model_type"]].keys
+                 and i not in dense and (i + 1) % step == 0 for i in range(d["num_hidden_layers"]))
 
 
 def text_part(d: dict[str, Any]) -> dict[str, Any]:
@@ -276,6 +343,16 @@ class ModelConfig:
     final_logit_softcapping: float | None
     local_rope_theta: float | None  # the sliding layers' rope base where it is their own (Gemma 3's), else None
     hidden_act: str  # silu, or gelu_pytorch_tanh (GELU's tanh approximation)
+    # Mixture of experts (num_experts 0: none). The layers `moe_layers` marks have a sparse MoE block in place of
+    # the MLP: a router picks num_experts_per_tok of num_experts SiLU-gated experts of moe_intermediate_size per
+    # token (softmax over all, then the top k, renormalized with norm_topk_prob), plus Qwen2-MoE's shared expert
+    # (shared_expert_intermediate_size, 0: none). The other layers keep the dense MLP of intermediate_size.
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
     initializer_range: float
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -362,7 +439,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            qkv_bias=bool(d.get("qkv_bias", attention_bias)) if family.qkv_bias is None else family.qkv_bias,
             o_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             rotary_dim=rotary_dim,
@@ -377,11 +454,28 @@ class ModelConfig:
             final_logit_softcapping=_cap(d, "final_logit_softcapping"),
             local_rope_theta=None if local_theta is None else float(local_theta),
             hidden_act=hidden_act,
+            **_moe_fields(d, family),
             initializer_range=d.get("initializer_range", 0.02),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
         )
+
+
+def _moe_fields(d: dict[str, Any], family: Family) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts values (none for a dense family). Mixtral's experts are intermediate_size
+    wide, Qwen's moe_intermediate_size."""
+    layers = moe_layers(d)
+    if not any(layers):
+        return dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+                    norm_topk_prob=False, moe_layers=layers)
+    renormalize = family.moe_renormalize
+    return dict(num_experts=d.get("num_experts", d.get("num_local_experts")),
+                num_experts_per_tok=d["num_experts_per_tok"],
+                moe_intermediate_size=d.get("moe_intermediate_size", d["intermediate_size"]),
+                shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)) if renormalize is None else renormalize,
+                moe_layers=layers)
 
 
 def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int:

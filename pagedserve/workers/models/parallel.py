@@ -23,6 +23,8 @@ class TPLayout:
     intermediate_size: int  # local MLP columns
     vocab_start: int
     vocab_shard: int  # rows per rank (the last shard is padded)
+    moe_intermediate_size: int = 0  # each expert's local columns (every expert is split, as the MLP is)
+    shared_expert_intermediate_size: int = 0  # the shared expert's local columns (Qwen2-MoE's)
 
     @classmethod
     def make(cls, config, rank: int = 0, size: int = 1) -> TPLayout:
@@ -39,7 +41,17 @@ class TPLayout:
             kv_start = rank * config.num_kv_heads // size
         inter = config.intermediate_size // size
         shard = -(-config.vocab_size // size)
-        return cls(rank, size, heads, kv_heads, rank * heads, kv_start, inter, rank * shard, shard)
+        return cls(rank, size, heads, kv_heads, rank * heads, kv_start, inter, rank * shard, shard,
+                   config.moe_intermediate_size // size, config.shared_expert_intermediate_size // size)
+
+    def mlp_columns(self, name: str) -> int:
+        """The local intermediate columns of the MLP an HF tensor `name` belongs to: an expert's, the shared
+        expert's, or the dense MLP's."""
+        if ".experts." in name:
+            return self.moe_intermediate_size
+        if ".shared_expert." in name:
+            return self.shared_expert_intermediate_size
+        return self.intermediate_size
 
 
 def shard_range(name: str, tp: TPLayout, config) -> tuple[int, int, int] | None:
@@ -53,12 +65,17 @@ def shard_range(name: str, tp: TPLayout, config) -> tuple[int, int, int] | None:
         return 0, tp.q_head_start * d, tp.num_heads * d
     if config.family.qk_norm_across_heads and name.endswith("k_norm.weight"):
         return 0, tp.kv_head_start * d, tp.num_kv_heads * d
+    inter = tp.mlp_columns(name)
+    if name.endswith((".experts.gate_proj", ".experts.up_proj")):  # stacked experts [E, I, H]: their columns
+        return 1, tp.rank * inter, inter
+    if name.endswith(".experts.down_proj"):  # [E, H, I]
+        return 2, tp.rank * inter, inter
     if ".gate_proj." in name or ".up_proj." in name:
-        return 0, tp.rank * tp.intermediate_size, tp.intermediate_size
+        return 0, tp.rank * inter, inter
     if name.endswith("o_proj.weight"):
         return 1, tp.q_head_start * d, tp.num_heads * d
     if name.endswith("down_proj.weight"):
-        return 1, tp.rank * tp.intermediate_size, tp.intermediate_size
+        return 1, tp.rank * inter, inter
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, tp.vocab_start, tp.vocab_shard  # the last shard may run past the vocabulary: padding
     return None
@@ -72,8 +89,9 @@ def check_tp_size(config, size: int) -> None:
     if config.num_kv_heads % size and size % config.num_kv_heads:
         raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={config.num_kv_heads}: "
                          "one must divide the other (KV heads are split or replicated)")
-    if config.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={config.intermediate_size}")
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, key) % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide {key}={getattr(config, key)}")
 
 
 def all_reduce(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE) that takes the MLP's place on its layers.
+
+A router scores every expert per token; the top k of the softmax (renormalized where the family does) weight
+the outputs of the experts picked. `grouped_experts` computes each expert over the tokens routed to it only:
+token-expert pairs sorted by expert, one matmul per projection per expert that has tokens, the results put back
+in the pairs' order and summed per token. It is the one place a fused kernel would replace.
+
+Under tensor parallelism every expert is split along its intermediate dimension (gate/up columns, down rows) as
+the dense MLP is, the router is replicated, and the block's output (experts and shared expert together) is
+all-reduced once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.kernels.backend import SiluMul
+from pagedserve.workers.models.model_config import ModelConfig
+from pagedserve.workers.models.parallel import TPLayout, all_reduce
+
+
+class Gate(nn.Module):
+    """A linear map without bias whose weight is read as transformers' (`F.linear`), kept out of the CPU's
+    linear-layer swaps: the router's scores pick experts, and a different rounding could pick others."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          keep_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k], expert ids [T, k]), as transformers' routers compute them:
+    softmax over all experts in fp32, the top k, divided by their sum where `renormalize`; the weights then in
+    the logits' dtype unless `keep_fp32`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if keep_fp32 else weights.to(logits.dtype)), experts
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """Each token's routed experts' SiLU-gated outputs, weighted and summed: x [T, H], weights and experts [T, k],
+    gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I] -> this rank's partial sums [T, H] (x's dtype).
+    Only the tokens routed to an expert go through it."""
+    num_tokens, top_k = experts.shape
+    sorted_experts, order = torch.sort(experts.reshape(-1), stable=True)  # pairs grouped by expert  [T * k]
+    counts = torch.bincount(sorted_experts, minlength=gate_up.shape[0]).tolist()  # the group sizes, on the host
+    rows = x[order // top_k]  # each pair's token  [T * k, H]
+    out = torch.empty(num_tokens * top_k, down.shape[1], dtype=x.dtype, device=x.device)  # [T * k, H]
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            out[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+            start += n
+    # weights times outputs in the pairs' sorted order (in the weights' dtype where it is wider: Mixtral's fp32),
+    # then back in token order and summed over each token's k pairs, as transformers' grouped path does (so fp32
+    # bits match where its matmuls do)
+    weighted = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+class Experts(nn.Module):
+    """The experts' stacked weights: this rank's columns of each."""
+
+    def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
+        super().__init__()
+        inter, hidden = tp.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, inter))  # [E, H, I]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, weights, experts, self.gate_up_proj, self.down_proj)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts, and Qwen2-MoE's shared expert (a dense MLP scaled by sigmoid(shared_expert_gate))."""
+
+    def __init__(self, config: ModelConfig, tp: TPLayout, dense_mlp: type[nn.Module]) -> None:
+        super().__init__()
+        self.tp = tp
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.weights_fp32 = config.family.moe_weights_fp32
+        self.gate = Gate(config.hidden_size, config.num_experts)  # replicated on every rank
+        self.experts = Experts(config, tp)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = dense_mlp(config, tp, tp.shared_expert_intermediate_size)
+            self.shared_expert_gate = Gate(config.hidden_size, 1)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H], all-reduced."""
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32)
+        out = self.experts(x, weights, experts)
+        if self.shared_expert is not None:  # its partial sums scaled before the one all-reduce: the same sum
+            shared = self.shared_expert(x, silu_mul, reduce=False)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return all_reduce(out, self.tp)
