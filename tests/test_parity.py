@@ -75,8 +75,10 @@ def ours(llm: LLM, prompts: list[list[int]], **penalties) -> list[list[int]]:
 
 
 def pool_of(model_dir: Path, num_blocks: int) -> int:
-    """kv_cache_memory that gives exactly `num_blocks` fp32 blocks."""
-    return num_blocks * bytes_per_block(ModelConfig.from_file(model_dir / "config.json"), BS, torch.float32)
+    """kv_cache_memory of `num_blocks` fp32 blocks of all the model's layers: that many blocks of a model without
+    windows; more of the shared pool's, whose blocks span one group's layers, for a model with windows."""
+    config = ModelConfig.from_file(model_dir / "config.json")
+    return num_blocks * bytes_per_block(config, BS, torch.float32, num_layers=config.num_layers)
 
 
 def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[list[int]], small_pool: int,
