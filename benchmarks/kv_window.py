@@ -2,15 +2,16 @@
 type) against every layer holding every position (one group, as without windows).
 
 Nothing runs on a device: the block manager allocates for real (the scheduler's chunked prefill, then decode
-steps), and a sequence's memory is the blocks it holds in each group, times that group's bytes per block. Two
-layouts, bf16, 16-token blocks:
+steps), and a sequence's memory is the blocks it holds over all groups, times the shared pool's bytes per block
+(the groups hold equally many layers: a block is one page of each of a group's layers). Two layouts, bf16,
+16-token blocks:
 
 - Mistral-7B-shaped: 32 layers, 8 KV heads of 128, every layer a window of 4,096;
 - Gemma-3-shaped (12B): 48 layers, 8 KV heads of 256, five sliding layers (a window of 1,024) to one full.
 
 For each, at 8k and 32k tokens: what one sequence holds once it decodes there, bounded and full; and how many
-such sequences a 40 GiB pool holds at once, the pool split between the groups as the workers split it
-(`split_kv_budget`, which sizes a sliding group for `max_num_seqs` sequences: 256, the default, and 32).
+such sequences a 40 GiB pool holds at once, every group drawing from the one pool as the workers allocate it, up
+to `max_num_seqs` (256, the default, and 32).
 
   python benchmarks/kv_window.py [--json FILE]
 """
@@ -29,9 +30,8 @@ from environment import announce  # noqa: E402
 
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler.block_manager import BlockManager  # noqa: E402
-from pagedserve.scheduler.kv_groups import KVGroup, kv_groups  # noqa: E402
+from pagedserve.scheduler.kv_groups import KVGroup, kv_groups, layers_per_group  # noqa: E402
 from pagedserve.scheduler.request import Request, Sequence  # noqa: E402
-from pagedserve.workers.kv_pool import split_kv_budget  # noqa: E402
 
 BLOCK_SIZE = 16
 CHUNK = 8192  # the CUDA engines' default token budget per step
@@ -46,8 +46,9 @@ LAYOUTS = {
 }
 
 
-def block_bytes(group: KVGroup, kv_heads: int, head_dim: int) -> int:
-    return len(group.layers) * 2 * BLOCK_SIZE * kv_heads * head_dim * DTYPE_BYTES
+def block_bytes(groups: list[KVGroup], kv_heads: int, head_dim: int) -> int:
+    """A block of the shared pool: a page of K and V for each of a group's layers."""
+    return layers_per_group(groups) * 2 * BLOCK_SIZE * kv_heads * head_dim * DTYPE_BYTES
 
 
 def run_to(bm: BlockManager, seq: Sequence, length: int, decode: int) -> None:
@@ -66,32 +67,25 @@ def new_seq(seq_id: int, length: int) -> Sequence:
     return Sequence(seq_id, Request(f"r{seq_id}", tokens, SamplingParams(max_tokens=1)), list(tokens), 0)
 
 
-def held_bytes(bm: BlockManager, seq: Sequence, group_bytes: list[int]) -> int:
-    return sum(sum(1 for b in table if b >= pool.reserved) * nbytes
-               for table, pool, nbytes in zip(seq.block_tables, bm.pools, group_bytes, strict=True))
-
-
 def one_sequence(windows: list[int | None], kv_heads: int, head_dim: int, length: int) -> dict:
     """The bytes one sequence of `length` tokens holds with its layout's groups, once it decodes there."""
     groups = kv_groups(windows)
-    group_bytes = [block_bytes(g, kv_heads, head_dim) for g in groups]
-    bm = BlockManager([length // BLOCK_SIZE + 8] * len(groups), BLOCK_SIZE, windows=[g.window for g in groups])
+    bm = BlockManager((length // BLOCK_SIZE + 8) * len(groups), BLOCK_SIZE, windows=[g.window for g in groups])
     seq = new_seq(0, length)
     run_to(bm, seq, length, decode=64)
-    held = held_bytes(bm, seq, group_bytes)
-    per_group = [sum(1 for b in t if b >= p.reserved) for t, p in zip(seq.block_tables, bm.pools, strict=True)]
+    per_group = [sum(1 for b in table if b >= bm.pool.reserved) for table in seq.block_tables]
     bm.free(seq)
     assert bm.num_free_blocks == bm.num_total_blocks
-    return {"bytes": held, "blocks_per_group": per_group, "groups": [g.window for g in groups]}
+    return {"bytes": sum(per_group) * block_bytes(groups, kv_heads, head_dim), "blocks_per_group": per_group,
+            "groups": [(g.window, len(g.layers)) for g in groups]}
 
 
 def sequences_in_budget(windows: list[int | None], kv_heads: int, head_dim: int, length: int,
                         max_num_seqs: int) -> int:
     """How many sequences of `length` tokens a BUDGET-byte pool holds at once, each run there in turn."""
     groups = kv_groups(windows)
-    group_bytes = [block_bytes(g, kv_heads, head_dim) for g in groups]
-    counts = split_kv_budget(BUDGET, groups, group_bytes, BLOCK_SIZE, max_num_seqs, CHUNK)
-    bm = BlockManager(counts, BLOCK_SIZE, enable_prefix_caching=False, windows=[g.window for g in groups])
+    num_blocks = BUDGET // block_bytes(groups, kv_heads, head_dim)
+    bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False, windows=[g.window for g in groups])
     n = 0
     while n < max_num_seqs:
         seq = new_seq(n, length)
@@ -123,7 +117,8 @@ def main() -> None:
             print(f"{name:58} {length:>6} {bounded['bytes'] / 2**20:>12,.0f} {full['bytes'] / 2**20:>9,.0f} "
                   f"{full['bytes'] / bounded['bytes']:>5.1f}x   "
                   + "   ".join(f"{b} / {f}" for b, f in fits.values()))
-            print(f"{'':58} {'':>6} blocks per group {bounded['blocks_per_group']} (windows {bounded['groups']})")
+            print(f"{'':58} {'':>6} blocks per group {bounded['blocks_per_group']} "
+                  f"((window, layers) {bounded['groups']})")
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
 

@@ -53,7 +53,7 @@ def test_pool_errors_name_the_problem():
 def test_prefix_hit_shares_blocks_and_counts_tokens():
     bm = BlockManager(16, BS)
     a = make_seq(list(range(10)), 0)
-    assert admit(bm, a) == [[]]
+    assert admit(bm, a) == []
     compute(bm, a, 10)
     assert len(a.block_hashes) == 2  # two full blocks cached, the partial third is not
     b = make_seq(list(range(8)) + [99, 98, 97], 1)
@@ -156,8 +156,8 @@ def test_fork_then_copy_on_write_of_shared_partial_block():
     parent.token_ids.append(7)
     child.token_ids.append(8)
     copies = bm.allocate_slots(parent, 1)
-    assert copies == [[(child.block_table[1], parent.block_table[1])]]
-    assert bm.allocate_slots(child, 1) == [[]]  # now the child's block is its own
+    assert copies == [(child.block_table[1], parent.block_table[1])]
+    assert bm.allocate_slots(child, 1) == []  # now the child's block is its own
     assert parent.block_table[0] == child.block_table[0]  # full block stays shared
     bm.free(parent)
     bm.free(child)
@@ -177,7 +177,7 @@ def test_a_freed_partial_block_is_copied_not_computed_again():
     bm.free(a)
     b = make_seq(list(range(10)) + [42], 1)
     copies = admit(bm, b)
-    assert b.num_computed_tokens == 10 and copies == [[(tail_block, b.block_table[2])]] != [[(tail_block, tail_block)]]
+    assert b.num_computed_tokens == 10 and copies == [(tail_block, b.block_table[2])] != [(tail_block, tail_block)]
     assert bm.prefix_cache_hits == 10 and bm.pool.ref_count(tail_block) == 0
     for seq_id, tokens, salt in ((2, list(range(9)) + [7, 7], None), (3, list(range(10)) + [42], "other")):
         seq = make_seq(tokens, seq_id, salt)
@@ -211,9 +211,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # What each block's slots hold, as a worker would have written them: (position, token) per slot.
         self.kv: list[list[tuple[int, int] | None]] = [[None] * BS for _ in range(num_blocks)]
 
-    def run(self, seq: Sequence, copies: list[list[tuple[int, int]]], num_tokens: int) -> None:
+    def run(self, seq: Sequence, copies: list[tuple[int, int]], num_tokens: int) -> None:
         """A worker's step: the block copies, then the K/V of `num_tokens` more tokens into their slots."""
-        for src, dst in copies[0]:
+        for src, dst in copies:
             self.kv[dst] = list(self.kv[src])
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_tokens):
             self.kv[seq.block_table[pos // BS]][pos % BS] = (pos, seq.token_ids[pos])

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig
+from pagedserve.scheduler.kv_groups import blocks_held_at_most, kv_groups
 from pagedserve.workers.kv_pool import bytes_per_block
 from pagedserve.workers.models.model_config import ModelConfig
 
@@ -92,11 +94,22 @@ def ours(llm: LLM, prompts: list[list[int]], **penalties) -> list[list[int]]:
 
 
 def pool_of(model_dir: Path, num_blocks: int) -> int:
-    """kv_cache_memory that gives exactly `num_blocks` fp32 blocks."""
+    """kv_cache_memory that gives exactly `num_blocks` fp32 blocks (of the pool the KV-cache groups share, a block
+    a page of each of a group's layers)."""
     return num_blocks * bytes_per_block(ModelConfig.from_file(model_dir / "config.json"), BS, torch.float32)
 
 
-def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[list[int]], small_pool: int,
+def small_pool(model_dir: Path, prompts: list[list[int]], chunk: int, spare: int = 3) -> int:
+    """The blocks of a pool that holds the longest request alone (computed in steps of `chunk` tokens) with `spare`
+    blocks over, far from the whole batch: its blocks in every KV-cache group counted, as they share the pool (13
+    + 3 without windows)."""
+    windows = [g.window for g in kv_groups(ModelConfig.from_file(model_dir / "config.json").layer_windows)]
+    longest = max(map(len, prompts)) + NEW_TOKENS
+    needed = sum(blocks_held_at_most(w, BS, longest, chunk) for w in windows)
+    return needed + spare + any(w is not None for w in windows)  # where a group slides, the placeholder block
+
+
+def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[list[int]],
                     penalties: dict | None = None, **llm_kwargs) -> None:
     penalties = penalties or {}
     # Plain batch.
@@ -112,11 +125,17 @@ def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[li
     del llm
 
     # (a) a pool too small for the whole batch: preemption by recompute. Where every layer slides, sequences hold
-    # their windows only and the batch fits (tests/test_kv_window.py preempts those).
-    llm = LLM(str(model_dir), block_size=BS, kv_cache_memory=pool_of(model_dir, small_pool), **llm_kwargs)
+    # their windows only and the batch fits (tests/test_kv_window.py preempts those). Beside full layers, a
+    # decoding sequence's sliding groups give blocks back as often as its full ones take them: what runs short is
+    # the long prompt's prefill, so it runs in chunks beside the decodes.
+    config = ModelConfig.from_file(model_dir / "config.json")
+    windowed = any(w is not None for w in config.layer_windows)
+    kwargs = dict(llm_kwargs, max_num_batched_tokens=24) if windowed else llm_kwargs
+    chunk = EngineConfig(**kwargs).batched_tokens("cpu")
+    pool = pool_of(model_dir, small_pool(model_dir, prompts, chunk))
+    llm = LLM(str(model_dir), block_size=BS, kv_cache_memory=pool, **kwargs)
     assert ours(llm, prompts, **penalties) == expected
     stats = llm.stats()
-    config = ModelConfig.from_file(model_dir / "config.json")
     assert stats["num_preemptions"] > 0 or None not in config.layer_windows
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     del llm
@@ -163,8 +182,8 @@ def tiny_model(request, tmp_path_factory):
 
 def test_tiny_models_match_transformers(tiny_model):
     path, prompts, expected = tiny_model
-    # 16 blocks: each request fits alone (the longest needs 13), the batch needs ~45.
-    check_scenarios(path, prompts, expected, small_pool=16)
+    # Each request fits alone (the longest needs 13 blocks without windows, 3 spare), the batch needs ~45.
+    check_scenarios(path, prompts, expected)
 
 
 def test_n_greedy_samples_share_prompt_blocks_and_match(tiny_model):
@@ -207,7 +226,7 @@ def test_penalties_match_transformers(tiny_model, tmp_path, async_scheduling):
                               len(p), PENALTIES["frequency_penalty"], PENALTIES["presence_penalty"])]))[0]
                 for p in prompts]
     assert expected != hf_greedy(model, prompts)  # the penalties do change the answer
-    check_scenarios(path, prompts, expected, small_pool=16, penalties=PENALTIES, async_scheduling=async_scheduling)
+    check_scenarios(path, prompts, expected, penalties=PENALTIES, async_scheduling=async_scheduling)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +254,7 @@ def smollm2():
 @pytest.mark.slow
 def test_embedded_smollm2_matches_transformers(smollm2):
     path, prompts, expected = smollm2
-    check_scenarios(path, prompts, expected, small_pool=16)
+    check_scenarios(path, prompts, expected)
 
 
 ROPE_SCALINGS = {  # kind: (rope_scaling, max_position_embeddings)

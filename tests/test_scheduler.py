@@ -64,7 +64,7 @@ class SlotWorker:
         for index, sample in batch.deferred_inputs:
             input_ids[index] = self.last_draws[sample]
         bs = self.block_size
-        for src, dst in batch.block_copies[0]:
+        for src, dst in batch.block_copies:
             self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
         for slot, start, ids in batch.table_updates[0]:
             table = self.tables.setdefault(slot, [])
@@ -72,7 +72,7 @@ class SlotWorker:
             table[start:] = ids  # what a freed slot held before is never read, so drop it here
         assert len(set(batch.slots)) == batch.num_rows, "two rows share a slot"
         held = {b for slot in batch.slots for b in self.tables[slot]}
-        assert all(dst in held for _, dst in batch.block_copies[0]), "a copy into a block no row of the step holds"
+        assert all(dst in held for _, dst in batch.block_copies), "a copy into a block no row of the step holds"
         row_context: list[list[int]] = []
         for r in range(batch.num_rows):
             q = input_ids[batch.cu_seqlens_q[r]:batch.cu_seqlens_q[r + 1]]
@@ -204,7 +204,7 @@ def test_n_samples_fork_and_copy_on_write(ahead):
     prompt = [7, 8, 9, 10, 11, 12]  # ends mid-block: the forks share a partial block
     req = add(sched, "a", prompt, max_tokens=5, n=3)
     run(sched, worker, ahead=ahead)
-    assert any(b.block_copies[0] for b in worker.batches)
+    assert any(b.block_copies for b in worker.batches)
     assert worker.batches[0].samples[0].num_samples == 3
     for i in range(3):
         assert outputs(req)[i] == expected(prompt, 5, i)
@@ -342,7 +342,7 @@ def test_a_sequence_preempted_for_an_urgent_one_leaves_no_rows_or_copies_in_the_
     batch = step(sched, worker)
     # both samples had their rows, and the first its copy-on-write of the shared block, before the urgent
     # request (two seats) preempted them: none of it may reach the worker
-    assert rows(sched, batch) == ["urgent"] and batch.block_copies == [[]]
+    assert rows(sched, batch) == ["urgent"] and batch.block_copies == []
     assert sched.num_preemptions == 2
     run(sched, worker)
     assert outputs(low) == {i: expected([1] * 5, 6, i) for i in range(2)}

@@ -39,13 +39,13 @@ def test_profile_step_runs_on_the_worker(tiny_random, max_num_batched_tokens, ro
     engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                     kv_cache_memory="1MiB"))
     worker = engine.executor.worker
-    pool_before = worker.runner.kv_pools[0]
+    pool_before = worker.runner.kv_pool
     out = worker.profile_step()
     assert len(out.samples) == rows
     # the counts' memory for all 8 slots is allocated in the profile, even when a step holds only 5 rows
     assert worker.sampler.penalties.output_counts.shape[0] == 8
     assert all(len(s.token_ids) == 1 and len(s.top_logprobs[0]) == 20 for s in out.samples)
-    assert worker.runner.kv_pools[0] is pool_before  # the throwaway pool is not the serving one
+    assert worker.runner.kv_pool is pool_before  # the throwaway pool is not the serving one
 
 
 def test_kv_budget():

@@ -296,7 +296,7 @@ class LLMEngine:
         return {
             "num_total_blocks": bm.num_total_blocks,
             "num_free_blocks": bm.num_free_blocks,
-            "num_cached_blocks": sum(pool.num_cached_blocks for pool in bm.pools),
+            "num_cached_blocks": bm.pool.num_cached_blocks,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,

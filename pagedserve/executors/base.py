@@ -14,7 +14,7 @@ class WorkerFailure(RuntimeError):
 
 
 class Executor(Protocol):
-    num_blocks: list[int]  # per KV-cache group: the blocks every rank holds (the minimum over ranks)
+    num_blocks: int  # the blocks of the pool the KV-cache groups share, on every rank (the minimum over ranks)
     device_type: str  # where the workers compute: "cuda" or "cpu"
     takes_late_masks: bool  # whether `sample` can give a launched step its grammar masks
 

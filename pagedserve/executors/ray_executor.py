@@ -112,15 +112,15 @@ class WorkerActor:
             return s.getsockname()[1]
 
     def setup(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, max_model_len: int,
-              dist_init_method: str | None) -> tuple[list[int], str]:
-        """(KV blocks that fit in each KV-cache group's pool, the device type the worker computes on)."""
+              dist_init_method: str | None) -> tuple[int, str]:
+        """(KV blocks that fit in the shared pool, the device type the worker computes on)."""
         from pagedserve.workers.worker import Worker
 
         self.worker = Worker(config, source, model_config, max_model_len, self.rank, self.world_size,
                              dist_init_method)
         return self.worker.available_blocks, self.worker.device.type
 
-    def init_kv_pool(self, num_blocks: list[int]) -> None:
+    def init_kv_pool(self, num_blocks: int) -> None:
         self.worker.init_kv_pool(num_blocks)
 
     @ray.method(concurrency_group="steps")
@@ -201,7 +201,7 @@ class RayExecutor:
         self.workers: list = []
         self.placement_group = None  # one this executor made (and removes); never the Serve replica's
         self.compiled = None
-        self.num_blocks: list[int] = []
+        self.num_blocks = 0
         self.device_type = "cpu"
         self._start()
 
@@ -241,7 +241,7 @@ class RayExecutor:
                                                                self.max_model_len, init_method)
                                                 for w in self.workers]), strict=True)
             # Every rank must hold every block the scheduler hands out: the smallest pool wins.
-            self.num_blocks = self.num_blocks or [min(counts) for counts in zip(*capacities, strict=True)]
+            self.num_blocks = self.num_blocks or min(capacities)
             self.device_type = devices[0]
             ray.get([w.init_kv_pool.remote(self.num_blocks) for w in self.workers])
         except RayError as e:
@@ -252,7 +252,7 @@ class RayExecutor:
                 self.compiled = self._compile()
             except Exception as e:  # the plain path works everywhere; say why the fast one is off
                 log.warning("Ray compiled graph unavailable, using actor calls: %s", e)
-        log.info("%d worker actor(s) ready, %s KV blocks each, compiled graph: %s", self.world_size, self.num_blocks,
+        log.info("%d worker actor(s) ready, %d KV blocks each, compiled graph: %s", self.world_size, self.num_blocks,
                  self.compiled is not None)
 
     def _compile(self):

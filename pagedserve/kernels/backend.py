@@ -87,8 +87,9 @@ class AttentionContext:
     max_query_len: int  # host-side maxima: kernels size their launches without a device sync
     max_context_len: int
     token_seq_lens: torch.Tensor | None = None  # [T] each token's sequence length: for dynamic NTK and LongRoPE
-    # Further KV-cache groups (sliding-window layers beside full-attention ones, each group with blocks of its
-    # own): group g's slot mapping [T] and block tables [R, blocks] are more_tables[g - 1]; group 0's are above.
+    # Further KV-cache groups (sliding-window layers beside full-attention ones, each group with block tables of its
+    # own over the shared pool): group g's slot mapping [T] and block tables [R, blocks] are more_tables[g - 1];
+    # group 0's are above.
     more_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:

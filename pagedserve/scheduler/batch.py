@@ -69,8 +69,10 @@ class StepBatch:
     # [groups][updates]: (slot, start, block ids) of each KV-cache group's tables
     table_updates: list[list[tuple[int, int, list[int]]]] = field(default_factory=lambda: [[]])
     seq_ids: list[int] = field(default_factory=list)  # [num_rows]
-    # [groups][copies]: (src, dst) blocks of each KV-cache group: copy-on-write and tails, done first
-    block_copies: list[list[tuple[int, int]]] = field(default_factory=lambda: [[]])
+    # (src, dst) blocks, copy-on-write and tails, done before anything is written, every source read before any
+    # destination (a block a tail was copied from may be a later copy's destination). The groups share one block
+    # id space, so a copy moves a block's pages in every layer.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     samples: list[SampleSpec] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     deferred_inputs: list[tuple[int, int]] = field(default_factory=list)

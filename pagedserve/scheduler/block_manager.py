@@ -1,8 +1,9 @@
 """Which blocks each sequence owns: prefix-cache hits, slot allocation, copy-on-write, fork.
 
-One pool and one block table per sequence for each KV-cache group (`kv_groups.py`): a model without windows has
-one group. A sliding-window group lets go of a sequence's blocks that lie wholly before the window of the next
-token it computes, and its table holds `NULL_BLOCK` there."""
+One block table per sequence for each KV-cache group (`kv_groups.py`), all groups drawing from one shared pool: a
+model without windows has one group. A sliding-window group lets go of a sequence's blocks that lie wholly before
+the window of the next token it computes, and its table holds `NULL_BLOCK` there; any group may take that block
+next."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from pagedserve.scheduler.kv_groups import blocks_held_at_most
 from pagedserve.scheduler.request import Sequence
 
 _ROOT = b"pagedserve-root\x00"  # stands in for the parent hash of a sequence's first block
-# A sliding-window group's reserved block: what its tables hold where the window has let a block go. Never
-# allocated; a kernel may read it (masked) in a tile that starts before the window, so it must be a valid id.
+# The pool's reserved block where any group slides: what a sliding group's tables hold where the window has let a
+# block go. Never allocated; a kernel may read it (masked) in a tile that starts before the window, so it must be a
+# valid id.
 NULL_BLOCK = 0
 UNBOUNDED = 1 << 62  # a sequence length no pool limits
 
@@ -62,7 +64,8 @@ class CachedPrefix:
     """What the prefix cache holds of a sequence's tokens (`BlockManager.get_computed_blocks`): whole blocks,
     shared as they are, then perhaps the first tokens of the next block, copied from a block that holds them
     (a tail: the partial last block of a sequence that has let it go). Per KV-cache group: its blocks (a
-    sliding-window group's hold `NULL_BLOCK` before the window of the first token to compute) and its tail's."""
+    sliding-window group's hold `NULL_BLOCK` before the window of the first token to compute) and its tail's (one
+    block id space for all groups)."""
 
     blocks: list[list[int]]  # [groups][whole blocks]
     hashes: list[int] = field(default_factory=list)
@@ -75,67 +78,67 @@ class CachedPrefix:
 
 
 class BlockManager:
-    """`num_blocks` per KV-cache group (an int: one group), whose sliding `windows` (None: full attention) say
-    which blocks a sequence needs."""
+    """`num_blocks` shared by the KV-cache groups, whose sliding `windows` (one per group; None: full attention)
+    say which blocks a sequence needs. Every group's tables draw from the one pool, so a block one group lets go
+    serves any other."""
 
-    def __init__(self, num_blocks: int | Seq[int], block_size: int, enable_prefix_caching: bool = True,
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Seq[int | None] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
-        counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
-        if len(counts) != len(windows):
-            raise ValueError(f"num_blocks={num_blocks} has {len(counts)} groups' counts for {len(windows)} windows")
+        if not isinstance(num_blocks, int):
+            raise ValueError(f"num_blocks={num_blocks!r} must be one int: the groups share one pool")
         self.windows = tuple(windows)
-        self.pools = [self._new_pool(n, w) for n, w in zip(counts, self.windows, strict=True)]
+        self.pool = self._new_pool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
-    @staticmethod
-    def _new_pool(num_blocks: int, window: int | None) -> BlockPool:
-        return BlockPool(num_blocks, reserved=0 if window is None else 1)  # a window's group: NULL_BLOCK
+    def _new_pool(self, num_blocks: int) -> BlockPool:
+        sliding = any(w is not None for w in self.windows)
+        return BlockPool(num_blocks, reserved=1 if sliding else 0)  # NULL_BLOCK where a group slides
 
     def reset(self) -> None:
         """Forget every block and cached prefix (the workers' pools were rebuilt empty). No sequence may
         hold blocks; the prefix-cache counters keep counting."""
         if self.num_free_blocks != self.num_total_blocks:
             raise RuntimeError(f"reset with {self.num_total_blocks - self.num_free_blocks} KV blocks still held")
-        self.pools = [self._new_pool(p.num_blocks, w) for p, w in zip(self.pools, self.windows, strict=True)]
-
-    @property
-    def pool(self) -> BlockPool:
-        """The first group's pool (full attention where the model has any): the one the prefix router reads."""
-        return self.pools[0]
+        self.pool = self._new_pool(self.pool.num_blocks)
 
     @property
     def num_groups(self) -> int:
-        return len(self.pools)
+        return len(self.windows)
 
     @property
     def num_total_blocks(self) -> int:
-        return sum(p.num_usable_blocks for p in self.pools)
+        return self.pool.num_usable_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(p.num_free_blocks for p in self.pools)
+        return self.pool.num_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_needed_alone(self, num_tokens: int, chunk: int) -> list[int]:
-        """Per group, the most blocks one sequence of `num_tokens` tokens holds at once, computed in steps of at
-        most `chunk` tokens."""
-        return [blocks_held_at_most(w, self.block_size, num_tokens, chunk) for w in self.windows]
+    def blocks_needed_alone(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds at once over all groups, computed in steps of
+        at most `chunk` tokens."""
+        return sum(blocks_held_at_most(w, self.block_size, num_tokens, chunk) for w in self.windows)
 
     def max_seq_len(self, chunk: int) -> int:
-        """The longest sequence that fits the pools on its own, computed in steps of at most `chunk` tokens
-        (`UNBOUNDED` where only windowed groups hold it and each fits a window's span)."""
-        longest = UNBOUNDED
-        for w, pool in zip(self.windows, self.pools, strict=True):
-            if w is None or blocks_held_at_most(w, self.block_size, UNBOUNDED, chunk) > pool.num_usable_blocks:
-                longest = min(longest, pool.num_usable_blocks * self.block_size)
-        return longest
+        """The longest sequence that fits the pool on its own, computed in steps of at most `chunk` tokens
+        (`UNBOUNDED` where only windowed groups hold it and their window spans fit together)."""
+        usable, bs = self.pool.num_usable_blocks, self.block_size
+        if None in self.windows and len(set(self.windows)) == 1:  # no windows: every group holds every position
+            return usable // self.num_groups * bs
+        if self.blocks_needed_alone(UNBOUNDED, chunk) <= usable:
+            return UNBOUNDED
+        lo, hi = 0, usable  # the most whole blocks a sequence may span: blocks_needed_alone grows with it
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.blocks_needed_alone(mid * bs, chunk) <= usable else (lo, mid - 1)
+        return lo * bs
 
     def _window_start(self, window: int | None, position: int) -> int:
         """The first block a token at `position` (and every later one) reads in a group with `window`."""
@@ -150,17 +153,17 @@ class BlockManager:
         token: that token must be computed for its logits (and a full cached block is never written again, so
         the block holding it is never shared whole).
         """
-        cached = CachedPrefix([[] for _ in self.pools], block_size=self.block_size)
+        cached = CachedPrefix([[] for _ in self.windows], block_size=self.block_size)
         if not self.enable_prefix_caching:
             return cached
         bs = self.block_size
         parent = _root(seq)
-        found: list[list[int | None]] = [[] for _ in self.pools]  # [groups][blocks]: the cached block or None
+        found: list[list[int | None]] = [[] for _ in self.windows]  # [groups][blocks]: the cached block or None
         full = [g for g, w in enumerate(self.windows) if w is None]
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
-            hits = [pool.lookup(h, parent, tokens) for pool in self.pools]
+            hits = [self.pool.lookup(h, parent, tokens, g) for g in range(self.num_groups)]
             if any(hits[g] is None for g in full):
                 break  # a sliding group's miss may lie before a later prefix's window: go on
             for g, hit in enumerate(hits):
@@ -168,7 +171,7 @@ class BlockManager:
             cached.hashes.append(h)
             parent = h
         runs = [list(itertools.accumulate(found[g], lambda n, hit: 0 if hit is None else n + 1, initial=0))
-                for g in range(len(self.pools))]  # [groups][k]: cached blocks in a row just before block k
+                for g in range(self.num_groups)]  # [groups][k]: cached blocks in a row just before block k
         while cached.hashes and not self._serves(runs, len(cached.hashes)):
             cached.hashes.pop()
         num_blocks = len(cached.hashes)
@@ -191,7 +194,7 @@ class BlockManager:
         """The longest tail after `parent` that is a prefix of `tokens` in every group: each group's block."""
         n = len(tokens)
         while n > 0:
-            hits = [pool.lookup_tail(parent, tokens[:n]) for pool in self.pools]
+            hits = [self.pool.lookup_tail(parent, tokens[:n], g) for g in range(self.num_groups)]
             if None in hits:
                 return None
             shortest = min(taken for _, taken in hits)
@@ -201,52 +204,62 @@ class BlockManager:
         return None
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       cached: CachedPrefix | None = None) -> list[list[tuple[int, int]]] | None:
+                       cached: CachedPrefix | None = None) -> list[tuple[int, int]] | None:
         """Make the block tables cover `num_new_tokens` more tokens.
 
         A sliding group first lets go of the blocks its window has left. The `cached` prefix (from
         `get_computed_blocks`) is attached next: its whole blocks shared, its tail copied into a block of the
-        sequence's own. Returns each group's (src, dst) block copies the worker must do before writing, or None
-        when a pool is short, in which case nothing else changed.
+        sequence's own. Returns the (src, dst) block copies the worker must do before writing (one id space: a copy
+        moves a block's pages in every layer), or None when the pool is short for all groups together, in which
+        case nothing else changed.
         """
-        if len(seq.block_tables) != len(self.pools):
-            seq.block_tables = [[] for _ in self.pools]
-            seq.num_sent_blocks = [0] * len(self.pools)
+        if len(seq.block_tables) != self.num_groups:
+            seq.block_tables = [[] for _ in self.windows]
+            seq.num_sent_blocks = [0] * self.num_groups
         num_computed = seq.num_computed_tokens + (cached.num_tokens if cached else 0)
         if cached is None and num_new_tokens > 0 and self._steady(seq, num_computed, num_new_tokens):
-            return [[] for _ in self.pools]  # most decode steps
-        plans = []
-        for g in range(len(self.pools)):
+            return []  # most decode steps
+        for g in range(self.num_groups):
             self._release_out_of_window(seq, g, num_computed)
-            plan = self._plan(seq, g, num_computed, num_new_tokens, cached)
-            if plan is None:
-                return None
-            plans.append(plan)
-        if cached is None and not any(plans):
-            return [[] for _ in self.pools]  # most decode steps: the tokens fit the last block, the sequence's own
+        plans = [self._plan(seq, g, num_computed, num_new_tokens, cached) for g in range(self.num_groups)]
+        # Every group takes from the one free queue: the step fits only if all groups' needs fit together.
+        if sum(cost for _, _, cost in plans) > self.pool.num_free_blocks:
+            return None
+        if cached is None and not any(needed > 0 or cow for needed, cow, _ in plans):
+            return []  # most decode steps: the tokens fit the last block, the sequence's own
 
         if not any(seq.block_tables) and seq.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += cached.num_tokens if cached else 0
         if cached is not None:
             seq.block_hashes.extend(cached.hashes)
+            # Every group's hits are held before any group allocates, so that no group's allocation takes a free
+            # block another group is about to share (or copy, for a tail).
+            for g in range(self.num_groups):
+                self.pool.touch(b for b in cached.blocks[g] if _held(self.pool, b))
+                seq.block_tables[g].extend(cached.blocks[g])
+            if cached.tail is not None:
+                self.pool.touch(cached.tail[0])
         seq.num_computed_tokens = num_computed
-        return [self._apply(seq, g, cached, *plan) for g, plan in enumerate(plans)]
+        copies = [copy for g, (needed, cow, _) in enumerate(plans) for copy in self._apply(seq, g, cached, needed, cow)]
+        if cached is not None and cached.tail is not None:
+            self.pool.free(cached.tail[0])  # copied by this step, before any later step reuses the block
+        return copies
 
     def _steady(self, seq: Sequence, num_computed: int, num_new_tokens: int) -> bool:
         """Whether a step of `num_new_tokens` changes nothing in any group: its tokens fit the blocks held, the
         first of which is the sequence's own, and no block is leaving a window. The common decode step, checked
         without the plan each group would make."""
-        bs = self.block_size
+        bs, pool = self.block_size, self.pool
         last, write = (num_computed + num_new_tokens - 1) // bs, num_computed // bs
-        for pool, table, window in zip(self.pools, seq.block_tables, self.windows, strict=False):
+        for table, window in zip(seq.block_tables, self.windows, strict=False):
             if last >= len(table) or pool.blocks[table[write]].ref_count != 1:
                 return False
             if window is not None:
                 start = max(0, num_computed - window + 1) // bs
                 if start and _held(pool, table[start - 1]):
                     return False
-        return len(seq.block_tables) == len(self.pools)
+        return len(seq.block_tables) == self.num_groups
 
     def _release_out_of_window(self, seq: Sequence, g: int, num_computed: int) -> None:
         """Free group g's blocks that lie wholly before the window of the token at `num_computed` (the next to
@@ -254,46 +267,37 @@ class BlockManager:
         back stops at the first one already released."""
         table = seq.block_tables[g]
         for j in range(min(self._window_start(self.windows[g], num_computed), len(table)) - 1, -1, -1):
-            if not _held(self.pools[g], table[j]):
+            if not _held(self.pool, table[j]):
                 break
-            self.pools[g].free([table[j]])
+            self.pool.free([table[j]])
             table[j] = NULL_BLOCK
 
     def _plan(self, seq: Sequence, g: int, num_computed: int, num_new_tokens: int,
-              cached: CachedPrefix | None) -> tuple[int, bool] | None:
-        """Group g's new blocks (the tail's copy among them) and whether the block written first must be copied
-        (it is shared after a fork); None when its pool is short. () when nothing changes."""
-        pool, table = self.pools[g], seq.block_tables[g]
+              cached: CachedPrefix | None) -> tuple[int, bool, int]:
+        """Group g's new blocks (the tail's copy among them), whether the block written first must be copied (it
+        is shared after a fork), and how many free blocks that takes: those allocated, the free cached blocks it
+        revives, and a free tail block, held while its copy is allocated (so that the copy is not the block
+        itself)."""
+        pool, table = self.pool, seq.block_tables[g]
         computed_blocks = cached.blocks[g] if cached else []
         tail = cached.tail[0][g] if cached and cached.tail else None
         needed = self.blocks_for(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
         write_idx = num_computed // self.block_size
         cow = write_idx < len(table) and _held(pool, table[write_idx]) and pool.ref_count(table[write_idx]) > 1
-        if needed <= 0 and not cow and not computed_blocks and tail is None:
-            return ()
         revived = sum(1 for b in computed_blocks if _held(pool, b) and pool.ref_count(b) == 0)
-        # A free tail block is held while its copy is allocated (so that the copy is not the block itself).
         held = tail is not None and tail not in computed_blocks and pool.ref_count(tail) == 0
-        if max(needed, 0) + cow > pool.num_free_blocks - revived - held:
-            return None
-        return needed, cow
+        return needed, cow, max(needed, 0) + cow + revived + held
 
-    def _apply(self, seq: Sequence, g: int, cached: CachedPrefix | None, needed: int = 0,
-               cow: bool = False) -> list[tuple[int, int]]:
-        pool, table = self.pools[g], seq.block_tables[g]
+    def _apply(self, seq: Sequence, g: int, cached: CachedPrefix | None, needed: int,
+               cow: bool) -> list[tuple[int, int]]:
+        """Group g's new blocks and copies; the cached blocks are already in its table, the tail's source held."""
+        pool, table = self.pool, seq.block_tables[g]
         copies = []
-        if cached is not None:
-            computed_blocks = cached.blocks[g]
-            pool.touch(b for b in computed_blocks if _held(pool, b))
-            table.extend(computed_blocks)
-            if cached.tail is not None:
-                src = cached.tail[0][g]
-                pool.touch([src])
-                dst = pool.allocate().block_id
-                pool.free([src])
-                table.append(dst)
-                copies.append((src, dst))
-                needed -= 1
+        if cached is not None and cached.tail is not None:
+            dst = pool.allocate().block_id
+            table.append(dst)
+            copies.append((cached.tail[0][g], dst))
+            needed -= 1
         if cow:
             write_idx = seq.num_computed_tokens // self.block_size
             src = table[write_idx]
@@ -307,26 +311,26 @@ class BlockManager:
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full and computed. A block whose last token is still pending (a
-        step scheduled ahead computes it) waits: its hash needs that token. A block a window let go before
-        it was registered stays out of that group's cache."""
+        """Register blocks that became full and computed, each group's under (group, hash). A block whose last
+        token is still pending (a step scheduled ahead computes it) waits: its hash needs that token. A block a
+        window let go before it was registered stays out of that group's cache."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_tokens) // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else _root(seq)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
             if self.enable_prefix_caching:
-                for pool, table in zip(self.pools, seq.block_tables, strict=True):
-                    if _held(pool, table[i]):
-                        pool.cache(table[i], h, parent, tokens)
+                for g, table in enumerate(seq.block_tables):
+                    if _held(self.pool, table[i]):
+                        self.pool.cache(table[i], h, parent, tokens, g)
             seq.block_hashes.append(h)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes copy on demand."""
-        for pool, table in zip(self.pools, parent.block_tables, strict=True):
-            pool.touch(b for b in table if _held(pool, b))
+        for table in parent.block_tables:
+            self.pool.touch(b for b in table if _held(self.pool, b))
         child.block_tables = [list(table) for table in parent.block_tables]
-        child.num_sent_blocks = [0] * len(self.pools)
+        child.num_sent_blocks = [0] * self.num_groups
         child.block_hashes = list(parent.block_hashes)
         child.rope_long = parent.rope_long
         child.num_computed_tokens = parent.num_computed_tokens
@@ -338,15 +342,21 @@ class BlockManager:
         next turn of a chat) copies the block instead of computing them."""
         computed = min(seq.num_computed_tokens, seq.num_tokens)  # a pending token's K/V is not written yet
         full, partial = divmod(computed, self.block_size)
-        for pool, table in zip(self.pools, seq.block_tables, strict=False):
+        pool = self.pool
+        for g, table in enumerate(seq.block_tables):
             if (self.enable_prefix_caching and partial and full < len(table) and _held(pool, table[full])
                     and len(seq.block_hashes) >= full):
                 parent = seq.block_hashes[full - 1] if full else _root(seq)
                 start = full * self.block_size
-                pool.cache_tail(table[full], parent, seq.token_ids[start:start + partial])
-            pool.free(b for b in reversed(table) if _held(pool, b))
-        seq.block_tables = [[] for _ in self.pools]
-        seq.num_sent_blocks = [0] * len(self.pools)
+                pool.cache_tail(table[full], parent, seq.token_ids[start:start + partial], g)
+        tables = seq.block_tables
+        if len(tables) == 1:
+            pool.free(b for b in reversed(tables[0]) if _held(pool, b))
+        else:  # the shared queue gets every group's last blocks before any group's earlier ones
+            for k in range(max(map(len, tables)) - 1, -1, -1):
+                pool.free(t[k] for t in tables if k < len(t) and _held(pool, t[k]))
+        seq.block_tables = [[] for _ in self.windows]
+        seq.num_sent_blocks = [0] * self.num_groups
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 

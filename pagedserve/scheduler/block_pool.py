@@ -1,6 +1,8 @@
 """The pool of KV blocks: ref counts, the prefix-cache hash table and the LRU free queue.
 
-This is mechanism only; `BlockManager` decides which blocks a sequence gets.
+This is mechanism only; `BlockManager` decides which blocks a sequence gets. Every KV-cache group draws from the
+one pool (`kv_groups.py`), so its cache is keyed by (group, hash): the same tokens have other K/V in another
+group's layers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class Block:
     block_hash: int | None = None
     parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    group: int = 0  # the KV-cache group whose K/V the cached block (or tail) holds
     # A partial block's computed tokens, kept when the sequence that wrote them lets it go (`cache_tail`); valid
     # until the block is allocated again. None while it is no tail.
     tail: tuple[int | None, tuple[int, ...]] | None = None
@@ -27,8 +30,8 @@ class Block:
 class BlockPool:
     """Fixed set of `num_blocks` blocks. All operations are O(1) per block.
 
-    The first `reserved` blocks are never handed out nor referenced: a sliding-window group's block 0 is the
-    placeholder its block tables hold where the window has let a block go (`BlockManager`)."""
+    The first `reserved` blocks are never handed out nor referenced: with sliding-window groups, block 0 is the
+    placeholder their block tables hold where the window has let a block go (`BlockManager`)."""
 
     def __init__(self, num_blocks: int, reserved: int = 0) -> None:
         if num_blocks - reserved < 1:
@@ -40,8 +43,9 @@ class BlockPool:
         # Unreferenced blocks, least recently freed first. An OrderedDict gives O(1)
         # removal from the middle when a cached free block is hit.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
-        self._tails: dict[tuple[int | None, tuple[int, ...]], int] = {}  # (parent hash, its tokens) -> block id
+        self._cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
+        # (group, parent hash, its tokens) -> block id
+        self._tails: dict[tuple[int, int | None, tuple[int, ...]], int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,9 +60,9 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def cached_hashes(self) -> list[int]:
-        """The hash of every block the prefix cache can still hand out (referenced or free)."""
-        return list(self._cached)
+    def cached_hashes(self, group: int = 0) -> list[int]:
+        """The hash of every block of `group` the prefix cache can still hand out (referenced or free)."""
+        return [h for g, h in self._cached if g == group]
 
     def allocate(self) -> Block:
         """Take the least recently freed block; evict its cached hash only now."""
@@ -88,12 +92,13 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
-        """Cached block holding exactly these tokens after this parent, or None.
+    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+               group: int = 0) -> int | None:
+        """Cached block of `group` holding exactly these tokens after this parent, or None.
 
         The hash only finds a candidate; comparing tokens and parent rules out collisions.
         """
-        block_id = self._cached.get(block_hash)
+        block_id = self._cached.get((group, block_hash))
         if block_id is None:
             return None
         block = self.blocks[block_id]
@@ -101,21 +106,23 @@ class BlockPool:
             return None
         return block_id
 
-    def cache(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
-        """Register a full, computed block under its hash (first writer wins on duplicates)."""
+    def cache(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+              group: int = 0) -> None:
+        """Register a full, computed block of `group` under its hash (first writer wins on duplicates)."""
         block = self._get(block_id)
-        if block.block_hash is not None or block_hash in self._cached:
+        if block.block_hash is not None or (group, block_hash) in self._cached:
             return
         block.block_hash = block_hash
         block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
-        self._cached[block_hash] = block_id
+        block.group = group
+        self._cached[group, block_hash] = block_id
 
-    def cache_tail(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
+    def cache_tail(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int], group: int = 0) -> None:
         """Register the first tokens of a partial block, computed after the full block `parent_hash` (or at a
         chain's root): a later sequence with the same tokens there copies the block instead of computing them.
         First writer wins on duplicates; a block holds one tail, its latest."""
-        key = (parent_hash, tuple(token_ids))
+        key = (group, parent_hash, tuple(token_ids))
         if key in self._tails:
             return
         block = self._get(block_id)
@@ -124,11 +131,12 @@ class BlockPool:
         block.tail = key
         self._tails[key] = block_id
 
-    def lookup_tail(self, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int] | None:
-        """The block whose tail after `parent_hash` is the longest prefix of `token_ids`, and that prefix's
-        length; None when no tail is. One dict lookup per length: no scan of the tails."""
+    def lookup_tail(self, parent_hash: int | None, token_ids: Sequence[int],
+                    group: int = 0) -> tuple[int, int] | None:
+        """The block of `group` whose tail after `parent_hash` is the longest prefix of `token_ids`, and that
+        prefix's length; None when no tail is. One dict lookup per length: no scan of the tails."""
         for n in range(len(token_ids), 0, -1):
-            block_id = self._tails.get((parent_hash, tuple(token_ids[:n])))
+            block_id = self._tails.get((group, parent_hash, tuple(token_ids[:n])))
             if block_id is not None:
                 return block_id, n
         return None
@@ -138,7 +146,7 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
-            del self._cached[block.block_hash]
+            del self._cached[block.group, block.block_hash]
             block.block_hash = None
             block.parent_hash = None
             block.token_ids = ()
@@ -161,7 +169,7 @@ class BlockPool:
         assert len(free) + len(used) == self.num_usable_blocks, "free + used != total"
         assert all(b.ref_count == 0 and b.block_hash is None and b.tail is None
                    for b in self.blocks[:self.reserved]), "a reserved block was used"
-        for h, block_id in self._cached.items():
-            assert self.blocks[block_id].block_hash == h
+        for (g, h), block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == h and self.blocks[block_id].group == g
         for key, block_id in self._tails.items():
-            assert self.blocks[block_id].tail == key and 0 < len(key[1])
+            assert self.blocks[block_id].tail == key and 0 < len(key[2])

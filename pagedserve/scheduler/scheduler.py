@@ -97,12 +97,12 @@ class Scheduler:
             raise ValueError(
                 f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {total} "
                 f"positions, more than max_model_len={self.max_model_len}")
-        # One sequence must fit each group's pool on its own; preemption makes room for it then.
-        for needed, pool in zip(bm.blocks_needed_alone(total, self.max_num_batched_tokens), bm.pools, strict=True):
-            if needed > pool.num_usable_blocks:
-                raise ValueError(
-                    f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {needed} KV "
-                    f"blocks, more than the pool's {pool.num_usable_blocks}: the request can never fit")
+        # One sequence must fit the pool on its own (all groups' blocks); preemption makes room for it then.
+        needed = bm.blocks_needed_alone(total, self.max_num_batched_tokens)
+        if needed > bm.num_total_blocks:
+            raise ValueError(
+                f"max_tokens={request.max_tokens} with a {num_prompt}-token prompt needs {needed} KV "
+                f"blocks, more than the pool's {bm.num_total_blocks}: the request can never fit")
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request now and free its blocks. Unknown ids are ignored (it may have just ended)."""
@@ -141,7 +141,7 @@ class Scheduler:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
-        copies: list[list[tuple[int, int]]] = [[] for _ in range(bm.num_groups)]  # per KV-cache group
+        copies: list[tuple[int, int]] = []  # (src, dst) blocks, for the workers to copy first
         preempted = False
 
         i = 0
@@ -165,8 +165,7 @@ class Scheduler:
                     break
             if seq_copies is None:
                 break
-            if any(seq_copies):
-                _add_copies(copies, seq_copies)
+            copies += seq_copies
             scheduled.append((seq, num_new))
             budget -= num_new
             i += 1
@@ -197,8 +196,8 @@ class Scheduler:
                         del scheduled[j]
                         budget += n
                         break
-                copies = [[c for c in group if c[1] not in table]
-                          for group, table in zip(copies, victim.block_tables, strict=False)]
+                victim_blocks = set().union(*victim.block_tables)
+                copies = [c for c in copies if c[1] not in victim_blocks]
                 self._preempt(victim)
                 continue
             self.waiting.popleft()
@@ -207,8 +206,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)
-            if any(seq_copies):
-                _add_copies(copies, seq_copies)
+            copies += seq_copies
             scheduled.append((seq, num_new))
             budget -= num_new
 
@@ -216,9 +214,9 @@ class Scheduler:
             return None
         return self._make_batch(scheduled, copies)
 
-    def _make_batch(self, scheduled: list[tuple[Sequence, int]], copies: list[list[tuple[int, int]]]) -> StepBatch:
+    def _make_batch(self, scheduled: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> StepBatch:
         batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies,
-                          table_updates=[[] for _ in copies])
+                          table_updates=[[] for _ in range(self.block_manager.num_groups)])
         for row, (seq, num_new) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + num_new
@@ -452,12 +450,6 @@ POLICIES = ("fcfs", "priority")
 def _urgency(seq: Sequence) -> tuple[int, int, int]:
     """The "priority" policy's order: the request's priority (lower first), then the order requests came."""
     return seq.request.params.priority, seq.request.arrival, seq.sample_index
-
-
-def _add_copies(copies: list[list[tuple[int, int]]], seq_copies: list[list[tuple[int, int]]]) -> None:
-    """Add a sequence's block copies to the step's, group by group."""
-    for group, more in zip(copies, seq_copies, strict=True):
-        group.extend(more)
 
 
 def _seqs_to_come(seq: Sequence) -> int:

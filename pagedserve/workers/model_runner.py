@@ -12,7 +12,7 @@ from pagedserve.kernels.cpu.native_forward import native_forward
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
-from pagedserve.workers.kv_pool import layer_caches
+from pagedserve.workers.kv_pool import layer_caches, model_kv_groups
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
 from pagedserve.workers.tensors import host_tensor, on_device, on_device_packed
@@ -30,8 +30,8 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     ctx: AttentionContext
     sample_rows: torch.Tensor  # [S] the row of each SampleSpec
-    # Per KV-cache group: (src [C], dst [C]), blocks copied before the forward (copy-on-write, tails)
-    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    # (src [C], dst [C]): blocks copied before the forward (copy-on-write, tails), in every layer
+    copies: tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -45,24 +45,25 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pools: list[torch.Tensor], backend: AttentionBackend, block_size: int,
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend, block_size: int,
                  sampler: Sampler | None, share_draws: bool = False) -> None:
         self.model = model
-        self.kv_pools = kv_pools  # per KV-cache group: [its layers, 2, N, B, Hkv, D]
-        self.kv_caches = layer_caches(model.config, kv_pools)  # per layer: its view of its group's pool
+        self.kv_pool = kv_pool  # [layers_per_group, 2, N, B, Hkv, D], shared by the KV-cache groups
+        self.kv_caches = layer_caches(model.config, kv_pool)  # per layer: its [2, N, B, Hkv, D] tensor
+        self.num_groups = len(model_kv_groups(model.config))
         self.backend = backend
         self.block_size = block_size
         self.sampler = sampler  # None on tensor-parallel ranks other than 0: they return no tokens
         # Tensor parallelism with async scheduling: every rank fills the next step's deferred inputs, so rank 0
         # broadcasts each step's draws to the others.
         self.share_draws = share_draws
-        self.device = kv_pools[0].device
+        self.device = kv_pool.device
         self.seq_len_rope = model.model.rope.needs_seq_lens  # dynamic NTK, LongRoPE: frequencies by sequence length
         self.decode_graphs: DecodeGraphs | None = None
         self.last_tokens: torch.Tensor | None = None  # [D] the last step's draws, for the next one's deferred inputs
-        self.block_tables = [BlockTables(self.device) for _ in kv_pools]  # per KV-cache group
+        self.block_tables = [BlockTables(self.device) for _ in range(self.num_groups)]  # per KV-cache group
         # None: the modules run the layers (always for a model with windows, which the native one leaves them)
-        self.native_forward = native_forward(model, kv_pools[0], backend) if len(kv_pools) == 1 else None
+        self.native_forward = native_forward(model, kv_pool, backend) if self.num_groups == 1 else None
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -70,7 +71,7 @@ class ModelRunner:
             log.warning("decode CUDA graphs are off: the rotary embedding (dynamic NTK, LongRoPE) depends on each "
                         "step's lengths")
             return
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, len(self.kv_pools), self.backend,
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.num_groups, self.backend,
                                           self.block_size, max_num_seqs, max_model_len, capture)
 
     def execute(self, batch: StepBatch, late_masks: list[bytes | None] | None = None) -> StepOutput | None:
@@ -82,9 +83,9 @@ class ModelRunner:
         runs, and queue the next step behind it. A batch with `late_masks` draws with `late_masks` (the
         masks of those samples) when given, else it stops before drawing until `sample` gives them."""
         inputs = self.prepare(batch)
-        for pool, group_copies, (src, dst) in zip(self.kv_pools, batch.block_copies, inputs.copies, strict=True):
-            if group_copies:
-                pool[:, :, dst] = pool[:, :, src]
+        if batch.block_copies:
+            src, dst = inputs.copies
+            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]  # every source gathered before any write
         ctx = inputs.ctx
         if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
@@ -182,30 +183,29 @@ class ModelRunner:
         deferred_index = [i for i, _ in batch.deferred_inputs]
         deferred_source = [s for _, s in batch.deferred_inputs]
         seq_lens = (batch.seq_lens or batch.context_lens) if self.seq_len_rope else []  # [R] or none
-        # Per KV-cache group: its table entries (slots, columns, ids) and copies (src, dst), five lists each.
-        num_groups = len(self.kv_pools)
-        if len(batch.table_updates) != num_groups or len(batch.block_copies) != num_groups:
-            raise ValueError(f"the step's table_updates and block_copies hold {len(batch.table_updates)} and "
-                             f"{len(batch.block_copies)} KV-cache groups, the pools {num_groups}")
+        # Per KV-cache group: its table entries (slots, columns, ids), three lists each.
+        num_groups = self.num_groups
+        if len(batch.table_updates) != num_groups:
+            raise ValueError(f"the step's table_updates hold {len(batch.table_updates)} KV-cache groups, the model "
+                             f"{num_groups}")
         entries = [table_entries(updates) for updates in batch.table_updates]
-        group_lists = [lst for (e_slots, e_cols, e_ids, _), copies in zip(entries, batch.block_copies, strict=True)
-                       for lst in (e_slots, e_cols, e_ids, [s for s, _ in copies], [d for _, d in copies])]
+        group_lists = [lst for e_slots, e_cols, e_ids, _ in entries for lst in (e_slots, e_cols, e_ids)]
         (positions, row_of_token, cu, context_lens, input_ids, slots, deferred_index, deferred_source, sample_rows,
-         seq_lens, *group_tensors) = on_device_packed(self.device, [
+         seq_lens, copy_src, copy_dst, *group_tensors) = on_device_packed(self.device, [
             positions, row_of_token, cu, context_lens, batch.input_ids, batch.slots, deferred_index, deferred_source,
-            [s.row for s in batch.samples], seq_lens, *group_lists])
+            [s.row for s in batch.samples], seq_lens, [s for s, _ in batch.block_copies],
+            [d for _, d in batch.block_copies], *group_lists])
         # From here on every tensor is the device's.
         bs = self.block_size
         max_context_len = max(batch.context_lens)
         shape = (max(batch.slots) + 1, -(-max_context_len // bs))
-        tables, copies = [], []
+        tables = []
         for g in range(num_groups):
-            e_slots, e_cols, e_ids, src, dst = group_tensors[5 * g:5 * g + 5]
+            e_slots, e_cols, e_ids = group_tensors[3 * g:3 * g + 3]
             self.block_tables[g].write(entries[g][3], e_slots, e_cols, e_ids)
             block_tables = self.block_tables[g].rows(slots, shape)  # [R, blocks]
             slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs  # [T]
             tables.append((slot_mapping, block_tables))
-            copies.append((src, dst))
         ctx = AttentionContext(
             backend=self.backend,
             slot_mapping=tables[0][0],
@@ -221,4 +221,4 @@ class ModelRunner:
             if self.last_tokens is None:
                 raise RuntimeError("the step has deferred inputs but the step before it drew no tokens")
             input_ids[deferred_index] = self.last_tokens[deferred_source]
-        return StepInputs(input_ids, positions, ctx, sample_rows, copies)
+        return StepInputs(input_ids, positions, ctx, sample_rows, (copy_src, copy_dst))

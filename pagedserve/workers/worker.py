@@ -16,13 +16,7 @@ from pagedserve.kernels.cpu import quant_linear
 from pagedserve.kernels.cpu.packed_linear import can_pack, pack_linears
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
-from pagedserve.workers.kv_pool import (
-    allocate_kv_pools,
-    bytes_per_block,
-    model_kv_groups,
-    parse_memory,
-    split_kv_budget,
-)
+from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, model_kv_groups, parse_memory
 from pagedserve.workers.loader import ModelSource, build_model
 from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models.model_config import ModelConfig
@@ -38,8 +32,8 @@ PACK_BATCH_HINT = 16
 class Worker:
     """Rank `rank` of a tensor-parallel group of `world_size` (1: a plain single-device worker).
 
-    Two-phase start: the constructor loads the model shard and measures how many KV blocks fit in each
-    KV-cache group's pool (`available_blocks`); the engine takes the minimum over ranks and calls `init_kv_pool`.
+    Two-phase start: the constructor loads the model shard and measures how many KV blocks fit in the pool the
+    KV-cache groups share (`available_blocks`); the engine takes the minimum over ranks and calls `init_kv_pool`.
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
@@ -86,12 +80,12 @@ class Worker:
         self.available_blocks = self._count_blocks()
         self.runner: ModelRunner | None = None
 
-    def init_kv_pool(self, num_blocks: list[int]) -> None:
-        """The pools of `num_blocks` blocks, one count per KV-cache group."""
+    def init_kv_pool(self, num_blocks: int) -> None:
+        """The pool of `num_blocks` blocks, shared by the KV-cache groups."""
         self.runner = None  # release a previous pool before allocating its replacement (no 2x peak)
-        kv_pools = allocate_kv_pools(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
-                                     self.tp.num_kv_heads)
-        self.runner = ModelRunner(self.model, kv_pools, self.backend, self.config.block_size,
+        kv_pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
+                                   self.tp.num_kv_heads)
+        self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
                                   self.sampler if self.rank == 0 else None,
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
         if self.config.replays_graphs(self.device.type):
@@ -102,9 +96,8 @@ class Worker:
                 self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
             else:
                 log.warning("cuda_graphs=True has no effect on %s", self.device)
-        log.info("rank %d KV pool: %s blocks of %d tokens (%.1f MiB) on %s", self.rank,
-                 " + ".join(map(str, num_blocks)), self.config.block_size,
-                 sum(p.numel() * p.element_size() for p in kv_pools) / 2**20, self.device)
+        log.info("rank %d KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
+                 self.config.block_size, kv_pool.numel() * kv_pool.element_size() / 2**20, self.device)
 
     def execute(self, batch: StepBatch, late_masks: list[bytes | None] | None = None) -> StepOutput | None:
         """Every rank runs the step; rank 0 returns the sampled tokens, the others None."""
@@ -122,22 +115,18 @@ class Worker:
     def collect(self, step: LaunchedStep) -> StepOutput | None:
         return self.runner.collect(step)
 
-    def _count_blocks(self) -> list[int]:
-        """How many blocks each KV-cache group's pool gets from the KV budget (`split_kv_budget`)."""
-        groups = model_kv_groups(self.model_config)
-        group_bytes = [bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp.num_kv_heads,
-                                       len(group.layers)) for group in groups]
-        per_block = sum(group_bytes)
+    def _count_blocks(self) -> int:
+        """How many blocks of the shared pool the KV budget holds."""
+        sliding = any(group.window is not None for group in model_kv_groups(self.model_config))
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp.num_kv_heads)
         if self.config.kv_cache_memory is not None:
             budget = parse_memory(self.config.kv_cache_memory)
         elif self.device.type == "cuda":
             budget = self._cuda_budget()
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-        num_blocks = split_kv_budget(max(0, budget), groups, group_bytes, self.config.block_size,
-                                     self.config.max_num_seqs, self.config.batched_tokens(self.device.type))
-        # A sliding group's pool reserves a placeholder block besides those sequences hold
-        if any(n - (group.window is not None) < 1 for n, group in zip(num_blocks, groups, strict=True)):
+        num_blocks = max(0, budget) // per_block
+        if num_blocks - sliding < 1:  # with sliding groups the pool reserves a placeholder block
             source = (f"kv_cache_memory={self.config.kv_cache_memory!r}" if self.config.kv_cache_memory is not None
                       else f"gpu_memory_utilization={self.config.gpu_memory_utilization} (after the weights and "
                       "a profiled step; lower max_num_batched_tokens or max_num_seqs to shrink the step)")
@@ -169,9 +158,9 @@ class Worker:
         batch = profile_batch(self.config.batched_tokens(self.device.type), self.config.max_num_seqs,
                               self.config.block_size, num_groups)
         num_blocks = sum(len(ids) for _, _, ids in batch.table_updates[0])
-        pools = allocate_kv_pools(self.model_config, [num_blocks] * num_groups, self.config.block_size, self.dtype,
-                                  self.device, self.tp.num_kv_heads)
-        runner = ModelRunner(self.model, pools, self.backend, self.config.block_size,
+        pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
+                                self.tp.num_kv_heads)
+        runner = ModelRunner(self.model, pool, self.backend, self.config.block_size,
                              self.sampler if self.rank == 0 else None)
         return runner.execute(batch)
 
@@ -188,7 +177,8 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_group
     logprobs). The penalties make the sampler allocate its counts up to its rows' slots, memory that stays
     and is so counted in the profile: the rows take the last slots, so that the counts cover all
     max_num_seqs slots the scheduler may hand out, even when a step holds fewer rows than that. Its
-    sequence ids are negative: no real sequence's counts are these. Every KV-cache group gets the same tables."""
+    sequence ids are negative: no real sequence's counts are these. Every KV-cache group gets the same tables (the
+    groups then write the same pages of the throwaway pool: its values are never read as anyone's)."""
     from pagedserve.sampling_params import SamplingParams
 
     rows = max(1, min(max_num_seqs, num_tokens))
@@ -205,7 +195,7 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_group
     samples = [SampleSpec(seq_id=-1 - r, row=r, num_samples=1, sample_index=0, output_len=0, params=costly,
                           prompt_token_ids=[0] * n, output_token_ids=[]) for r, n in enumerate(row_len)]
     return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=slots,
-                     table_updates=[updates] * num_groups, block_copies=[[] for _ in range(num_groups)],
+                     table_updates=[updates] * num_groups, block_copies=[],
                      samples=samples)
 
 
