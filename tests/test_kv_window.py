@@ -578,16 +578,10 @@ ENGINE_POOLS = {"mistral-window": 8, "qwen2-window": 48}
 def windowed_model(request, tmp_path_factory):
     """A tiny Mistral (a window of 12 on every layer) and Qwen2 (40 on two of three layers), with prompts and 48
     new tokens that run far past their windows, and transformers' greedy tokens for them."""
-    import transformers
+    from tests.test_parity import PROMPT_LENS, hf_greedy, tiny_hf_model
 
-    from tests.test_parity import PROMPT_LENS, TINY, hf_greedy
-
-    cls_name, extra = TINY[request.param]
-    config = getattr(transformers, cls_name)(
-        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, **extra)
-    torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = tiny_hf_model(request.param)
+    config = model.config
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)

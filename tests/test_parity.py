@@ -149,16 +149,22 @@ def check_scenarios(model_dir: Path, prompts: list[list[int]], expected: list[li
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-@pytest.fixture(scope="module", params=sorted(TINY))
-def tiny_model(request, tmp_path_factory):
+def tiny_hf_model(name: str):
+    """The TINY family `name`'s model as transformers makes it: 3 layers, random fp32 weights of a fixed seed."""
     import transformers
 
-    cls_name, extra = TINY[request.param]
+    cls_name, extra = TINY[name]
     config = getattr(transformers, cls_name)(
         vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, **extra)
     torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny_model(request, tmp_path_factory):
+    model = tiny_hf_model(request.param)
+    config = model.config
     if request.param.startswith("qwen2"):
         for layer in model.model.layers:  # random biases: zero ones would not test the bias path
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
