@@ -4,7 +4,13 @@
 # 5. On an H200, on a cold Triton cache: correctness 3 (its tests and parity runs side by side), host under 2,
 # profile under 2.
 #
-#   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA, kernel benchmark, HF parity
+#   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA (sliding windows, soft caps, KV
+#                                              # groups, experts), kernel benchmark, HF parity
+#   bash benchmarks/gpu_check.sh nano          # nano-vllm's benchmark (Qwen3-0.6B shape, its 256 requests) beside
+#                                              # HF generate on the first 64
+#   bash benchmarks/gpu_check.sh serve         # serve run deploy/gpu.yaml: both routes, 64 and 256 streams beside
+#                                              # the engine offline; tensor parallel 2 on the one GPU (needs Ray
+#                                              # and the serving extras: scripts/offline_bundle.sh)
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch, async scheduling on
 #                                              # and off, a profile of decode steps; then launches that wait for the
 #                                              # GPU, host work per step (streamed and final-only outputs, the served
@@ -49,9 +55,9 @@ wait_all() {
 }
 
 case "${1:-}" in
-correctness | throughput | host | tune | large | profile) ;;
+correctness | nano | serve | throughput | host | tune | large | profile) ;;
 *)
-    echo "usage: $0 correctness|throughput|host|tune|large|profile" >&2
+    echo "usage: $0 correctness|nano|serve|throughput|host|tune|large|profile" >&2
     exit 2
     ;;
 esac
@@ -67,11 +73,21 @@ correctness)
     xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
     # shellcheck disable=SC2086
     background tests python3 -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
-        tests/test_norm_kernel.py tests/test_rope_kernel.py tests/test_cuda_graph.py
+        tests/test_norm_kernel.py tests/test_rope_kernel.py tests/test_cuda_graph.py tests/test_kv_window.py \
+        tests/test_moe.py
     background parity python3 benchmarks/gpu_parity.py --kv-cache-memory 16GiB
     background parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs --kv-cache-memory 16GiB
     wait_all
     step kernels python3 benchmarks/kernels.py  # timed alone
+    ;;
+nano)
+    step nano python3 benchmarks/throughput.py --random qwen3-0.6b --workload nano-vllm --dtype bfloat16 \
+        --max-model-len 4096 --skip-pagedserve --cuda-graphs --hf-batch-size 64 --hf-requests 64 \
+        --json "$out/nano.json"
+    ;;
+serve)
+    step serve python3 benchmarks/gpu_serve.py --log-dir "$out/serve_logs" --json "$out/serve.json"
+    step tp_shared python3 benchmarks/gpu_tp_shared.py
     ;;
 throughput)
     # The headline run first (about 5 minutes): a part cut short by its caller's time limit still has it.

@@ -45,10 +45,20 @@ PRESETS = {
                          hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                          rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu"),
+    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+                       hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu"),
     "qwen2-tiny": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=2048,  # CPU smoke runs
                        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1000000.0,
                        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu"),
+    "llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu"),
     "llama-3-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
                        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
@@ -153,6 +163,16 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     return prompts, outputs
 
 
+def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):
+    """nano-vllm's bench.py, draw for draw: `random.seed(0)`, then every prompt (randint(100, max_input_len)
+    tokens, each randint(0, 10000)), then every request's max_tokens (randint(100, max_output_len)). It samples
+    at temperature 0.6 with ignore_eos and counts the requested output tokens."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
+    outputs = [rng.randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, outputs
+
+
 @contextlib.contextmanager
 def triton_compilations():
     """The Triton kernels compiled (or read from Triton's disk cache) inside the block, by name. A timed run
@@ -204,6 +224,7 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len,
               cuda_graphs=cuda_graphs, gguf_linears=gguf_linears, async_scheduling=async_scheduling)
     load = time.perf_counter() - t0
     # Warm up on prompts of the same lengths that share no block with the timed ones: the timed prompts
@@ -421,6 +442,7 @@ def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtyp
             model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad, eos_token_id=None,
                            **hf_sampling(args))
 
+    prompts, outputs = prompts[:args.hf_requests], outputs[:args.hf_requests]
     run(prompts[:2], [4, 4])  # warm-up
     sync(args.device)
     t0 = time.perf_counter()
@@ -428,7 +450,8 @@ def bench_hf_generate(model_dir: Path, prompts, outputs, args, dtype: torch.dtyp
         run(prompts[i:i + bs], outputs[i:i + bs])
     sync(args.device)
     elapsed = time.perf_counter() - t0
-    return {"name": f"HF generate (padded batches of {bs})", "seconds": elapsed, "tokens": sum(outputs), "note": ""}
+    return {"name": f"HF generate (padded batches of {bs})", "seconds": elapsed, "tokens": sum(outputs),
+            "note": hf_subset_note(len(prompts), args)}
 
 
 def bench_hf_generate_batch(model_dir: Path, prompts, outputs, args, dtype: torch.dtype) -> dict:
@@ -438,6 +461,7 @@ def bench_hf_generate_batch(model_dir: Path, prompts, outputs, args, dtype: torc
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     model = model.to(args.device).eval()
+    prompts, outputs = prompts[:args.hf_requests], outputs[:args.hf_requests]
     new = max(outputs)  # generate_batch takes one max_new_tokens for all requests
     config = GenerationConfig(max_new_tokens=new, eos_token_id=None, pad_token_id=0, **hf_sampling(args))
     times, tokens = [], 0
@@ -452,7 +476,13 @@ def bench_hf_generate_batch(model_dir: Path, prompts, outputs, args, dtype: torc
         model.destroy_cached_continuous_batching_manager()
     del model
     return {"name": "HF generate_batch (continuous batching)", "seconds": times[1], "tokens": tokens,
-            "note": f"every request generates {new} tokens; its first call, with set-up, took {times[0]:.1f} s"}
+            "note": f"every request generates {new} tokens; its first call, with set-up, took {times[0]:.1f} s"
+                    + (f"; {hf_subset_note(len(prompts), args)}" if args.hf_requests else "")}
+
+
+def hf_subset_note(timed: int, args: argparse.Namespace) -> str:
+    """What HF was timed on where --hf-requests cut the workload short (its figure is tokens/s all the same)."""
+    return f"the first {timed} of the {args.num_requests} requests" if args.hf_requests else ""
 
 
 def main() -> None:
@@ -462,7 +492,10 @@ def main() -> None:
     p.add_argument("--gguf-type", default=None,
                    help="the GGUF model (the embedded one or --model x.gguf) with its weights in this type instead: "
                         "BF16 or F16, or a type llama-quantize makes from the BF16 weights (Q4_K_M, Q5_K_M, ...)")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--workload", choices=["random", "nano-vllm"], default="random",
+                   help="nano-vllm: its bench.py's requests exactly (256; prompts and outputs of 100-1024 tokens, "
+                        "temperature 0.6); overrides --prompt-len, --output-len, --temperature and --top-p")
+    p.add_argument("--num-requests", type=int, default=None, help="default 32; nano-vllm's workload: 256")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     p.add_argument("--seed", type=int, default=0)
@@ -473,7 +506,10 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--hf-requests", type=int, default=None,
+                   help="time HF on the first this many requests only (its tokens/s; a whole run takes long)")
     p.add_argument("--hf-generate-batch", action="store_true", help="also time HF generate_batch")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-pagedserve", action="store_true")
@@ -514,8 +550,17 @@ def main() -> None:
         model_dir = resolve_model(args.model).weights_dir
         dtype = EngineConfig(dtype=args.dtype).torch_dtype(device, None)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompts, outputs = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab,
-                                     args.seed)
+    if args.workload == "nano-vllm":
+        if vocab <= 10000:
+            raise SystemExit(f"--workload nano-vllm draws token ids up to 10000: the model's vocab_size={vocab} is "
+                             "too small")
+        args.num_requests = args.num_requests or 256
+        prompts, outputs = nano_vllm_workload(args.num_requests)
+        args.temperature, args.top_p = 0.6, 1.0
+    else:
+        args.num_requests = args.num_requests or 32
+        prompts, outputs = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab,
+                                         args.seed)
     print(f"model {model_dir.name}, {dtype}, {args.device}, {len(prompts)} requests, "
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, threads {torch.get_num_threads()}")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from benchmarks.synthetic_tokenizer import EOS, write_synthetic_tokenizer
 from pagedserve.engine.detokenizer import Detokenizer
 
@@ -97,3 +99,48 @@ def test_system_info_names_the_cpu_features_a_llama_cpp_build_uses():
            "failed to load model\n")
     assert system_info_features(log) == "SSE3 SSSE3 AVX AVX2 F16C FMA AMX_INT8 LLAMAFILE OPENMP REPACK"
     assert system_info_features("no such line") is None
+
+
+def test_nano_vllm_workload_draws_as_its_bench_script_does():
+    """nano-vllm's bench.py seeds Python's module-level generator and draws every prompt, then every max_tokens:
+    the same draws here give the very requests its published figures were measured on."""
+    from benchmarks.throughput import nano_vllm_workload
+
+    random.seed(0)
+    expected_prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    expected_outputs = [random.randint(100, 1024) for _ in range(256)]
+    random.seed()
+    prompts, outputs = nano_vllm_workload()
+    assert prompts == expected_prompts and outputs == expected_outputs
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in outputs)
+
+
+@pytest.mark.slow
+def test_gpu_serve_runs_the_serve_config_and_compares_it_with_offline(tmp_path):
+    """benchmarks/gpu_serve.py end to end on the CPU, so that a GPU run spends its time measuring: `serve run` of
+    deploy/gpu.yaml with the model, device and sizes swapped for a tiny CPU model, both routes answering the same
+    greedy tokens as the offline engine, streams counted whole."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = yaml.safe_load(open("deploy/gpu.yaml"))
+    args = config["applications"][0]["args"]
+    args.update(model=f"random:{tmp_path / 'model' / 'config.json'}", device="cpu", dtype="float32",
+                max_num_seqs=4, max_model_len=2048, kv_cache_memory="64MiB")
+    for key in ("gpu_memory_utilization", "cuda_graphs", "async_scheduling"):
+        args.pop(key)
+    config["applications"][0]["deployments"][0]["num_replicas"] = 1
+    (tmp_path / "cpu.yaml").write_text(yaml.safe_dump(config))
+    out = subprocess.run([sys.executable, "benchmarks/gpu_serve.py", "--config", str(tmp_path / "cpu.yaml"),
+                          "--preset", "qwen2-tiny", "--streams", "2", "4", "--output-tokens", "8", "--check-tokens",
+                          "6", "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "out.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert [s["streams"] for s in result["served"]] == [2, 4] == [o["streams"] for o in result["offline"]]
+    assert all(s["tokens"] == 2 * s["streams"] * 8 for s in result["served"])
+    assert result["routes"]["http_text"] == result["routes"]["grpc_text"] != ""
+    assert all(o["check_tokens"] == result["routes"]["grpc_tokens"] for o in result["offline"])
