@@ -417,26 +417,68 @@ def run_sweep(device: torch.device, smoke: bool, budget_s: float, json_path: str
         sys.exit("FAIL: no sweep point ran")
 
 
+@dataclass(frozen=True)
+class MoeShape:
+    tokens: int
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+    def name(self) -> str:
+        return f"T={self.tokens} E={self.experts} k={self.top_k} H={self.hidden} I={self.inter}"
+
+
+# Qwen3-30B-A3B's layer (128 experts, top 8) at decode batches and a prefill chunk; Mixtral-8x7B's (8, top 2).
+GPU_MOE = [MoeShape(t, 128, 8, 2048, 768) for t in (1, 16, 64, 256, 2048)] + [MoeShape(64, 8, 2, 4096, 14336)]
+SMOKE_MOE = [MoeShape(3, 8, 2, 64, 32), MoeShape(20, 16, 4, 32, 48)]
+
+
+def run_moe(shape: MoeShape, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The fused kernel (two grouped GEMMs) and the loop over experts (a matmul per expert with tokens) in
+    `dtype`, each against the loop in fp32 on the same inputs. Bytes: x, the weights of every expert some token
+    is routed to, and the output, each once."""
+    from pagedserve.kernels.gpu.moe import fused_experts
+    from pagedserve.workers.models.moe import grouped_experts, route
+
+    gate_up = (torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device) / shape.hidden**0.5)
+    down = torch.randn(shape.experts, shape.hidden, shape.inter, device=device) / shape.inter**0.5
+    x = torch.randn(shape.tokens, shape.hidden, device=device)
+    weights, experts = route(torch.randn(shape.tokens, shape.experts, device=device), shape.top_k, True)
+    exact = grouped_experts(x, weights, experts, gate_up, down)
+    args = (x.to(dtype), weights.to(dtype), experts, gate_up.to(dtype), down.to(dtype))
+    used = experts.unique().numel()
+    nbytes = 2 * (2 * shape.tokens * shape.hidden + used * 3 * shape.hidden * shape.inter)
+    result = {"shape": shape.name(), "experts_used": used}
+    for name, fn in (("fused", fused_experts), ("loop", grouped_experts)):
+        out = fn(*args)
+        result[f"{name}_err"] = rel_err(out, exact)
+        us = bench_ms([lambda fn=fn: fn(*args)], device) * 1e3
+        result[f"{name}_us"], result[f"{name}_gbs"] = us, nbytes / us / 1e3
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--sweep", action="store_true", help="time a grid of kernel configurations per shape")
     parser.add_argument("--budget-s", type=float, default=420.0, help="the sweep stops timing after this long")
     parser.add_argument("--json", help="write the sweep's every point here")
-    parser.add_argument("--only", choices=["decode", "prefill"],
+    parser.add_argument("--only", choices=["decode", "prefill", "moe"],
                         help="time only these shapes (e.g. under a profiler that follows one kernel)")
     args = parser.parse_args()
     env = announce()
     if args.smoke:
         device = torch.device("cpu")
-        decode_shapes, prefill_shapes = SMOKE_DECODE, SMOKE_PREFILL
+        decode_shapes, prefill_shapes, moe_shapes = SMOKE_DECODE, SMOKE_PREFILL, SMOKE_MOE
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: run with --smoke to check the script on CPU")
         device = torch.device("cuda")
-        decode_shapes, prefill_shapes = GPU_DECODE, GPU_PREFILL
+        decode_shapes, prefill_shapes, moe_shapes = GPU_DECODE, GPU_PREFILL, GPU_MOE
     if args.only:
-        decode_shapes, prefill_shapes = ((decode_shapes, []) if args.only == "decode" else ([], prefill_shapes))
+        decode_shapes, prefill_shapes, moe_shapes = (shapes if args.only == kind else [] for kind, shapes in (
+            ("decode", decode_shapes), ("prefill", prefill_shapes), ("moe", moe_shapes)))
     torch.manual_seed(0)
     if args.sweep:
         run_sweep(device, args.smoke, args.budget_s, args.json, decode_shapes, prefill_shapes, env)
@@ -452,6 +494,12 @@ def main() -> None:
         r = run_prefill(shape, device, args.smoke)
         print(r, flush=True)
         prefill.append(r)
+    moe = []
+    for shape in moe_shapes:
+        # the interpreter truncates bf16 stores (twice the error): fp16 there, the same 16-bit path
+        r = run_moe(shape, device, torch.float16 if args.smoke else torch.bfloat16)
+        print(r, flush=True)
+        moe.append(r)
 
     unit = "(interpreter: timings meaningless)" if args.smoke else ""
     print(f"\n### Decode {unit}\n")
@@ -469,7 +517,15 @@ def main() -> None:
         print(f"| {r['shape']} | {r['triton_us']:.1f} | {r['triton_tflops']:.1f} | {r['sdpa_us']:.1f} "
               f"| {r['sdpa_tflops']:.1f} | {r['triton_tflops'] / r['sdpa_tflops']:.2f} | {r['err']:.1e} "
               f"| {r['sdpa_err']:.1e} |")
-    worst = max(r["err"] for r in decode + prefill)
+    print(f"\n### Mixture-of-experts layer, {'fp16' if args.smoke else 'bf16'} {unit}\n")
+    print("| shape | experts used | fused us | fused GB/s | loop us | loop GB/s | loop / fused | fused rel err "
+          "| loop rel err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in moe:
+        print(f"| {r['shape']} | {r['experts_used']} | {r['fused_us']:.1f} | {r['fused_gbs']:.0f} | {r['loop_us']:.1f} "
+              f"| {r['loop_gbs']:.0f} | {r['loop_us'] / r['fused_us']:.2f} | {r['fused_err']:.1e} "
+              f"| {r['loop_err']:.1e} |")
+    worst = max([r["err"] for r in decode + prefill] + [r["fused_err"] for r in moe])
     print("\nhinted: max_query_len=1 and max_context_len passed (skips the prefill launch); "
           "no-split: split_kv=False. Bytes = K + V + Q + O.")
     if worst > MAX_REL_ERR:

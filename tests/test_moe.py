@@ -130,3 +130,91 @@ def test_each_rank_loads_its_columns_of_every_expert(tmp_path, layout):
                                    rtol=0, atol=0)
         dense = model.model.layers[1].mlp  # mlp_only_layers: a dense MLP of intermediate_size
         assert dense.gate_up_proj.weight.shape == (64, 32)
+
+
+# --- the fused kernel (Triton: on a GPU where there is one, else in Triton's interpreter) -----------------------
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def expert_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return gate_up.to(DEVICE, dtype), down.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, inter", [
+    (1, 8, 2, 64, 32),     # a decode step of one sequence: two experts of eight hold a row each
+    (5, 4, 4, 48, 24),     # every expert for every token; sizes no multiple of the tiles
+    (40, 8, 2, 96, 80),    # runs longer than one block of rows
+    (3, 60, 4, 64, 32),    # most experts idle (Qwen2-MoE has 60)
+])
+def test_fused_experts_equal_the_loop_over_experts(num_tokens, num_experts, top_k, hidden, inter):
+    pytest.importorskip("triton")
+    from pagedserve.kernels.gpu.moe import fused_experts
+
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    gate_up, down = expert_weights(num_experts, hidden, inter, torch.float32, num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    weights, experts = route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE), top_k, True)
+    got = fused_experts(x, weights, experts, gate_up, down)
+    torch.testing.assert_close(got, grouped_experts(x, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_experts_in_16_bits_stay_near_fp32(dtype):
+    pytest.importorskip("triton")
+    from pagedserve.kernels.gpu.moe import fused_experts
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up, down = expert_weights(8, 64, 48, torch.float32, 3)
+    x = torch.randn(20, 64, generator=gen).to(DEVICE)
+    weights, experts = route(torch.randn(20, 8, generator=gen).to(DEVICE), 2, True)
+    exact = grouped_experts(x, weights, experts, gate_up, down)
+    got = fused_experts(x.to(dtype), weights.to(dtype), experts, gate_up.to(dtype), down.to(dtype))
+    assert got.dtype == dtype
+    # 16-bit operands and roundings land between 1e-3 and 1e-2 (the interpreter's bf16 stores truncate: 2e-2)
+    bound = 2e-2 if dtype == torch.bfloat16 and DEVICE.type == "cpu" else 1e-2
+    assert ((got.float() - exact).norm() / exact.norm()).item() < bound
+
+
+def test_pairs_align_by_expert_in_blocks_of_one_expert():
+    """The sorted layout the grouped GEMMs read: every pair once, each expert's run padded to whole blocks, every
+    block of rows one expert's (or -1 past the last run), sizes from the token count alone."""
+    from pagedserve.kernels.gpu.moe import align_pairs
+
+    experts = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 3]])  # expert 3 holds 5 pairs, 0 and 1 two, 2 one
+    sorted_pairs, block_experts = align_pairs(experts, num_experts=5, block_m=4)
+    num_pairs = experts.numel()
+    assert sorted_pairs.numel() == 4 * -(-(num_pairs + 5 * 3) // 4) == 28
+    assert sorted(p for p in sorted_pairs.tolist() if p < num_pairs) == list(range(num_pairs))
+    for block, expert in enumerate(block_experts.tolist()):
+        pairs = [p for p in sorted_pairs[block * 4:(block + 1) * 4].tolist() if p < num_pairs]
+        if expert < 0:
+            assert not pairs
+        else:
+            assert pairs and all(experts.reshape(-1)[p] == expert for p in pairs)
+    assert block_experts.tolist() == [0, 1, 2, 3, 3, -1, -1]  # expert 4 has no pairs: no block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_fused_experts_replay_from_a_cuda_graph_with_new_routes():
+    """Nothing in the fused path waits for the host: captured once, a graph computes other routes correctly."""
+    from pagedserve.kernels.gpu.moe import fused_experts
+
+    gate_up, down = expert_weights(8, 64, 32, torch.float32, 4)
+    x = torch.randn(6, 64, device=DEVICE)
+    weights, experts = route(torch.randn(6, 8, device=DEVICE), 2, True)
+    fused_experts(x, weights, experts, gate_up, down)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, weights, experts, gate_up, down)
+    for seed in range(3):
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        x.copy_(torch.randn(6, 64, device=DEVICE, generator=gen))
+        w, e = route(torch.randn(6, 8, device=DEVICE, generator=gen), 2, True)
+        weights.copy_(w)
+        experts.copy_(e)
+        graph.replay()
+        torch.testing.assert_close(out, grouped_experts(x, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)

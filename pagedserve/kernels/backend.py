@@ -58,6 +58,13 @@ class SiluMul(Protocol):
         """silu(gate) * up for x [T, 2 * I] = [gate | up] (contiguous in I): [T, I]."""
 
 
+class FusedExperts(Protocol):
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts layer's experts, as workers.models.moe.grouped_experts: x [T, H], routing weights
+        and experts [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+
+
 class RotateQK(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place by cos/sin [T, 1, R] (each head's first
@@ -73,6 +80,7 @@ class AttentionBackend:
     rotate_qk: RotateQK | None = None
     silu_mul: SiluMul | None = None
     rms_norm_heads: RMSNormHeads | None = None  # the per-head q/k norms (Qwen3)
+    fused_experts: FusedExperts | None = None  # None: the loop over experts (workers/models/moe.py)
 
 
 @dataclass
@@ -122,10 +130,10 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return AttentionBackend("reference", reference.write_kv_cache, reference.paged_attention)
     if not _triton_available():
         raise ValueError("attention_backend='triton' needs the triton package and its kernels")
-    from pagedserve.kernels.gpu import attention, cache, norm, rotary
+    from pagedserve.kernels.gpu import attention, cache, moe, norm, rotary
 
     return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention, norm.rms_norm,
-                            rotary.rotate_qk)
+                            rotary.rotate_qk, fused_experts=moe.fused_experts)
 
 
 def _triton_available() -> bool:

@@ -89,9 +89,10 @@ class Worker:
                                   self.sampler if self.rank == 0 else None,
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
         if self.config.replays_graphs(self.device.type):
-            if self.device.type == "cuda" and self.model_config.num_experts:
-                # the experts' grouped loop reads each expert's token count on the host: not capturable
-                log.info("CUDA graphs are off for a mixture-of-experts model: decode steps run eagerly")
+            if self.device.type == "cuda" and self.model_config.num_experts and self.backend.fused_experts is None:
+                # the loop over experts reads each expert's token count on the host: not capturable
+                log.info("CUDA graphs are off for a mixture-of-experts model on the %s backend: decode steps run "
+                         "eagerly", self.backend.name)
             elif self.device.type == "cuda":
                 self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
             else:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.backend import AttentionContext, RMSNormHeads, RMSNormRows, SiluMul
+from pagedserve.kernels.backend import AttentionBackend, AttentionContext, RMSNormHeads, RMSNormRows
 from pagedserve.scheduler.kv_groups import kv_groups, layer_group_slots
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.moe import SparseMoeBlock
@@ -158,11 +158,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
-    def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None, reduce: bool = True) -> torch.Tensor:
-        """`silu_mul`: the backend's one-call SiLU gate, where the projection's output is rows it takes.
-        `reduce=False`: this rank's partial sums of the down projection, without its bias (a MoE block adds them
+    def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None, reduce: bool = True) -> torch.Tensor:
+        """The backend's one-call SiLU gate (`silu_mul`) where it has one and the projection's output is rows it
+        takes. `reduce=False`: this rank's partial sums of the down projection, without its bias (a MoE block adds them
         to its experts' before its one all-reduce)."""
         gate_up = self.gate_up_proj(x)
+        silu_mul = backend.silu_mul if backend is not None else None
         if silu_mul is not None and not self.gelu and gate_up.dim() == 2:
             act = silu_mul(gate_up)
         else:
@@ -229,9 +230,9 @@ class DecoderLayer(nn.Module):
         if self.norms == "sandwich":
             h, residual = self.pre_feedforward_layernorm.add_forward(
                 self.post_attention_layernorm(attn, norm), residual, norm)
-            return self.post_feedforward_layernorm(self.mlp(h, ctx.backend.silu_mul), norm), residual
+            return self.post_feedforward_layernorm(self.mlp(h, ctx.backend), norm), residual
         h, residual = self.post_attention_layernorm.add_forward(self._scaled(attn), residual, norm)
-        return self._scaled(self.mlp(h, ctx.backend.silu_mul)), residual
+        return self._scaled(self.mlp(h, ctx.backend)), residual
 
     def _post_norms(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     kv_cache: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +242,7 @@ class DecoderLayer(nn.Module):
         stream = x if residual is None else residual + x
         attn = self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, ctx), norm)
         stream = stream + self._scaled(attn)
-        return self._scaled(self.post_feedforward_layernorm(self.mlp(stream, ctx.backend.silu_mul), norm)), stream
+        return self._scaled(self.post_feedforward_layernorm(self.mlp(stream, ctx.backend), norm)), stream
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier

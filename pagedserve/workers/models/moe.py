@@ -3,7 +3,8 @@
 A router scores every expert per token; the top k of the softmax (renormalized where the family does) weight
 the outputs of the experts picked. `grouped_experts` computes each expert over the tokens routed to it only:
 token-expert pairs sorted by expert, one matmul per projection per expert that has tokens, the results put back
-in the pairs' order and summed per token. It is the one place a fused kernel would replace.
+in the pairs' order and summed per token. On the Triton backend the fused kernel (`kernels/gpu/moe.py`) takes
+its place.
 
 Under tensor parallelism every expert is split along its intermediate dimension (gate/up columns, down rows) as
 the dense MLP is, the router is replicated, and the block's output (experts and shared expert together) is
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.backend import SiluMul
+from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout, all_reduce
 
@@ -79,8 +80,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, inter))  # [E, H, I]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, weights, experts, self.gate_up_proj, self.down_proj)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                backend: AttentionBackend | None = None) -> torch.Tensor:
+        """The backend's fused kernel where it has one (Triton's: nothing waits for the host, so steps can be
+        captured in CUDA graphs), else the loop over experts."""
+        compute = backend.fused_experts if backend is not None and backend.fused_experts is not None else (
+            grouped_experts)
+        return compute(x, weights, experts, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):
@@ -99,11 +105,11 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = None
 
-    def forward(self, x: torch.Tensor, silu_mul: SiluMul | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H], all-reduced."""
         weights, experts = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32)
-        out = self.experts(x, weights, experts)
+        out = self.experts(x, weights, experts, backend)
         if self.shared_expert is not None:  # its partial sums scaled before the one all-reduce: the same sum
-            shared = self.shared_expert(x, silu_mul, reduce=False)
+            shared = self.shared_expert(x, backend, reduce=False)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return all_reduce(out, self.tp)
