@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in six parts meant to take under ten minutes each (no ray, no gguf needed). Timed
+# The checks that need a GPU, in parts meant to take under ten minutes each (only serve and the tensor-parallel check
+# need ray and the serving extras: an offline bundle, scripts/offline_bundle.sh, installs them on a GPU node). Timed
 # on an H100: throughput's 256-request run 5, the steps after it not yet; tune 3 (the whole grid); large under
 # 5. On an H200, on a cold Triton cache: correctness 3 (its tests and parity runs side by side), host under 2,
 # profile under 2.
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA (sliding windows, soft caps, KV
-#                                              # groups, experts), kernel benchmark, HF parity
+#                                              # groups, experts), the engine on CUDA vs HF, kernel benchmark, HF
+#                                              # parity, tensor parallel 2 on the one GPU (where Ray is installed)
 #   bash benchmarks/gpu_check.sh nano          # nano-vllm's benchmark (Qwen3-0.6B shape, its 256 requests) beside
 #                                              # HF generate on the first 64
 #   bash benchmarks/gpu_check.sh serve         # serve run deploy/gpu.yaml: both routes, 64 and 256 streams beside
-#                                              # the engine offline; tensor parallel 2 on the one GPU (needs Ray
-#                                              # and the serving extras: scripts/offline_bundle.sh)
+#                                              # the engine offline (needs Ray and the serving extras:
+#                                              # scripts/offline_bundle.sh)
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch, async scheduling on
 #                                              # and off, a profile of decode steps; then launches that wait for the
 #                                              # GPU, host work per step (streamed and final-only outputs, the served
@@ -69,14 +71,19 @@ python3 benchmarks/environment.py --json >"$out/environment.json"
 case "${1:-}" in
 correctness)
     # The tests and both parity runs at once: compiling Triton kernels takes most of their time, one core
-    # each. Each engine gets a KV pool of its own size, so that none takes 0.9 of the card from the others.
+    # each. Each engine gets a KV pool of its own size, so that none takes 0.9 of the card from the others;
+    # the engine tests whose engines size their pools from the card run in one process beside them.
     xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
     # shellcheck disable=SC2086
     background tests python3 -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
         tests/test_norm_kernel.py tests/test_rope_kernel.py tests/test_cuda_graph.py tests/test_kv_window.py \
         tests/test_moe.py
+    background engine_tests python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py
     background parity python3 benchmarks/gpu_parity.py --kv-cache-memory 16GiB
     background parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs --kv-cache-memory 16GiB
+    if python3 -c "import ray" 2>/dev/null; then  # two worker actors sharing the GPU
+        background tp_shared python3 benchmarks/gpu_tp_shared.py
+    fi
     wait_all
     step kernels python3 benchmarks/kernels.py  # timed alone
     ;;
@@ -87,7 +94,6 @@ nano)
     ;;
 serve)
     step serve python3 benchmarks/gpu_serve.py --log-dir "$out/serve_logs" --json "$out/serve.json"
-    step tp_shared python3 benchmarks/gpu_tp_shared.py
     ;;
 throughput)
     # The headline run first (about 5 minutes): a part cut short by its caller's time limit still has it.
