@@ -29,7 +29,9 @@ generate: install
 	$(VENV)/bin/pagedserve generate --chat "What is the capital of France?"
 
 # In a loopback-only network namespace where possible: Ray binds every interface (scripts/loopback-netns.sh).
+# The offline bundle's test installs from downloads made here first: inside the namespace there is no network.
 test: install
+	$(PY) tests/test_offline_bundle.py --prepare
 	scripts/loopback-netns.sh $(PY) -m pytest -q
 
 test-fast: install
