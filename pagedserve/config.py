@@ -38,6 +38,11 @@ class EngineConfig:
     # computes on the node's cores shared among its replica's ranks, which replicas sharing a node of CPUs
     # then oversubscribe: give them worker_cpus that add up to the node's cores.
     worker_cpus: int | None = None
+    # The share of a GPU each Ray worker actor reserves: 1, a GPU of its own; below 1, ranks may share one (tensor
+    # parallelism on fewer GPUs than ranks, e.g. 0.5 for two ranks on one GPU). Ranks that share a GPU talk over
+    # gloo (NCCL refuses two ranks on one device) and are never captured in CUDA graphs; each sizes its KV pool
+    # from its share of the device's memory.
+    gpus_per_worker: float = 1.0
     # Replay decode steps from CUDA graphs. None: on when the workers run on CUDA (on an H100 a small model
     # decodes several times faster: its eager step waits on kernel launches); a CPU has none.
     cuda_graphs: bool | None = None
@@ -74,10 +79,30 @@ class EngineConfig:
         check_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.gguf_linears, bool):
             raise ValueError(f"gguf_linears={self.gguf_linears!r} must be true or false")
+        self._check_gpu_share()
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "worker_cpus"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+    def _check_gpu_share(self) -> None:
+        share = self.gpus_per_worker
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ValueError(f"gpus_per_worker={share!r} must be a number in (0, 1]")
+        if share == 1:
+            return
+        if self.executor != "ray":
+            raise ValueError(f"gpus_per_worker={share} needs executor='ray' (Ray places workers on shares of a GPU)")
+        if self.device == "cpu":
+            raise ValueError(f"gpus_per_worker={share} has no meaning with device='cpu'")
+        if self.shares_gpus() and self.cuda_graphs:
+            raise ValueError(f"cuda_graphs=True with gpus_per_worker={share} and tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: ranks that share a GPU all-reduce over gloo, on the host, "
+                             "which a CUDA graph cannot capture (leave cuda_graphs null or false)")
+
+    def shares_gpus(self) -> bool:
+        """Whether tensor-parallel ranks may share a GPU (`gpus_per_worker` below 1): they then talk over gloo."""
+        return self.gpus_per_worker < 1 and self.tensor_parallel_size > 1
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -98,8 +123,9 @@ class EngineConfig:
         return 8192 if device_type == "cuda" else 2048
 
     def replays_graphs(self, device_type: str) -> bool:
-        """Whether decode steps replay CUDA graphs (`cuda_graphs`) for workers on `device_type`."""
-        return self._on_for_cuda("cuda_graphs", device_type)
+        """Whether decode steps replay CUDA graphs (`cuda_graphs`) for workers on `device_type`: never for ranks
+        that share a GPU (their collectives run on the host)."""
+        return not self.shares_gpus() and self._on_for_cuda("cuda_graphs", device_type)
 
     def schedules_ahead(self, device_type: str) -> bool:
         """Whether steps are scheduled ahead (`async_scheduling`) for workers on `device_type`."""

@@ -306,6 +306,27 @@ def test_worker_cpus_are_reserved_and_computed_on(tiny_qwen2, caplog):
         EngineConfig(worker_cpus=0)
 
 
+def test_ranks_may_share_a_gpu_over_gloo_and_never_in_cuda_graphs():
+    """gpus_per_worker below 1: each worker reserves that share of a GPU, so two ranks fit on one; they then talk
+    over gloo, which a CUDA graph cannot capture. Refused by name where it means nothing."""
+    from pagedserve.executors.ray_executor import worker_bundle
+
+    shared = EngineConfig(device="cuda", executor="ray", tensor_parallel_size=2, gpus_per_worker=0.5)
+    assert worker_bundle(shared) == {"GPU": 0.5, "CPU": 1}
+    assert shared.shares_gpus() and not shared.replays_graphs("cuda") and shared.schedules_ahead("cuda")
+    assert worker_bundle(EngineConfig(device="cuda", executor="ray")) == {"GPU": 1.0, "CPU": 1}
+    assert EngineConfig(device="cuda", executor="ray", gpus_per_worker=0.5).replays_graphs("cuda")  # one rank
+    for bad in (0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match=rf"gpus_per_worker={bad!r} must be a number in \(0, 1\]"):
+            EngineConfig(executor="ray", gpus_per_worker=bad)
+    with pytest.raises(ValueError, match="gpus_per_worker=0.5 needs executor='ray'"):
+        EngineConfig(gpus_per_worker=0.5)
+    with pytest.raises(ValueError, match="gpus_per_worker=0.5 has no meaning with device='cpu'"):
+        EngineConfig(executor="ray", device="cpu", gpus_per_worker=0.5)
+    with pytest.raises(ValueError, match="cuda_graphs=True with gpus_per_worker=0.5 and tensor_parallel_size=2"):
+        EngineConfig(executor="ray", tensor_parallel_size=2, gpus_per_worker=0.5, cuda_graphs=True)
+
+
 def test_tensor_parallel_needs_ray_executor(tiny_qwen2):
     with pytest.raises(ValueError, match="executor='ray'"):
         LLM(tiny_qwen2[0], tensor_parallel_size=2)

@@ -53,6 +53,8 @@ def test_kv_budget():
     # 80 GiB at 0.9 = 72 GiB, less 1 GiB weights, 2 GiB activations, 3 GiB of another process.
     assert kv_budget(80 * gib, 0.9, 1 * gib, 2 * gib, 3 * gib) == 66 * gib
     assert kv_budget(80 * gib, 0.5, 39 * gib, 2 * gib, 0) < 0  # the worker turns this into a clear error
+    # Half a device each (two ranks on one GPU): 0.9 of 40 GiB, whatever the sibling rank already holds.
+    assert kv_budget(80 * gib, 0.9, 1 * gib, 2 * gib, 30 * gib, share=0.5) == 33 * gib
 
 
 def test_too_little_kv_memory_names_the_setting(tiny_random):

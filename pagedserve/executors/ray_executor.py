@@ -167,16 +167,17 @@ def uses_gpus(config: EngineConfig) -> bool:
     if config.device != "auto":
         return config.device == "cuda"
     if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) >= config.tensor_parallel_size
+        return ray.cluster_resources().get("GPU", 0) >= config.tensor_parallel_size * config.gpus_per_worker
     import torch
 
-    return torch.cuda.device_count() >= config.tensor_parallel_size
+    return torch.cuda.device_count() >= config.tensor_parallel_size * config.gpus_per_worker
 
 
 def worker_bundle(config: EngineConfig) -> dict[str, float]:
-    """The resources of one worker actor (one rank): a GPU and `worker_cpus` CPUs (default one), or the CPUs."""
+    """The resources of one worker actor (one rank): `gpus_per_worker` of a GPU and `worker_cpus` CPUs (default
+    one), or the CPUs."""
     cpus = config.worker_cpus or 1
-    return {"GPU": 1, "CPU": cpus} if uses_gpus(config) else {"CPU": cpus}
+    return {"GPU": config.gpus_per_worker, "CPU": cpus} if uses_gpus(config) else {"CPU": cpus}
 
 
 def worker_threads(config: EngineConfig) -> int:

@@ -14,6 +14,7 @@ from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.kv_pool import layer_caches, model_kv_groups
 from pagedserve.workers.models.llama import CausalLM
+from pagedserve.workers.models.parallel import broadcast
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
 from pagedserve.workers.tensors import host_tensor, on_device, on_device_packed
 
@@ -133,10 +134,7 @@ class ModelRunner:
     @staticmethod
     def _shared_draws(tokens: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tokens` [D] on every rank (in place); queued behind the step on NCCL."""
-        import torch.distributed as dist
-
-        dist.broadcast(tokens, src=0)
-        return tokens
+        return broadcast(tokens, src=0)
 
     def collect(self, step: LaunchedStep) -> StepOutput | None:
         """Wait for a launched step; its draws (None on tensor-parallel ranks other than 0)."""

@@ -50,7 +50,7 @@ class Worker:
         self.dtype = config.torch_dtype(self.device, model_config.torch_dtype)
         self.max_model_len = max_model_len
         if world_size > 1:
-            _init_distributed(self.device, rank, world_size, dist_init_method)
+            _init_distributed(self.device, rank, world_size, dist_init_method, config.shares_gpus())
         self.tp = TPLayout.make(model_config, rank, world_size)
         blocks = None if source.is_random else source.weights_dir / GGUF_BLOCKS_NAME
         held_by = None
@@ -136,7 +136,8 @@ class Worker:
         return num_blocks
 
     def _cuda_budget(self) -> int:
-        """Device memory x utilization, minus what is allocated (weights) and a profiled step's peak."""
+        """This worker's share of the device's memory (`gpus_per_worker`) x utilization, minus what is allocated
+        (weights), a profiled step's peak and, on a device of its own, what other processes hold."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -147,9 +148,10 @@ class Worker:
         total = torch.cuda.get_device_properties(self.device).total_memory
         free, _ = torch.cuda.mem_get_info(self.device)
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes
-        budget = kv_budget(total, self.config.gpu_memory_utilization, before, peak, used_elsewhere)
-        log.info("CUDA memory: total %.1f GiB, weights %.1f GiB, activation peak %.2f GiB, other processes "
-                 "%.1f GiB, KV budget %.1f GiB", total / 2**30, before / 2**30, peak / 2**30,
+        share = self.config.gpus_per_worker
+        budget = kv_budget(total, self.config.gpu_memory_utilization, before, peak, used_elsewhere, share)
+        log.info("CUDA memory: total %.1f GiB (this worker's share %g), weights %.1f GiB, activation peak %.2f GiB, "
+                 "other processes %.1f GiB, KV budget %.1f GiB", total / 2**30, share, before / 2**30, peak / 2**30,
                  used_elsewhere / 2**30, budget / 2**30)
         return budget
 
@@ -166,10 +168,13 @@ class Worker:
         return runner.execute(batch)
 
 
-def kv_budget(total: int, utilization: float, allocated: int, activation_peak: int, used_elsewhere: int) -> int:
-    """Bytes left for the KV pool: this process may use `utilization` of the device, less what it already
-    holds (weights), the peak a step adds on top, and what other processes hold."""
-    return int(total * utilization) - allocated - activation_peak - used_elsewhere
+def kv_budget(total: int, utilization: float, allocated: int, activation_peak: int, used_elsewhere: int,
+              share: float = 1.0) -> int:
+    """Bytes left for the KV pool: this process may use `utilization` of its `share` of the device, less what it
+    already holds (weights), the peak a step adds on top, and, on a device of its own, what other processes hold.
+    Workers that share a device start at the same time, so what the others hold then is no measure of what they
+    will: each keeps to its share."""
+    return int(total * share * utilization) - allocated - activation_peak - (used_elsewhere if share == 1 else 0)
 
 
 def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_groups: int = 1) -> StepBatch:
@@ -210,14 +215,17 @@ def _return_freed_heap() -> None:
         pass
 
 
-def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
+def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None,
+                      shared_device: bool = False) -> None:
+    """The ranks' process group: NCCL on CUDA, gloo on CPUs and for ranks that may share a GPU
+    (`shared_device`), which NCCL refuses."""
     import datetime
 
     import torch.distributed as dist
 
     if init_method is None:
         raise ValueError("tensor parallelism needs a dist_init_method (tcp://host:port)")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" and not shared_device else "gloo"
     # A short timeout: a rank that died must not leave the others blocked in a collective for 30 minutes.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))

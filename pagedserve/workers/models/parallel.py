@@ -94,11 +94,37 @@ def check_tp_size(config, size: int) -> None:
             raise ValueError(f"tensor_parallel_size={size} must divide {key}={getattr(config, key)}")
 
 
+def on_host(x: torch.Tensor) -> bool:
+    """Whether a collective on `x` goes through host memory: a CUDA tensor in a gloo group (ranks sharing a GPU),
+    whose CUDA support covers only some collectives."""
+    import torch.distributed as dist
+
+    return x.is_cuda and dist.get_backend() == "gloo"
+
+
 def all_reduce(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
     if layout.size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(x)
+        if on_host(x):
+            host = x.cpu()
+            dist.all_reduce(host)
+            x.copy_(host)
+        else:
+            dist.all_reduce(x)
+    return x
+
+
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s `x` on every rank, in place."""
+    import torch.distributed as dist
+
+    if on_host(x):
+        host = x.cpu()
+        dist.broadcast(host, src=src)
+        x.copy_(host)
+    else:
+        dist.broadcast(x, src=src)
     return x
 
 
@@ -108,6 +134,7 @@ def all_gather_last_dim(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
-    parts = [torch.empty_like(x) for _ in range(layout.size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    local = x.cpu() if on_host(x) else x.contiguous()
+    parts = [torch.empty_like(local) for _ in range(layout.size)]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat(parts, dim=-1).to(x.device)
