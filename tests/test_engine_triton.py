@@ -42,7 +42,7 @@ def tiny_model(request, tmp_path_factory):
 
 def test_triton_backend_matches_transformers(tiny_model):
     path, prompts, expected = tiny_model
-    llm = LLM(str(path), attention_backend="triton", block_size=16, max_num_batched_tokens=24)
+    llm = LLM(str(path), attention_backend="triton", block_size=16, max_num_batched_tokens=24, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     # Again: now the long prompts hit the prefix cache. Then n=2 forks share a partial block.
@@ -91,7 +91,7 @@ def test_triton_backend_matches_transformers_logprobs_for_other_layers(family, t
     model.save_pretrained(tmp_path)
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 17, 40)]
-    llm = LLM(str(tmp_path), attention_backend="triton", block_size=16, max_num_batched_tokens=24)
+    llm = LLM(str(tmp_path), attention_backend="triton", block_size=16, max_num_batched_tokens=24, dtype="float32")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
     for prompt, out in zip(prompts, outs, strict=True):
         tokens, logprobs = hf_logprobs(model, prompt, new_tokens=12)

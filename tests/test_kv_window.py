@@ -600,7 +600,7 @@ def test_windowed_models_match_transformers_in_a_pool_smaller_than_their_context
 
     name, path, prompts, expected = windowed_model
     llm = LLM(str(path), block_size=BS, kv_cache_memory=pool_of(path, ENGINE_POOLS[name]), max_num_batched_tokens=32,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, dtype="float32")  # as transformers computes (a GPU's auto: bf16)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     stats = llm.stats()
