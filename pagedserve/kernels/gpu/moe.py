@@ -73,7 +73,9 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M)
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
     rows = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # scatter_add, not bincount: bincount reads the largest id on the host to size its output, a sync that a
+    # CUDA graph's capture refuses
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     order = torch.argsort(flat, stable=True)  # pair indices in expert order  [P]
