@@ -9,15 +9,16 @@ whose versions you tested (its installed versions are the ones bundled):
 OUT_DIR then holds wheels/ (one wheel per package, for the node's Python on manylinux x86-64), Ray as a trimmed
 tree in ray-<version>-serve.tar.xz, and install.sh. Copy OUT_DIR and pagedserve's source tree to the node, then
 
-    bash OUT_DIR/install.sh /opt/pagedserve-site
-    export PYTHONPATH=/path/to/pagedserve:/opt/pagedserve-site   # install.sh prints this line
+    bash OUT_DIR/install.sh /opt/pagedserve-site              # PYTHON=... for another interpreter than python3
+    export PYTHONPATH=/path/to/pagedserve:/opt/pagedserve-site PATH=/opt/pagedserve-site/bin:$PATH   # as it prints
     serve run deploy/gpu.yaml
 
 Bundled: the closure of Ray Serve's and pagedserve's serving requirements, less what such images already hold
 (IMAGE_HAS, or the names in --have-file) and less what serving never imports (LEFT_OUT). grpcio and protobuf are
 bundled even where the image has them: the committed gRPC stubs need grpcio >= 1.85.1 and protobuf >= 7.35.1.
 Ray's wheel (about 80 MB) is unpacked without the libraries Serve never imports (ray/jars, rllib, tune, train,
-data) and packed as .tar.xz (about 30 MB). Downloads are kept in --cache: a second run reuses them.
+data), its binaries stripped, and packed as .tar.xz (about 17 MB). Downloads are kept in --cache: a second run
+reuses them.
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def download(name: str, version: str, python: str, dest: Path) -> Path:
     return wheel
 
 
-def trimmed_ray(wheel: Path, out: Path, preset: int = 6) -> Path:
-    """Ray's wheel unpacked without RAY_DROPPED, as a .tar.xz of site-packages entries (ray/, its dist-info)."""
+def trimmed_ray(wheel: Path, out: Path, preset: int = 9) -> Path:
+    """Ray's wheel unpacked without RAY_DROPPED, its binaries stripped of the symbols only a debugger reads (where
+    `strip` is installed), as a .tar.xz of site-packages entries (ray/, its dist-info)."""
     with tempfile.TemporaryDirectory() as tmp:
         with zipfile.ZipFile(wheel) as z:
             for info in z.infolist():
@@ -126,6 +128,10 @@ def trimmed_ray(wheel: Path, out: Path, preset: int = 6) -> Path:
                     mode = info.external_attr >> 16
                     if mode:
                         (Path(tmp) / info.filename).chmod(mode & 0o777)
+        strip = shutil.which("strip")
+        for f in Path(tmp).rglob("*"):
+            if strip and f.is_file() and f.open("rb").read(4) == b"\x7fELF":
+                subprocess.run([strip, "--strip-unneeded", str(f)], check=True)
         with tarfile.open(out, "w:xz", preset=preset) as tar:
             for entry in sorted(Path(tmp).iterdir()):
                 tar.add(entry, arcname=entry.name)
@@ -142,7 +148,15 @@ mkdir -p "$target"
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" \\
     "$here"/wheels/*.whl
 tar -xJf "$here"/ray-*-serve.tar.xz -C "$target"
-echo "export PYTHONPATH=<pagedserve source tree>:$target"
+mkdir -p "$target/bin"
+launcher() {  # NAME MODULE FUNCTION: the console script pip would have written
+    printf '#!%s\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$(command -v "$python")" "$2" "$3" "$3" \
+        >"$target/bin/$1"
+    chmod +x "$target/bin/$1"
+}
+launcher ray ray.scripts.scripts main
+launcher serve ray.serve.scripts cli
+echo "export PYTHONPATH=<pagedserve source tree>:$target PATH=$target/bin:\\$PATH"
 """
 
 
@@ -153,8 +167,9 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pagedserve" / "bundle-downloads",
                    help="downloaded wheels, reused by the next run")
     p.add_argument("--download-only", action="store_true", help="fill --cache and stop (a later run needs no network)")
-    p.add_argument("--xz-preset", type=int, default=6, choices=range(10),
-                   help="xz's compression level for Ray's tree (0: fast and about a third larger)")
+    p.add_argument("--xz-preset", type=int, default=9, choices=range(10),
+                   help="xz's compression level for Ray's tree (its 64 MiB window at 9 spans Ray's three large "
+                        "binaries; 0: fast and about twice the size)")
     p.add_argument("--have-file", type=Path, default=None,
                    help="names of the packages the node's image has, one per line (default: IMAGE_HAS)")
     args = p.parse_args()

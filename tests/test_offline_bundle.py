@@ -113,8 +113,7 @@ def test_offline_bundle_installs_and_serves_without_an_index(tmp_path):
     (tmp_path / "app.py").write_text(APP)
     (tmp_path / "config.yaml").write_text(CONFIG)
     log = (tmp_path / "serve.log").open("w")
-    cli = "import sys; from ray.serve.scripts import cli; sys.exit(cli.main(prog_name='serve'))"
-    proc = subprocess.Popen([python, "-c", cli, "run", "config.yaml"], cwd=tmp_path, env=env, stdout=log,
+    proc = subprocess.Popen([site / "bin" / "serve", "run", "config.yaml"], cwd=tmp_path, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         reply = ""
