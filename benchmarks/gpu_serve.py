@@ -149,7 +149,9 @@ def offline(model: str, settings: dict, streams: int, prompts: list[list[int]], 
     its greedy tokens for the check prompt."""
     from pagedserve import LLM, SamplingParams
 
+    t0 = time.perf_counter()
     llm = LLM(model=model, executor="ray", **dict(settings, max_num_seqs=streams))
+    print(f"  offline engine for {streams} sequences loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         check = llm.generate([CHECK_PROMPT], SamplingParams(temperature=0, max_tokens=check_tokens,
                                                             ignore_eos=True))[0].outputs[0]

@@ -227,9 +227,12 @@ def bench_pagedserve(model_dir: Path, prompts, outputs, args, cuda_graphs: bool 
               max_model_len=args.max_model_len,
               cuda_graphs=cuda_graphs, gguf_linears=gguf_linears, async_scheduling=async_scheduling)
     load = time.perf_counter() - t0
+    print(f"  loaded in {load:.1f} s", flush=True)  # each phase as it ends: a run cut short still says where it was
     # Warm up on prompts of the same lengths that share no block with the timed ones: the timed prompts
     # themselves would sit in the prefix cache, and their prefill would be skipped.
+    t0 = time.perf_counter()
     llm.generate(warmup_prompts(prompts), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    print(f"  warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
               for n in outputs]
     sync(args.device)
