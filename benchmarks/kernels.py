@@ -438,7 +438,7 @@ def run_moe(shape: MoeShape, device: torch.device, dtype: torch.dtype = torch.bf
     """The fused kernel (two grouped GEMMs) and the loop over experts (a matmul per expert with tokens) in
     `dtype`, each against the loop in fp32 on the same inputs. Bytes: x, the weights of every expert some token
     is routed to, and the output, each once."""
-    from pagedserve.kernels.gpu.moe import fused_experts
+    from pagedserve.kernels.gpu.fused_moe import fused_experts
     from pagedserve.workers.models.moe import grouped_experts, route
 
     gate_up = (torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device) / shape.hidden**0.5)

@@ -135,12 +135,12 @@ def test_gpu_serve_runs_the_serve_config_and_compares_it_with_offline(tmp_path):
     config["applications"][0]["deployments"][0]["num_replicas"] = 1
     (tmp_path / "cpu.yaml").write_text(yaml.safe_dump(config))
     out = subprocess.run([sys.executable, "benchmarks/gpu_serve.py", "--config", str(tmp_path / "cpu.yaml"),
-                          "--preset", "qwen2-tiny", "--streams", "2", "4", "--output-tokens", "8", "--check-tokens",
+                          "--preset", "qwen2-tiny", "--streams", "4", "--output-tokens", "8", "--check-tokens",
                           "6", "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "out.json")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
-    assert [s["streams"] for s in result["served"]] == [2, 4] == [o["streams"] for o in result["offline"]]
+    assert [s["streams"] for s in result["served"]] == [4] == [o["streams"] for o in result["offline"]]
     assert all(s["tokens"] == 2 * s["streams"] * 8 for s in result["served"])
     assert result["routes"]["http_text"] == result["routes"]["grpc_text"] != ""
     assert all(o["check_tokens"] == result["routes"]["grpc_tokens"] for o in result["offline"])

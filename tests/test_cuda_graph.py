@@ -82,8 +82,12 @@ def generate(model: str, backend: str, static: bool, capture: bool = False, **co
 CONFIG = dict(max_num_seqs=12, max_num_batched_tokens=24)
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_hybrid", "tiny_moe"])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+# The MoE model on the Triton backend only: the fused kernel is what its graphs capture.
+STATIC_CASES = [(m, b) for m in ("tiny_llama", "tiny_hybrid") for b in ("reference", "triton")]
+STATIC_CASES.append(("tiny_moe", "triton"))
+
+
+@pytest.mark.parametrize("model, backend", STATIC_CASES)
 def test_static_decode_path_matches_the_plain_path(model, backend, request):
     model = request.getfixturevalue(model)
     plain, _ = generate(model, backend, static=False, **CONFIG)

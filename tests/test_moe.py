@@ -152,7 +152,7 @@ def expert_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype
 ])
 def test_fused_experts_equal_the_loop_over_experts(num_tokens, num_experts, top_k, hidden, inter):
     pytest.importorskip("triton")
-    from pagedserve.kernels.gpu.moe import fused_experts
+    from pagedserve.kernels.gpu.fused_moe import fused_experts
 
     gen = torch.Generator().manual_seed(num_tokens + num_experts)
     gate_up, down = expert_weights(num_experts, hidden, inter, torch.float32, num_tokens)
@@ -165,7 +165,7 @@ def test_fused_experts_equal_the_loop_over_experts(num_tokens, num_experts, top_
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_experts_in_16_bits_stay_near_fp32(dtype):
     pytest.importorskip("triton")
-    from pagedserve.kernels.gpu.moe import fused_experts
+    from pagedserve.kernels.gpu.fused_moe import fused_experts
 
     gen = torch.Generator().manual_seed(3)
     gate_up, down = expert_weights(8, 64, 48, torch.float32, 3)
@@ -182,7 +182,7 @@ def test_fused_experts_in_16_bits_stay_near_fp32(dtype):
 def test_pairs_align_by_expert_in_blocks_of_one_expert():
     """The sorted layout the grouped GEMMs read: every pair once, each expert's run padded to whole blocks, every
     block of rows one expert's (or -1 past the last run), sizes from the token count alone."""
-    from pagedserve.kernels.gpu.moe import align_pairs
+    from pagedserve.kernels.gpu.fused_moe import align_pairs
 
     experts = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 3]])  # expert 3 holds 5 pairs, 0 and 1 two, 2 one
     sorted_pairs, block_experts = align_pairs(experts, num_experts=5, block_m=4)
@@ -201,7 +201,7 @@ def test_pairs_align_by_expert_in_blocks_of_one_expert():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 def test_fused_experts_replay_from_a_cuda_graph_with_new_routes():
     """Nothing in the fused path waits for the host: captured once, a graph computes other routes correctly."""
-    from pagedserve.kernels.gpu.moe import fused_experts
+    from pagedserve.kernels.gpu.fused_moe import fused_experts
 
     gate_up, down = expert_weights(8, 64, 32, torch.float32, 4)
     x = torch.randn(6, 64, device=DEVICE)

@@ -130,10 +130,10 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return AttentionBackend("reference", reference.write_kv_cache, reference.paged_attention)
     if not _triton_available():
         raise ValueError("attention_backend='triton' needs the triton package and its kernels")
-    from pagedserve.kernels.gpu import attention, cache, moe, norm, rotary
+    from pagedserve.kernels.gpu import attention, cache, fused_moe, norm, rotary
 
     return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention, norm.rms_norm,
-                            rotary.rotate_qk, fused_experts=moe.fused_experts)
+                            rotary.rotate_qk, fused_experts=fused_moe.fused_experts)
 
 
 def _triton_available() -> bool:

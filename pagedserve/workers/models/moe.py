@@ -3,7 +3,7 @@
 A router scores every expert per token; the top k of the softmax (renormalized where the family does) weight
 the outputs of the experts picked. `grouped_experts` computes each expert over the tokens routed to it only:
 token-expert pairs sorted by expert, one matmul per projection per expert that has tokens, the results put back
-in the pairs' order and summed per token. On the Triton backend the fused kernel (`kernels/gpu/moe.py`) takes
+in the pairs' order and summed per token. On the Triton backend the fused kernel (`kernels/gpu/fused_moe.py`) takes
 its place.
 
 Under tensor parallelism every expert is split along its intermediate dimension (gate/up columns, down rows) as
