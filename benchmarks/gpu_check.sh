@@ -89,7 +89,7 @@ correctness)
     ;;
 nano)
     step nano python3 benchmarks/throughput.py --random qwen3-0.6b --workload nano-vllm --dtype bfloat16 \
-        --max-model-len 4096 --skip-pagedserve --cuda-graphs --hf-batch-size 64 --hf-requests 64 \
+        --max-model-len 4096 --skip-pagedserve --cuda-graphs --hf-batch-size 64 --hf-requests 64 --profile-steps 8 \
         --json "$out/nano.json"
     ;;
 serve)
