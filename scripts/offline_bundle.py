@@ -16,8 +16,9 @@ tree in ray-<version>-serve.tar.xz, and install.sh. Copy OUT_DIR and pagedserve'
 Bundled: the closure of Ray Serve's and pagedserve's serving requirements, less what such images already hold
 (IMAGE_HAS, or the names in --have-file) and less what serving never imports (LEFT_OUT). grpcio and protobuf are
 bundled even where the image has them: the committed gRPC stubs need grpcio >= 1.85.1 and protobuf >= 7.35.1.
+The serve extra's openai is left out: pagedserve serves the OpenAI API without it (clients use it).
 Ray's wheel (about 80 MB) is unpacked without the libraries Serve never imports (ray/jars, rllib, tune, train,
-data), its binaries stripped, and packed as .tar.xz (about 17 MB). Downloads are kept in --cache: a second run
+data), its binaries stripped, and packed as .tar.xz (about 19 MB). Downloads are kept in --cache: a second run
 reuses them.
 """
 
@@ -139,24 +140,27 @@ def trimmed_ray(wheel: Path, out: Path, preset: int = 9) -> Path:
 
 
 INSTALL = """#!/usr/bin/env bash
-# Installs this offline bundle into TARGET (no network): the wheels with pip, then Ray's trimmed tree.
+# Installs this offline bundle into TARGET without network: the wheels with pip (no index, no dependency resolution:
+# the node's image provides the rest), then Ray's trimmed tree, then the `ray` and `serve` commands in TARGET/bin.
+# PYTHON (default python3) is the node's interpreter.
 set -euo pipefail
 target=${1:?usage: install.sh TARGET}
 here=$(cd "$(dirname "$0")" && pwd)
-python=${PYTHON:-python3}
+python=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')  # absolute: the launchers' interpreter
 mkdir -p "$target"
-"$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" \\
-    "$here"/wheels/*.whl
+target=$(cd "$target" && pwd)  # absolute: it goes into PYTHONPATH
+"$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check --upgrade \\
+    --target "$target" "$here"/wheels/*.whl
 tar -xJf "$here"/ray-*-serve.tar.xz -C "$target"
 mkdir -p "$target/bin"
 launcher() {  # NAME MODULE FUNCTION: the console script pip would have written
-    printf '#!%s\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$(command -v "$python")" "$2" "$3" "$3" \
-        >"$target/bin/$1"
+    printf '#!%s\\nimport sys\\nfrom %s import %s\\nsys.exit(%s())\\n' "$python" "$2" "$3" "$3" >"$target/bin/$1"
     chmod +x "$target/bin/$1"
 }
 launcher ray ray.scripts.scripts main
 launcher serve ray.serve.scripts cli
-echo "export PYTHONPATH=<pagedserve source tree>:$target PATH=$target/bin:\\$PATH"
+echo "# installed into $target; pagedserve itself runs from its source tree (PAGEDSERVE_SRC), put first:"
+echo "export PYTHONPATH=\\$PAGEDSERVE_SRC:$target\\${PYTHONPATH:+:\\$PYTHONPATH} PATH=$target/bin:\\$PATH"
 """
 
 
