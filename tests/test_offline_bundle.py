@@ -110,6 +110,16 @@ def test_offline_bundle_installs_and_serves_without_an_index(tmp_path):
                                "google.protobuf.__version__, ray.__version__)"],
                               env=env, capture_output=True, text=True, check=True).stdout.split()
     assert versions[0] != "1.70.0" and not versions[1].startswith("5."), "the bundled grpcio and protobuf win"
+    # What serving imports, all from the bundle or the image, and pagedserve's committed stubs and SDK on the bundled
+    # grpcio and protobuf (the stubs refuse older ones). xgrammar imports torch, which the node's image has and this
+    # environment leaves out: its import has to get as far as torch.
+    imports = ("import fastapi, gguf, grpc_health.v1.health_pb2_grpc, grpc_status.rpc_status, pydantic, starlette, "
+               "uvicorn, ray.serve\nfrom grpc_reflection.v1alpha import reflection\n"
+               "from pagedserve.protos import pagedserve_pb2_grpc\nfrom pagedserve.client.sdk import Client\n"
+               "try:\n    import xgrammar\nexcept ModuleNotFoundError as e:\n    print('missing', e.name)\n")
+    out = subprocess.run([python, "-c", imports], env=dict(env, PYTHONPATH=f"{ROOT}:{site}"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["missing", "torch"], out.stdout + out.stderr
     (tmp_path / "app.py").write_text(APP)
     (tmp_path / "config.yaml").write_text(CONFIG)
     log = (tmp_path / "serve.log").open("w")
