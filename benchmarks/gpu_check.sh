@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in parts meant to take under ten minutes each (only serve and the tensor-parallel check
-# need ray and the serving extras: an offline bundle, scripts/offline_bundle.sh, installs them on a GPU node). Timed
+# need ray and the serving extras: an offline bundle, scripts/offline_bundle.py, installs them on a GPU node). Timed
 # on an H100: throughput's 256-request run 5, the steps after it not yet; tune 3 (the whole grid); large under
 # 5. On an H200, on a cold Triton cache: correctness 3 (its tests and parity runs side by side), host under 2,
 # profile under 2.
@@ -12,7 +12,7 @@
 #                                              # HF generate on the first 64
 #   bash benchmarks/gpu_check.sh serve         # serve run deploy/gpu.yaml: both routes, 64 and 256 streams beside
 #                                              # the engine offline (needs Ray and the serving extras:
-#                                              # scripts/offline_bundle.sh)
+#                                              # scripts/offline_bundle.py)
 #   bash benchmarks/gpu_check.sh throughput    # 256 requests vs HF generate and generate_batch, async scheduling on
 #                                              # and off, a profile of decode steps; then launches that wait for the
 #                                              # GPU, host work per step (streamed and final-only outputs, the served
