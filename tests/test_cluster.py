@@ -325,6 +325,55 @@ def test_ranks_may_share_a_gpu_over_gloo_and_never_in_cuda_graphs():
         EngineConfig(executor="ray", device="cpu", gpus_per_worker=0.5)
     with pytest.raises(ValueError, match="cuda_graphs=True with gpus_per_worker=0.5 and tensor_parallel_size=2"):
         EngineConfig(executor="ray", tensor_parallel_size=2, gpus_per_worker=0.5, cuda_graphs=True)
+    from pagedserve.workers.worker import process_group_backend
+
+    assert process_group_backend(torch.device("cuda", 0), shared.shares_gpus()) == "gloo"
+    assert process_group_backend(torch.device("cuda", 0), shared_device=False) == "nccl"
+    assert process_group_backend(torch.device("cpu"), shared_device=False) == "gloo"
+
+
+@ray.remote(num_cpus=1)
+def _collectives_of_rank(rank: int, init_method: str) -> dict[str, object]:
+    """One rank of two: joins the group as a worker does, runs each collective the model and the runner use."""
+    import types
+
+    import torch.distributed as dist
+
+    from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce, broadcast
+    from pagedserve.workers.worker import _init_distributed
+
+    backend = _init_distributed(torch.device("cpu"), rank, 2, init_method)
+    try:
+        shape = types.SimpleNamespace(num_heads=2, num_kv_heads=2, intermediate_size=2, moe_intermediate_size=0,
+                                      shared_expert_intermediate_size=0, vocab_size=10)
+        layout = TPLayout.make(shape, rank, 2, host_collectives=backend == "gloo")
+        summed = torch.arange(6.0).reshape(2, 3) * (rank + 1)  # [2, 3]
+        reduced = all_reduce(summed, layout)
+        local = (torch.arange(6.0).reshape(3, 2) + 10 * rank).t()  # [2, 3], not contiguous
+        draws = torch.tensor([7, 8, 9]) if rank == 0 else torch.zeros(3, dtype=torch.long)  # [3]
+        return {"backend": backend, "host": layout.host_collectives, "in_place": reduced is summed,
+                "reduced": summed, "gathered": all_gather_last_dim(local, layout),
+                "draws": broadcast(draws, layout, src=0)}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_of_a_gloo_group_go_through_host_copies():
+    """Two real ranks in a gloo group take the host-copy path of the collectives, as ranks sharing a GPU do (on a
+    CPU the host copies are the tensors themselves): the sum in place, the gather in rank order from a
+    non-contiguous shard, rank 0's draws everywhere."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = ray.get([_collectives_of_rank.remote(rank, f"tcp://127.0.0.1:{port}") for rank in (0, 1)])
+    for result in results:
+        assert result["backend"] == "gloo" and result["host"] and result["in_place"]
+        assert torch.equal(result["reduced"], torch.arange(6.0).reshape(2, 3) * 3)
+        expected = torch.cat([(torch.arange(6.0).reshape(3, 2) + 10 * r).t() for r in (0, 1)], dim=-1)  # [2, 6]
+        assert torch.equal(result["gathered"], expected)
+        assert result["draws"].tolist() == [7, 8, 9]
 
 
 def test_tensor_parallel_needs_ray_executor(tiny_qwen2):

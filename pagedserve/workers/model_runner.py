@@ -131,10 +131,9 @@ class ModelRunner:
         draws.to_host()
         return draws
 
-    @staticmethod
-    def _shared_draws(tokens: torch.Tensor) -> torch.Tensor:
+    def _shared_draws(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tokens` [D] on every rank (in place); queued behind the step on NCCL."""
-        return broadcast(tokens, src=0)
+        return broadcast(tokens, self.model.tp, src=0)
 
     def collect(self, step: LaunchedStep) -> StepOutput | None:
         """Wait for a launched step; its draws (None on tensor-parallel ranks other than 0)."""

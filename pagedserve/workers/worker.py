@@ -49,9 +49,10 @@ class Worker:
             torch.cuda.empty_cache()  # the weights must not land inside a cached segment the pool needs whole
         self.dtype = config.torch_dtype(self.device, model_config.torch_dtype)
         self.max_model_len = max_model_len
+        backend = None
         if world_size > 1:
-            _init_distributed(self.device, rank, world_size, dist_init_method, config.shares_gpus())
-        self.tp = TPLayout.make(model_config, rank, world_size)
+            backend = _init_distributed(self.device, rank, world_size, dist_init_method, config.shares_gpus())
+        self.tp = TPLayout.make(model_config, rank, world_size, host_collectives=backend == "gloo")
         blocks = None if source.is_random else source.weights_dir / GGUF_BLOCKS_NAME
         held_by = None
         if config.gguf_linears and blocks is not None and blocks.is_file() and quant_linear.available(
@@ -215,17 +216,23 @@ def _return_freed_heap() -> None:
         pass
 
 
-def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None,
-                      shared_device: bool = False) -> None:
-    """The ranks' process group: NCCL on CUDA, gloo on CPUs and for ranks that may share a GPU
+def process_group_backend(device: torch.device, shared_device: bool) -> str:
+    """The ranks' collective backend: NCCL on CUDA, gloo on CPUs and for ranks that may share a GPU
     (`shared_device`), which NCCL refuses."""
+    return "nccl" if device.type == "cuda" and not shared_device else "gloo"
+
+
+def _init_distributed(device: torch.device, rank: int, world_size: int, init_method: str | None,
+                      shared_device: bool = False) -> str:
+    """Join the ranks' process group (`process_group_backend`); its backend."""
     import datetime
 
     import torch.distributed as dist
 
     if init_method is None:
         raise ValueError("tensor parallelism needs a dist_init_method (tcp://host:port)")
-    backend = "nccl" if device.type == "cuda" and not shared_device else "gloo"
+    backend = process_group_backend(device, shared_device)
     # A short timeout: a rank that died must not leave the others blocked in a collective for 30 minutes.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
+    return backend

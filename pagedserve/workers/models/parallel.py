@@ -25,9 +25,12 @@ class TPLayout:
     vocab_shard: int  # rows per rank (the last shard is padded)
     moe_intermediate_size: int = 0  # each expert's local columns (every expert is split, as the MLP is)
     shared_expert_intermediate_size: int = 0  # the shared expert's local columns (Qwen2-MoE's)
+    # The ranks' collectives go through host memory: a gloo group, whose CUDA support covers only some collectives
+    # (ranks sharing a GPU). On a CPU the host copies are the tensors themselves, so CPU ranks run this same path.
+    host_collectives: bool = False
 
     @classmethod
-    def make(cls, config, rank: int = 0, size: int = 1) -> TPLayout:
+    def make(cls, config, rank: int = 0, size: int = 1, host_collectives: bool = False) -> TPLayout:
         """Raises ValueError when `size` cannot split this model evenly."""
         check_tp_size(config, size)
         if not 0 <= rank < size:
@@ -42,7 +45,8 @@ class TPLayout:
         inter = config.intermediate_size // size
         shard = -(-config.vocab_size // size)
         return cls(rank, size, heads, kv_heads, rank * heads, kv_start, inter, rank * shard, shard,
-                   config.moe_intermediate_size // size, config.shared_expert_intermediate_size // size)
+                   config.moe_intermediate_size // size, config.shared_expert_intermediate_size // size,
+                   host_collectives)
 
     def mlp_columns(self, name: str) -> int:
         """The local intermediate columns of the MLP an HF tensor `name` belongs to: an expert's, the shared
@@ -94,20 +98,13 @@ def check_tp_size(config, size: int) -> None:
             raise ValueError(f"tensor_parallel_size={size} must divide {key}={getattr(config, key)}")
 
 
-def on_host(x: torch.Tensor) -> bool:
-    """Whether a collective on `x` goes through host memory: a CUDA tensor in a gloo group (ranks sharing a GPU),
-    whose CUDA support covers only some collectives."""
-    import torch.distributed as dist
-
-    return x.is_cuda and dist.get_backend() == "gloo"
-
-
 def all_reduce(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
+    """The sum of every rank's `x`, in place."""
     if layout.size > 1:
         import torch.distributed as dist
 
-        if on_host(x):
-            host = x.cpu()
+        if layout.host_collectives:
+            host = x.cpu()  # x itself on a CPU
             dist.all_reduce(host)
             x.copy_(host)
         else:
@@ -115,11 +112,11 @@ def all_reduce(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
     return x
 
 
-def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+def broadcast(x: torch.Tensor, layout: TPLayout, src: int = 0) -> torch.Tensor:
     """Rank `src`'s `x` on every rank, in place."""
     import torch.distributed as dist
 
-    if on_host(x):
+    if layout.host_collectives:
         host = x.cpu()
         dist.broadcast(host, src=src)
         x.copy_(host)
@@ -134,7 +131,7 @@ def all_gather_last_dim(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
-    local = x.cpu() if on_host(x) else x.contiguous()
-    parts = [torch.empty_like(local) for _ in range(layout.size)]
-    dist.all_gather(parts, local.contiguous())
+    local = (x.cpu() if layout.host_collectives else x).contiguous()
+    parts = [torch.empty_like(local) for _ in range(layout.size)]  # each [..., n]
+    dist.all_gather(parts, local)
     return torch.cat(parts, dim=-1).to(x.device)
