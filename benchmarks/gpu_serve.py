@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -54,14 +53,12 @@ def write_model(config_json: Path, preset: str) -> None:
     """The random model deploy/gpu.yaml names: `preset`'s config (benchmarks/throughput.py) and a synthetic
     tokenizer of its vocabulary, so text prompts and streamed text cost what a real model's do."""
     from synthetic_tokenizer import write_synthetic_tokenizer
-    from throughput import PRESETS
-    from transformers import AutoConfig
+    from throughput import preset_config
 
-    cfg = dict(PRESETS[preset])
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config = preset_config(preset)
     config_json.parent.mkdir(parents=True, exist_ok=True)
     config.to_json_file(str(config_json))
-    write_synthetic_tokenizer(config_json.parent, cfg["vocab_size"])
+    write_synthetic_tokenizer(config_json.parent, config.vocab_size)
 
 
 def start_serve(config: Path, log: Path) -> subprocess.Popen:
@@ -107,11 +104,10 @@ def post(path: str, body: dict) -> dict:
 
 
 def check_routes(model_id: str, max_tokens: int) -> dict:
-    """One greedy completion over HTTP and over gRPC: their tokens (the HTTP route's through logprobs)."""
+    """One greedy completion over HTTP and over gRPC: both texts, and the gRPC route's tokens."""
     from pagedserve.client import Client
 
-    body = dict(model=model_id, prompt=CHECK_PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                logprobs=0)
+    body = dict(model=model_id, prompt=CHECK_PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True)
     http = post("/v1/completions", body)["choices"][0]
     with Client(GRPC, application="pagedserve") as client:
         grpc_out = client.generate(CHECK_PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -139,8 +135,10 @@ def gpu_processes() -> list[str]:
 
 
 def workload(n: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    """`n` prompts of 100-1024 tokens, as throughput.py draws them."""
+    from throughput import make_workload
+
+    return make_workload(n, (100, 1024), (1, 1), vocab, seed)[0]
 
 
 def offline(model: str, settings: dict, streams: int, prompts: list[list[int]], output_tokens: int,
@@ -187,6 +185,8 @@ def main() -> None:
         settings.pop(key, None)
     write_model(Path(model.removeprefix("random:")), args.preset)
     vocab = json.loads(Path(model.removeprefix("random:")).read_text())["vocab_size"]
+    # the same requests served and offline: 2 x S prompts for S streams
+    workloads = {streams: workload(2 * streams, vocab, seed=streams) for streams in args.streams}
     args.log_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"environment": env, "config": str(args.config), "served": [], "offline": []}
     proc = start_serve(args.config, args.log_dir / "serve_run.log")
@@ -202,8 +202,7 @@ def main() -> None:
         same = routes["http_text"] == routes["grpc_text"]
         print(f"greedy over HTTP and gRPC: {'the same text' if same else 'DIFFERENT'}: {routes['grpc_text']!r}",
               flush=True)
-        for streams in args.streams:
-            prompts = workload(2 * streams, vocab, seed=streams)
+        for streams, prompts in workloads.items():
             run_args = argparse.Namespace(streams=streams, output_tokens=args.output_tokens)
             r = asyncio.run(run_streams(model_id, prompts, run_args))
             result["served"].append({"streams": streams, **r})
@@ -213,8 +212,7 @@ def main() -> None:
         stop_serve(proc)
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
-        for streams in args.streams:
-            prompts = workload(2 * streams, vocab, seed=streams)
+        for streams, prompts in workloads.items():
             r = offline(model, settings, streams, prompts, args.output_tokens, args.check_tokens)
             result["offline"].append({"streams": streams, **r})
             print(f"offline LLM(executor='ray'), max_num_seqs={streams}: {r['tokens_per_s']:,.0f} output tokens/s",

@@ -71,19 +71,25 @@ def make_random_checkpoint(preset: str, dtype: torch.dtype, device: str) -> Path
     (an 8B checkpoint is 16 GB of disk). A synthetic tokenizer of the model's vocabulary comes with it, so
     that pagedserve detokenizes its outputs as it does serving a real model."""
     from synthetic_tokenizer import write_synthetic_tokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     d = Path(tempfile.mkdtemp(prefix=f"bench-{preset}-"))
     atexit.register(shutil.rmtree, d, ignore_errors=True)
-    cfg = dict(PRESETS[preset])
-    model_type = cfg.pop("model_type")
-    config = AutoConfig.for_model(model_type, **cfg)
+    config = preset_config(preset)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(d)
-    write_synthetic_tokenizer(d, cfg["vocab_size"])
+    write_synthetic_tokenizer(d, config.vocab_size)
     return d
+
+
+def preset_config(preset: str):
+    """A transformers config of `preset`'s shape."""
+    from transformers import AutoConfig
+
+    cfg = dict(PRESETS[preset])
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
 def retyped_gguf(src: Path, qtype: str) -> Path:
