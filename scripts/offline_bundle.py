@@ -130,13 +130,18 @@ def trimmed_ray(wheel: Path, out: Path, preset: int = 9) -> Path:
                     if mode:
                         (Path(tmp) / info.filename).chmod(mode & 0o777)
         strip = shutil.which("strip")
-        for f in Path(tmp).rglob("*"):
-            if strip and f.is_file() and f.open("rb").read(4) == b"\x7fELF":
+        for f in Path(tmp).rglob("*") if strip else ():
+            if f.is_file() and _is_elf(f):
                 subprocess.run([strip, "--strip-unneeded", str(f)], check=True)
         with tarfile.open(out, "w:xz", preset=preset) as tar:
             for entry in sorted(Path(tmp).iterdir()):
                 tar.add(entry, arcname=entry.name)
     return out
+
+
+def _is_elf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"\x7fELF"
 
 
 INSTALL = """#!/usr/bin/env bash
@@ -181,23 +186,19 @@ def main() -> None:
         normalized(line.split("==")[0].strip()) for line in args.have_file.read_text().splitlines() if line.strip()}
     wanted = {n: v for n, v in closure(ROOTS, args.python, have).items()
               if n in ALWAYS or (n not in have and n not in LEFT_OUT)}
-    downloads = args.cache
+    args.cache.mkdir(parents=True, exist_ok=True)
+    fetched = {name: download(name, version, args.python, args.cache) for name, version in sorted(wanted.items())}
     if args.download_only:
-        downloads.mkdir(parents=True, exist_ok=True)
-        for name, version in sorted(wanted.items()):
-            download(name, version, args.python, downloads)
-        print(f"{len(wanted)} wheels for Python {args.python} in {downloads}")
+        print(f"{len(wanted)} wheels for Python {args.python} in {args.cache}")
         return
     wheels = args.out / "wheels"
-    downloads.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
     for old in args.out.glob("ray-*-serve.tar.xz"):
         old.unlink()
-    for name, version in sorted(wanted.items()):
-        wheel = download(name, version, args.python, downloads)
+    for name, wheel in fetched.items():
         if name == "ray":
-            trimmed_ray(wheel, args.out / f"ray-{version}-serve.tar.xz", args.xz_preset)
+            trimmed_ray(wheel, args.out / f"ray-{wanted[name]}-serve.tar.xz", args.xz_preset)
         else:
             shutil.copy(wheel, wheels / wheel.name)
     install = args.out / "install.sh"
