@@ -163,8 +163,11 @@ def test_phi3_longrope_loads_as_checkpoints_write_it(tmp_path):
 
 
 def test_rope_scalings_this_engine_does_not_compute_stay_refused_by_name(tmp_path):
-    for rope, match in [({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
-                         r"rope_scaling type 'yarn' is not supported"),
+    for rope, match in [({"rope_type": "proportional", "factor": 4.0},
+                         r"rope_scaling type 'proportional' is not supported"),
+                        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                          "low_freq_factor": 1.0},
+                         r"rope_parameters.low_freq_factor \(not read for rope_type 'yarn'\)"),
                         (longrope(8, original_max_position_embeddings=256, mscale=1.2),
                          r"rope_parameters.mscale \(not read for rope_type 'longrope'\)")]:
         d = saved(tmp_path, transformers.LlamaConfig(**TINY))

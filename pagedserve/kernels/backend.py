@@ -18,6 +18,7 @@ rotation, where each is a dispatch. Without them the model runs the reference's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,9 +37,11 @@ class PagedAttention(Protocol):
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                  max_query_len: int | None = None, max_context_len: int | None = None,
-                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's new queries [T, Hq, D] over its paged context, the last `window` positions of it for a
-        sliding-window layer, scores soft-capped by `softcap` where given; see reference.paged_attention."""
+        sliding-window layer, scores soft-capped by `softcap` where given, each head's softmax with its logit of
+        `sinks` [Hq] in the denominator where given; see reference.paged_attention."""
 
 
 class RMSNormRows(Protocol):
@@ -60,9 +63,11 @@ class SiluMul(Protocol):
 
 class FusedExperts(Protocol):
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor) -> torch.Tensor:
+                 down: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """A mixture-of-experts layer's experts, as workers.models.moe.grouped_experts: x [T, H], routing weights
-        and experts [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+        and experts [T, k], gate_up [E, 2I, H], down [E, H, I], their biases [E, 2I] and [E, H] where given, the
+        activation of [gate | up] rows (None: SiLU(gate) * up) -> [T, H]."""
 
 
 class RotateQK(Protocol):

@@ -30,3 +30,10 @@ def check_softcap(softcap: float | None) -> None:
     """ValueError unless `softcap` is an attention-logit soft cap (a positive number) or None (no cap)."""
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap={softcap} must be positive (or None: no cap)")
+
+
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int) -> None:
+    """ValueError unless `sinks` is one attention-sink logit per query head ([Hq], fp32) or None (no sinks)."""
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be fp32 [{num_q_heads}] (one logit per query head), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")

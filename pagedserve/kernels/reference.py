@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.checks import check_softcap, check_window
+from pagedserve.kernels.checks import check_sinks, check_softcap, check_window
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,6 +65,7 @@ def paged_attention(
     max_context_len: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context.
 
@@ -73,31 +74,33 @@ def paged_attention(
     sits at position p = context_len - num_q + i and sees keys 0..p (causal among the new tokens,
     full over the prefix); with a sliding `window`, only keys p - window + 1 .. p (transformers'
     `sliding_window`: at most `window` keys, its own included). With a `softcap` (Gemma's
-    attn_logit_softcapping), each scaled score s becomes softcap * tanh(s / softcap) before the mask.
-    Returns [T, Hq, D] in query's dtype.
+    attn_logit_softcapping), each scaled score s becomes softcap * tanh(s / softcap) before the mask. With
+    `sinks` [Hq] (gpt-oss's attention sinks), head h's softmax has exp(sinks[h]) added to its denominator: a logit
+    beside the keys' that attends to no value. Returns [T, Hq, D] in query's dtype.
     The max_* hints are for the Triton backend (launch shapes without a device sync); the reference
     reads the lists.
     """
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1])
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     q_lens = [cu[r + 1] - cu[r] for r in range(len(lens))]
     decode_rows = [r for r, n in enumerate(q_lens) if n == 1]
     if len(decode_rows) > 1:
-        _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out, window, softcap)
+        _decode_rows(query, kv_cache, cu, lens, block_tables, scale, decode_rows, out, window, softcap, sinks)
     else:
         decode_rows = []
     skip = set(decode_rows)
     attend_rows(query, kv_cache, cu, lens, block_tables, scale, [r for r in range(len(lens)) if r not in skip], out,
-                window, softcap)
+                window, softcap, sinks)
     return out
 
 
 def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens: list[int],
                 block_tables: torch.Tensor, scale: float, rows: list[int], out: torch.Tensor,
-                window: int | None = None, softcap: float | None = None) -> None:
+                window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Row by row: gather the row's K/V and run one causal SDPA over its new queries, into `out`."""
     for r in rows:
         num_q = cu[r + 1] - cu[r]
@@ -106,7 +109,7 @@ def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens
         k, v = gather_kv(kv_cache, block_tables[r], lens[r])  # [L, Hkv, D] each
         q = query[cu[r]:cu[r + 1]].transpose(0, 1)  # [Hq, nq, D]
         start = lens[r] - num_q
-        if start == 0 and window is None and softcap is None:  # plain causal: SDPA skips the masked-out tiles
+        if start == 0 and window is None and softcap is None and sinks is None:  # plain causal: SDPA skips tiles
             mask = None
         else:
             keys = torch.arange(lens[r], device=query.device)[None, :]
@@ -117,11 +120,12 @@ def attend_rows(query: torch.Tensor, kv_cache: torch.Tensor, cu: list[int], lens
             mask = mask[None, None]  # [1, 1, nq, L]
         # 4-D inputs: on CPU, 3-D ones fall back to SDPA's math path (~100x slower here).
         o = _attention(q[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype), mask,
-                       scale, softcap)
+                       scale, softcap, sinks)
         out[cu[r]:cu[r + 1]] = o[0].transpose(0, 1)
 
 
-def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out, window=None, softcap=None) -> None:
+def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out, window=None, softcap=None,
+                 sinks=None) -> None:
     """One batched SDPA for all single-token rows: gather padded K/V and mask by length."""
     block_size = kv_cache.shape[2]
     max_len = max(lens[r] for r in rows)
@@ -138,26 +142,32 @@ def _decode_rows(query, kv_cache, cu, lens, block_tables, scale, rows, out, wind
     if window is not None:
         mask &= keys >= row_lens[:, None] - window
     mask = mask[:, None, None, :]
-    o = _attention(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), mask, scale, softcap)
+    o = _attention(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), mask, scale, softcap, sinks)
     out[token_idx] = o.squeeze(2)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               softcap: float | None) -> torch.Tensor:
+               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, nq, D] over k, v [B, Hkv, L, D] (GQA: Hq a multiple of Hkv), where the bool `mask` [B or 1, 1, nq, L]
-    allows (None: causal, nq == L). Without a soft cap one SDPA; with one, transformers' eager attention: the
-    scaled scores capped, then masked, softmax in fp32."""
-    if softcap is None:
+    allows (None: causal, nq == L). Without a soft cap or sinks one SDPA; else transformers' eager attention: the
+    scaled scores capped, then masked, each head's sink logit appended as one more column, softmax in fp32, the
+    sink's column dropped."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, nq, L]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)  # [B, Hq, nq, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

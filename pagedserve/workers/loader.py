@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.workers import gpt_oss_weights
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
@@ -82,6 +83,8 @@ def _unfused(tensors: Iterator[tuple[str, tuple[int, ...], Reader]],
     `up_proj`): each part reads its own rows of the fused tensor, so a rank reads only its shard of each."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
+    if config.model_type == "gpt_oss":  # its experts' own layout (transposed, interleaved; MXFP4)
+        tensors = gpt_oss_weights.expert_tensors(tensors)
     for name, shape, read in tensors:
         if m := _MIXTRAL_NAMES.match(name):
             part = m.group(2) if m.group(3) is None else m.group(2)[:-2] + _MIXTRAL_EXPERT[m.group(3)]
@@ -132,6 +135,7 @@ _FUSED = [
     (re.compile(r"(.*\.(?:mlp|shared_expert))\.(gate|up)_proj\.(weight|bias)$"), "gate_up_proj", ("gate", "up")),
     (re.compile(r"(.*\.experts)\.\d+\.(gate|up)_proj\.(weight)$"), "gate_up_proj", ("gate", "up")),
     (re.compile(r"(.*\.experts)\.(gate|up)_proj()$"), "gate_up_proj", ("gate", "up")),
+    (re.compile(r"(.*\.experts)\.(gate|up)_proj_bias()$"), "gate_up_proj_bias", ("gate", "up")),
 ]
 _ONE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -223,6 +227,8 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                        p + "mlp.down_proj.bias": (h,)}
+        if config.family.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_heads,)
         if config.family.qk_norm:  # each head's, or (OLMo 2) all heads' at once
             q_norm, k_norm = ((q,), (kv,)) if config.family.qk_norm_across_heads else ((d,), (d,))
             shapes |= {p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm}
@@ -240,6 +246,11 @@ def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     """A sparse MoE block's tensors as transformers 5 writes them: the router, the experts stacked (gate|up
     fused), and Qwen2-MoE's shared expert and its gate."""
     h, e, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    if config.model_type == "gpt_oss":  # `GptOssExperts`: transposed, biased; a biased router
+        return {prefix + "router.weight": (e, h), prefix + "router.bias": (e,),
+                prefix + "experts.gate_up_proj": (e, h, 2 * inter),
+                prefix + "experts.gate_up_proj_bias": (e, 2 * inter),
+                prefix + "experts.down_proj": (e, inter, h), prefix + "experts.down_proj_bias": (e, h)}
     shapes = {prefix + "gate.weight": (e, h), prefix + "experts.gate_up_proj": (e, 2 * inter, h),
               prefix + "experts.down_proj": (e, h, inter)}
     if config.shared_expert_intermediate_size:
@@ -265,6 +276,17 @@ def _narrow(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor
     return full.narrow(dim, start, stop - start)
 
 
+def _shapes_checked(tensors: Iterator[tuple[str, tuple[int, ...], Reader]], expected: dict[str, tuple[int, ...]]
+                    ) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """The checkpoint's tensors; ValueError at the first whose shape is not the one its name has in a transformers
+    checkpoint of the config (before any is read in another layout)."""
+    for name, shape, read in tensors:
+        if name in expected and tuple(shape) != expected[name]:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, "
+                             f"the config implies {expected[name]}")
+        yield name, shape, read
+
+
 def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]], label: str,
           held: set[str]) -> None:
     from tqdm import tqdm
@@ -275,21 +297,18 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
     local = {"q": tp.num_heads * config.head_dim, "k": tp.num_kv_heads * config.head_dim,
              "v": tp.num_kv_heads * config.head_dim, "gate": tp.intermediate_size, "up": tp.intermediate_size}
     expected = hf_tensor_shapes(config)
-    for name, shape, read in tqdm(_unfused(tensors, config), desc=f"Loading {label}", unit="tensor", leave=False,
-                                  total=len(expected)):
+    for name, shape, read in tqdm(_unfused(_shapes_checked(tensors, expected), config), desc=f"Loading {label}",
+                                  unit="tensor", leave=False, total=len(expected)):
         if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings) or name in held:
             continue
-        if name in expected and tuple(shape) != expected[name]:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, "
-                             f"the config implies {expected[name]}")
         target, offset, expert = name, 0, None
         if m := _ONE_EXPERT.match(name):  # one expert's: its slab of the stacked parameter
             target, expert = f"{m.group(1)}.{m.group(3)}.weight", int(m.group(2))
         for pattern, fused, parts in _FUSED:
             if m := pattern.match(name):
                 target = f"{m.group(1)}.{fused}" + (f".{m.group(3)}" if m.group(3) else "")
-                offset = tp.mlp_columns(name) * parts.index(m.group(2)) if fused == "gate_up_proj" else sum(
-                    local[p] for p in parts[: parts.index(m.group(2))])
+                offset = (tp.mlp_columns(name) * parts.index(m.group(2)) if fused.startswith("gate_up_proj")
+                          else sum(local[p] for p in parts[: parts.index(m.group(2))]))
                 break
         target = target.removesuffix(".weight") if ".experts." in target else target  # stacked: no suffix
         param = params.get(target)
@@ -302,7 +321,8 @@ def _load(model: CausalLM, tensors: Iterator[tuple[str, tuple[int, ...], Reader]
             # Gemma's norms multiply by (1 + weight), in fp32: added here once, so every norm kernel takes them
             tensor = tensor.float() + config.family.norm_weight_offset
         base = param.data if expert is None else param.data[expert]
-        parts_dim = 1 if base.dim() == 3 else 0  # where fused parts lie side by side: after a stacked expert dim
+        # where fused parts lie side by side: after the expert dim of stacked experts (and of their biases)
+        parts_dim = 1 if expert is None and ".experts." in target else 0
         region = base.narrow(parts_dim, offset, length) if dim == parts_dim else base  # what this tensor fills
         dest = region.narrow(dim, 0, stop - start)
         if stop - start < length:  # the last vocabulary shard's padding rows

@@ -53,9 +53,9 @@ def paged_attention_library() -> ctypes.CDLL | None:
     return _library("paged_attention.c", PAGED_ATTENTION_FLAGS, "the CPU attention uses the slower torch reference", {
         "paged_attention_supports": ([_i64, _i64, _i64, _i64], ctypes.c_int),
         "paged_attention": (_PAGED_ATTENTION_ARGS, ctypes.c_int),
-        # the same, then a sliding window (0: none) and a soft cap (0: none); paged_attention keeps its signature
-        # for the one-call decoder
-        "paged_attention_windowed": ([*_PAGED_ATTENTION_ARGS, _i64, ctypes.c_float], ctypes.c_int)})
+        # the same, then a sliding window (0: none), a soft cap (0: none) and attention sinks (NULL: none);
+        # paged_attention keeps its signature for the one-call decoder
+        "paged_attention_sinks": ([*_PAGED_ATTENTION_ARGS, _i64, ctypes.c_float, _ptr], ctypes.c_int)})
 
 
 

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.checks import check_rotation, check_softcap, check_window
+from pagedserve.kernels.checks import check_rotation, check_sinks, check_softcap, check_window
 from pagedserve.kernels.cpu.native import layer_ops_library, paged_attention_library
 
 __all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "supports_shape",
@@ -42,18 +42,20 @@ def paged_attention(
     max_context_len: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See reference.paged_attention. Returns [T, Hq, D] in query's dtype. With a `window`, each token reads
     only the blocks its window reaches."""
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1])
     lib = paged_attention_library()
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if (lib is None or kv_cache.dtype not in _KV_DTYPES or kv_cache.device.type != "cpu"
             or not supports_shape(num_q_heads, num_kv_heads, head_dim, block_size)):
         return reference.paged_attention(query, kv_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sinks=sinks)
 
     fp32 = query.dtype == torch.float32
     q32 = query.contiguous() if fp32 else query.float().contiguous()  # [T, Hq, D]
@@ -62,11 +64,13 @@ def paged_attention(
     context_lens = context_lens.to(torch.int64).contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     kv_cache = kv_cache.contiguous()
-    status = lib.paged_attention_windowed(
+    sinks = None if sinks is None else sinks.contiguous()
+    status = lib.paged_attention_sinks(
         q32.data_ptr(), kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], out32.data_ptr(), context_lens.shape[0],
         cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         num_q_heads, num_kv_heads, head_dim, block_size, kv_cache.shape[1], ctypes.c_float(scale),
-        torch.get_num_threads(), 0 if window is None else window, ctypes.c_float(softcap or 0.0))
+        torch.get_num_threads(), 0 if window is None else window, ctypes.c_float(softcap or 0.0),
+        None if sinks is None else sinks.data_ptr())
     if status == -2:
         raise ValueError(f"block_tables name a block outside the KV pool (num_blocks={kv_cache.shape[1]})")
     if status == -3:

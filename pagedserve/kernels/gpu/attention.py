@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.checks import check_softcap, check_window
+from pagedserve.kernels.checks import check_sinks, check_softcap, check_window
 
 _LOG2E = 1.4426950408889634
 
@@ -128,13 +128,14 @@ def _find_row(cu_q_ptr, tile, num_rows, BLOCK_Q: tl.constexpr):
 # the rest), mid-run: on an H100 those compilations cost seconds of the first minute's throughput.
 @triton.jit(do_not_specialize=["num_rows", "stride_table"])
 def _prefill_kernel(
-    q_ptr, kv_ptr, cu_q_ptr, ctx_ptr, table_ptr, out_ptr,
+    q_ptr, kv_ptr, cu_q_ptr, ctx_ptr, table_ptr, out_ptr, sinks_ptr,
     scale_log2, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if HEAVY_FIRST:
@@ -207,6 +208,8 @@ def _prefill_kernel(
                 head_off, stride_kv, stride_block, stride_slot, scale_log2, offs_d, mask_d,
                 BLOCK_N, BLOCK_SIZE, True, True, False, UPCAST, SOFTCAP)
 
+    if SINKS:  # each head's sink logit joins the denominator, in the scores' log2 units, relative to m_i
+        l_i += tl.exp2(tl.load(sinks_ptr + head, mask=mask_m, other=0.0) * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -222,13 +225,14 @@ def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["stride_table"])
 def _decode_kernel(
-    q_ptr, kv_ptr, cu_q_ptr, ctx_ptr, table_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, cu_q_ptr, ctx_ptr, table_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
     scale_log2, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_block, stride_slot, stride_kh, stride_table,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -300,6 +304,8 @@ def _decode_kernel(
                  mask=mask_g[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=mask_g)
     else:
+        if SINKS:  # the merge adds the sinks where the context is split
+            l_i += tl.exp2(tl.load(sinks_ptr + head, mask=mask_g, other=0.0) * 1.4426950408889634 - m_i)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
@@ -312,10 +318,10 @@ _MERGE_BLOCK_S = 16
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    cu_q_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    cu_q_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
     num_splits, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -348,7 +354,10 @@ def _merge_kernel(
                            mask=mask_s[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
         acc += tl.sum(part_out * weight[:, None], 0)
         weights += weight
-    out = acc / tl.sum(weights, 0)  # [BLOCK_D]
+    total = tl.sum(weights, 0)
+    if SINKS:  # the head's sink logit (log2 units), relative to the largest slice's
+        total += tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - m)
+    out = acc / total  # [BLOCK_D]
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -460,6 +469,7 @@ def paged_attention(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each row's new queries over its paged context (see reference.paged_attention).
 
@@ -477,12 +487,15 @@ def paged_attention(
     runs exactly the code it ran without the argument, and a CUDA graph captures each layer's variant as is.
     softcap: Gemma's attention-logit soft cap (scores s -> softcap * tanh(s / softcap) before the mask), a
     compile-time constant as the window is; None compiles the uncapped kernels unchanged.
+    sinks: gpt-oss's attention sinks, fp32 [Hq]: each head's logit joins its softmax's denominator where a row's
+    output is normalized (its whole context's, or the merge of its slices'); None compiles the kernels unchanged.
     """
     if num_splits is not None and (split_kv is not None or num_splits < 1):
         raise ValueError(f"num_splits={num_splits} must be at least 1, and split_kv={split_kv} left unset with it")
     check_window(window)
     check_softcap(softcap)
     num_tokens, num_q_heads, head_dim = query.shape
+    check_sinks(sinks, num_q_heads)
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     num_rows = context_lens.shape[0]
     assert kv_head_dim == head_dim and num_q_heads % num_kv_heads == 0
@@ -509,7 +522,9 @@ def paged_attention(
         WINDOW=min(window or 0, 1 << 30),
         # 0.0: no soft cap, the code uncapped models always ran; else the cap in the scores' log2 units
         SOFTCAP=0.0 if softcap is None else softcap * _LOG2E,
+        SINKS=sinks is not None,
     )
+    sinks_arg = query if sinks is None else sinks  # never read without sinks
     scale_log2 = scale * _LOG2E
 
     # T == R does not rule out prefill rows (a row may have no new tokens), hence T >= 2.
@@ -519,7 +534,7 @@ def paged_attention(
         # Upper bound on sum_r ceil(nq_r / block_q) without reading cu_seqlens back.
         grid = (num_tokens // block_q + num_rows, num_kv_heads)
         _prefill_kernel[grid](
-            query, kv_cache, cu_seqlens_q, context_lens, block_tables, out, scale_log2, num_rows,
+            query, kv_cache, cu_seqlens_q, context_lens, block_tables, out, sinks_arg, scale_log2, num_rows,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.prefill_n, HEAVY_FIRST=tiles.prefill_heavy_first,
             num_warps=tiles.prefill_warps, num_stages=tiles.prefill_stages, **common,
         )
@@ -542,17 +557,17 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused
     _decode_kernel[(num_rows, num_kv_heads, splits)](
-        query, kv_cache, cu_seqlens_q, context_lens, block_tables, out, part_out, part_lse,
+        query, kv_cache, cu_seqlens_q, context_lens, block_tables, out, part_out, part_lse, sinks_arg,
         scale_log2, num_q_heads,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.decode_n, SPLIT=splits > 1,
         num_warps=tiles.decode_warps, num_stages=tiles.decode_stages, **common,
     )
     if splits > 1:
         _merge_kernel[(num_rows, num_q_heads)](
-            cu_seqlens_q, context_lens, out, part_out, part_lse,
+            cu_seqlens_q, context_lens, out, part_out, part_lse, sinks_arg,
             splits, num_q_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=_MERGE_BLOCK_S, BLOCK_D=block_d,
-            BLOCK_N=tiles.decode_n, WINDOW=common["WINDOW"],
+            BLOCK_N=tiles.decode_n, WINDOW=common["WINDOW"], SINKS=common["SINKS"],
             num_warps=1 if block_d <= 64 else 2,
         )
     return out

@@ -13,6 +13,8 @@ host, cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -107,9 +109,11 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pa
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+                  down: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """`workers.models.moe.grouped_experts` in two grouped GEMMs: x [T, H], weights and experts [T, k],
-    gate_up [E, 2I, H], down [E, H, I] -> the weighted sum of each token's experts' outputs [T, H] (x's dtype)."""
+    gate_up [E, 2I, H], down [E, H, I], their biases [E, 2I] and [E, H] where given, the activation of [gate | up]
+    rows (None: SiLU(gate) * up) -> the weighted sum of each token's experts' outputs [T, H] (x's dtype)."""
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down)):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_experts: {name} {tuple(t.shape)} must be contiguous in its last dimension")
@@ -119,9 +123,17 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     sorted_pairs, block_experts = align_pairs(experts, gate_up.shape[0])
     gate_up_out = torch.empty(sorted_pairs.numel(), 2 * inter, dtype=x.dtype, device=x.device)  # [R, 2I]
     _grouped_gemm(x, gate_up, gate_up_out, sorted_pairs, block_experts, num_pairs, top_k, a_sorted=False)
-    gate, up = gate_up_out.chunk(2, dim=-1)
-    act = (F.silu(gate) * up).contiguous()  # [R, I]; padding rows hold garbage that no store reads back
+    if gate_up_bias is not None:  # each sorted row's expert's (a block's expert; padding blocks' -1 read expert 0)
+        gate_up_out += gate_up_bias[block_experts.clamp(min=0).repeat_interleave(BLOCK_M)]
+    if activation is None:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    else:
+        act = activation(gate_up_out)
+    act = act.contiguous()  # [R, I]; padding rows hold garbage that no store reads back
     out = torch.empty(num_pairs, down.shape[1], dtype=x.dtype, device=x.device)  # [T * k, H] in pair order
     _grouped_gemm(act, down, out, sorted_pairs, block_experts, num_pairs, top_k, a_sorted=True)
+    if down_bias is not None:
+        out += down_bias[experts.reshape(-1)]
     # weighted and summed over each token's k pairs as grouped_experts does (in the weights' dtype where wider)
     return (out * weights.reshape(-1, 1)).view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -1,7 +1,7 @@
-"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, OLMo 2, Gemma 2 / 3, Mixtral, Qwen2-MoE and Qwen3-MoE as
-one decoder: their differences are `ModelConfig`'s values (biases, q/k norms, where the norms sit, each layer's
-window and rotary embedding, Granite's scales, Gemma's soft caps and GELU, which layers have a sparse MoE block
-(`moe.py`) in place of the MLP), read where each applies.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, OLMo 2, Gemma 2 / 3, Mixtral, Qwen2-MoE, Qwen3-MoE and
+gpt-oss as one decoder: their differences are `ModelConfig`'s values (biases, q/k norms, where the norms sit, each
+layer's window and rotary embedding, Granite's scales, Gemma's soft caps and GELU, gpt-oss's attention sinks, which
+layers have a sparse MoE block (`moe.py`) in place of the MLP), read where each applies.
 
 Tokens of all rows are flattened into one [T, ...] batch; attention reads and writes the
 paged KV pool through `AttentionContext`. q/k/v and gate/up projections are fused. Under
@@ -122,6 +122,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss's sink logits, this rank's heads' (kept in the model's dtype, as transformers holds them)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.family.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -144,7 +146,7 @@ class Attention(nn.Module):
         o = ctx.backend.paged_attention(q, kv_cache, ctx.cu_seqlens_q, ctx.context_lens, block_tables,
                                         self.scale, max_query_len=ctx.max_query_len,
                                         max_context_len=ctx.max_context_len, window=self.window,
-                                        softcap=self.softcap)
+                                        softcap=self.softcap, sinks=None if self.sinks is None else self.sinks.float())
         return row_parallel(self.o_proj, o.reshape(-1, self.q_size), self.tp)
 
 

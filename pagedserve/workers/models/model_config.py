@@ -42,6 +42,13 @@ class Family:
     # Qwen2-MoE's default layer_types under use_sliding_window: every other layer (the first, third, ...) below
     # max_window_layers slides, where Qwen2's slide from max_window_layers on.
     alternate_windows: bool = False
+    # gpt-oss's: a learned logit per query head (`self_attn.sinks`) that joins each softmax's denominator and
+    # attends to no value, so a query may give less than all of its weight to the keys.
+    attention_sinks: bool = False
+    # gpt-oss's router: biased logits, the top k of them, then a softmax over those k (the others' softmax first,
+    # over all experts); its experts have biases and a clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`).
+    moe_top_k_first: bool = False
+    moe_biases: bool = False
 
 
 _GEMMA = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
@@ -59,6 +66,13 @@ _BIASES = frozenset({"attention_bias", "mlp_bias"})
 _MOE = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "output_router_logits",
                   "router_aux_loss_coef", "router_jitter_noise"})
 _QWEN_MOE = _MOE | {"moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
+# gpt-oss: the checkpoints OpenAI published also hold `experts_per_token` (num_experts_per_tok's other name) and
+# `initial_context_length` (the rope's original_max_position_embeddings, which is what transformers reads), and
+# store the experts in MXFP4 (`quantization_config`, which the loader dequantizes).
+_GPT_OSS = _MOE | {"sliding_window", "layer_types", "attention_bias", "swiglu_alpha", "swiglu_limit",
+                   "experts_per_token", "initial_context_length", "quantization_config"}
+_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+         "original_max_position_embeddings": 4096}
 FAMILIES = {
     "llama": Family(keys=_BIASES),
     "mistral": Family(False, False, keys=frozenset({"sliding_window", "layer_types"}), window_on_every_layer=True),
@@ -79,6 +93,14 @@ FAMILIES = {
                                                                          "shared_expert_intermediate_size"},
                         layer_types=("full_attention", "sliding_attention"), alternate_windows=True,
                         defaults=(("qkv_bias", True),)),
+    # Attention sinks, biases on every projection, windows on alternate layers (the first, third, ...; a window of
+    # 128 by default), YaRN, and MoE blocks on every layer: the top k of the biased router logits softmaxed, each
+    # expert's clamped SwiGLU with biases (`GptOssExperts`).
+    "gpt_oss": Family(keys=_GPT_OSS, layer_types=("full_attention", "sliding_attention"), attention_sinks=True,
+                      moe_top_k_first=True, moe_biases=True,
+                      defaults=(("sliding_window_pattern", 2), ("sliding_window", 128), ("attention_bias", True),
+                                ("rope_theta", 150000.0), ("rope_parameters", _YARN), ("swiglu_alpha", 1.702),
+                                ("swiglu_limit", 7.0), ("rms_norm_eps", 1e-5))),
     # Llama's layers from fused checkpoints (qkv_proj, gate_up_proj: the loader reads their parts), rotary
     # embedding over the first `partial_rotary_factor` of each head; original_max_position_embeddings is LongRoPE's.
     "phi3": Family(False, False, keys=frozenset({"sliding_window", "original_max_position_embeddings",
@@ -155,13 +177,15 @@ _ROPE_KEYS = {
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
     "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor",
                            "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                       "original_max_position_embeddings", "truncate"}),
 }
 
 
 def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers' class for the family computes it.
-    Mistral, Phi-3: `sliding_window` on every layer. Gemma: on the layers `layer_types` names sliding (by default
-    all but every `sliding_window_pattern`-th). Qwen2, Qwen3, SmolLM3: a window only with
+    Mistral, Phi-3: `sliding_window` on every layer. Gemma, gpt-oss: on the layers `layer_types` names sliding (by
+    default all but every `sliding_window_pattern`-th). Qwen2, Qwen3, SmolLM3: a window only with
     `use_sliding_window`, on the layers `layer_types` names sliding (by default those from `max_window_layers` on;
     SmolLM3's, those without rotary embedding)."""
     num_layers = d["num_hidden_layers"]
@@ -170,7 +194,7 @@ def layer_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     gated = "use_sliding_window" in family.keys  # windows only with use_sliding_window
     if family.window_on_every_layer:  # Qwen3-MoE's too, under use_sliding_window
         return (d.get("sliding_window") if not gated or d.get("use_sliding_window") else None,) * num_layers
-    if "sliding_window_pattern" in dict(FAMILIES[model_type].defaults):  # Gemma's: no use_sliding_window
+    if "sliding_window_pattern" in dict(FAMILIES[model_type].defaults):  # Gemma's, gpt-oss's: no use_sliding_window
         pattern = d["sliding_window_pattern"]  # every pattern-th layer attends in full
         types = d.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                          for i in range(num_layers)]
@@ -268,6 +292,17 @@ def _moe_refusals(d: dict[str, Any], num_layers: int) -> list[str]:
     dense = d.get("mlp_only_layers") or []
     if any(not isinstance(i, int) or not 0 <= i < (num_layers or 0) for i in dense):
         refused.append(f"mlp_only_layers={dense!r} (layer indices below num_hidden_layers={num_layers})")
+    if "experts_per_token" in d and d["experts_per_token"] != per_token:
+        refused.append(f"experts_per_token={d['experts_per_token']!r} and num_experts_per_tok={per_token!r} (one "
+                       "count of experts per token, under either name)")
+    quantization = d.get("quantization_config")
+    if quantization is not None and (not isinstance(quantization, dict)
+                                     or quantization.get("quant_method") != "mxfp4"):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        refused.append(f"quantization_config.quant_method={method!r} (mxfp4 experts are loaded; no other method)")
+    for key in ("swiglu_limit", "swiglu_alpha"):
+        if key in d and (isinstance(d[key], bool) or not isinstance(d[key], int | float) or not d[key] > 0):
+            refused.append(f"{key}={d[key]!r} (a positive number)")
     return refused
 
 
@@ -353,6 +388,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]
+    # gpt-oss's experts: SiLU's gate clamped from above and the up projection on both sides at swiglu_limit, the
+    # gate's sigmoid taken of swiglu_alpha times it, and (up + 1) multiplied in. None: plain SiLU experts.
+    swiglu_limit: float | None
+    swiglu_alpha: float
     initializer_range: float
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -389,7 +428,9 @@ class ModelConfig:
         defaults = dict(family.defaults)
         # transformers 5 keeps rope settings only in `rope_parameters` (Gemma 3's: one per layer type); older
         # configs at top level. The family's default bases apply where neither gives one.
-        rope = dict(d.get("rope_parameters") or {})
+        # (gpt-oss's class defaults to YaRN where a config gives no rope settings at all)
+        rope = dict(d.get("rope_parameters") or (None if d.get("rope_scaling") else defaults.get("rope_parameters"))
+                    or {})
         local_theta = d.get("rope_local_base_freq", defaults.get("rope_local_base_freq"))
         if "full_attention" in rope and local_theta is not None:
             local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
@@ -405,9 +446,9 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.get("type", "default"))
             if scaling["rope_type"] == "default":
                 scaling = None
-        if scaling is not None and scaling["rope_type"] not in ("linear", "dynamic", "llama3", "longrope"):
+        if scaling is not None and scaling["rope_type"] not in ("linear", "dynamic", "llama3", "longrope", "yarn"):
             raise ValueError(f"rope_scaling type {scaling['rope_type']!r} is not supported "
-                             "(supported: linear, dynamic, llama3, longrope)")
+                             "(supported: linear, dynamic, llama3, longrope, yarn)")
         head_dim = d.get("head_dim") or hidden // num_heads
         rotary_dim = _rotary_dim(d, rope, head_dim)
         if scaling is not None and scaling["rope_type"] == "longrope":
@@ -468,14 +509,16 @@ def _moe_fields(d: dict[str, Any], family: Family) -> dict[str, Any]:
     layers = moe_layers(d)
     if not any(layers):
         return dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
-                    norm_topk_prob=False, moe_layers=layers)
+                    norm_topk_prob=False, moe_layers=layers, swiglu_limit=None, swiglu_alpha=1.0)
     renormalize = family.moe_renormalize
     return dict(num_experts=d.get("num_experts", d.get("num_local_experts")),
                 num_experts_per_tok=d["num_experts_per_tok"],
                 moe_intermediate_size=d.get("moe_intermediate_size", d["intermediate_size"]),
                 shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0),
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)) if renormalize is None else renormalize,
-                moe_layers=layers)
+                moe_layers=layers,
+                swiglu_limit=float(d["swiglu_limit"]) if "swiglu_limit" in family.keys else None,
+                swiglu_alpha=float(d.get("swiglu_alpha", 1.0)))
 
 
 def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int:

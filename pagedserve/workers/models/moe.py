@@ -1,17 +1,22 @@
-"""The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE) that takes the MLP's place on its layers.
+"""The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) that takes the MLP's place on its
+layers.
 
-A router scores every expert per token; the top k of the softmax (renormalized where the family does) weight
-the outputs of the experts picked. `grouped_experts` computes each expert over the tokens routed to it only:
-token-expert pairs sorted by expert, one matmul per projection per expert that has tokens, the results put back
-in the pairs' order and summed per token. On the Triton backend the fused kernel (`kernels/gpu/fused_moe.py`) takes
-its place.
+A router scores every expert per token; the top k of the softmax (renormalized where the family does; gpt-oss's:
+the softmax of the top k logits) weight the outputs of the experts picked. The experts are SiLU-gated, or
+(gpt-oss's) a clamped SwiGLU with biases on both projections. `grouped_experts` computes each expert over the
+tokens routed to it only: token-expert pairs sorted by expert, one matmul per projection per expert that has tokens,
+the results put back in the pairs' order and summed per token. On the Triton backend the fused kernel
+(`kernels/gpu/fused_moe.py`) takes its place.
 
 Under tensor parallelism every expert is split along its intermediate dimension (gate/up columns, down rows) as
 the dense MLP is, the router is replicated, and the block's output (experts and shared expert together) is
-all-reduced once.
+all-reduced once; an expert's down-projection bias is added by one rank.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,22 +28,27 @@ from pagedserve.workers.models.parallel import TPLayout, all_reduce
 
 
 class Gate(nn.Module):
-    """A linear map without bias whose weight is read as transformers' (`F.linear`), kept out of the CPU's
-    linear-layer swaps: the router's scores pick experts, and a different rounding could pick others."""
+    """A linear map (with a bias for gpt-oss's router) whose weight is read as transformers' (`F.linear`), kept out
+    of the CPU's linear-layer swaps: the router's scores pick experts, and a different rounding could pick others."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool,
-          keep_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, keep_fp32: bool = False,
+          top_k_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k], expert ids [T, k]), as transformers' routers compute them:
     softmax over all experts in fp32, the top k, divided by their sum where `renormalize`; the weights then in
-    the logits' dtype unless `keep_fp32`."""
+    the logits' dtype unless `keep_fp32`. `top_k_first` (gpt-oss's): the top k logits, then their softmax in the
+    logits' dtype."""
+    if top_k_first:
+        values, experts = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values, dim=-1, dtype=values.dtype), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -46,11 +56,36 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return (weights if keep_fp32 else weights.to(logits.dtype)), experts
 
 
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> SiLU(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation of [gate | up], as transformers' `GptOssExperts._apply_gate`: the gate clamped
+    from above and the up projection on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    limit: float
+    alpha: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
-    """Each token's routed experts' SiLU-gated outputs, weighted and summed: x [T, H], weights and experts [T, k],
-    gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I] -> this rank's partial sums [T, H] (x's dtype).
-    Only the tokens routed to an expert go through it."""
+                    down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None,
+                    activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Each token's routed experts' outputs, weighted and summed: x [T, H], weights and experts [T, k], gate_up
+    [E, 2I, H] (gate rows then up rows), down [E, H, I], their biases [E, 2I] and [E, H] where given (added after
+    each product, as transformers' grouped experts add them), `activation` of the [gate | up] rows (None: SiLU's
+    gate) -> this rank's partial sums [T, H] (x's dtype). Only the tokens routed to an expert go through it."""
+    activation = activation or silu_gate
     num_tokens, top_k = experts.shape
     sorted_experts, order = torch.sort(experts.reshape(-1), stable=True)  # pairs grouped by expert  [T * k]
     counts = torch.bincount(sorted_experts, minlength=gate_up.shape[0]).tolist()  # the group sizes, on the host
@@ -59,8 +94,10 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     start = 0
     for e, n in enumerate(counts):
         if n:
-            gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
-            out[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+            h = F.linear(rows[start:start + n], gate_up[e])  # [n, 2I]
+            h = activation(h if gate_up_bias is None else h + gate_up_bias[e])
+            h = F.linear(h, down[e])  # [n, H]
+            out[start:start + n] = h if down_bias is None else h + down_bias[e]
             start += n
     # weights times outputs in the pairs' sorted order (in the weights' dtype where it is wider: Mixtral's fp32),
     # then back in token order and summed over each token's k pairs, as transformers' grouped path does (so fp32
@@ -72,13 +109,19 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
 
 
 class Experts(nn.Module):
-    """The experts' stacked weights: this rank's columns of each."""
+    """The experts' stacked weights (and gpt-oss's biases): this rank's columns of each."""
 
     def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
         super().__init__()
-        inter, hidden = tp.moe_intermediate_size, config.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))  # [E, 2I, H]
-        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, inter))  # [E, H, I]
+        inter, hidden, num = tp.moe_intermediate_size, config.hidden_size, config.num_experts
+        self.tp = tp
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))  # [E, H, I]
+        biases = config.family.moe_biases
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * inter)) if biases else None  # [E, 2I]
+        self.down_proj_bias = nn.Parameter(torch.empty(num, hidden)) if biases else None  # [E, H], whole on each rank
+        self.activation = (None if config.swiglu_limit is None
+                           else ClampedSwiGLU(config.swiglu_limit, config.swiglu_alpha))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 backend: AttentionBackend | None = None) -> torch.Tensor:
@@ -86,7 +129,9 @@ class Experts(nn.Module):
         captured in CUDA graphs), else the loop over experts."""
         compute = backend.fused_experts if backend is not None and backend.fused_experts is not None else (
             grouped_experts)
-        return compute(x, weights, experts, self.gate_up_proj, self.down_proj)
+        down_bias = self.down_proj_bias if self.tp.rank == 0 else None  # the all-reduce sums it once
+        return compute(x, weights, experts, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, down_bias,
+                       self.activation)
 
 
 class SparseMoeBlock(nn.Module):
@@ -97,7 +142,8 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.weights_fp32 = config.family.moe_weights_fp32
-        self.gate = Gate(config.hidden_size, config.num_experts)  # replicated on every rank
+        self.top_k_first = config.family.moe_top_k_first
+        self.gate = Gate(config.hidden_size, config.num_experts, config.family.moe_biases)  # replicated on every rank
         self.experts = Experts(config, tp)
         if config.shared_expert_intermediate_size:
             self.shared_expert = dense_mlp(config, tp, tp.shared_expert_intermediate_size)
@@ -107,7 +153,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H], all-reduced."""
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32)
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32, self.top_k_first)
         out = self.experts(x, weights, experts, backend)
         if self.shared_expert is not None:  # its partial sums scaled before the one all-reduce: the same sum
             shared = self.shared_expert(x, backend, reduce=False)

@@ -65,13 +65,15 @@ def shard_range(name: str, tp: TPLayout, config) -> tuple[int, int, int] | None:
         return 0, tp.q_head_start * d, tp.num_heads * d
     if ".k_proj." in name or ".v_proj." in name:
         return 0, tp.kv_head_start * d, tp.num_kv_heads * d
+    if name.endswith(".self_attn.sinks"):  # one logit per query head
+        return 0, tp.q_head_start, tp.num_heads
     if config.family.qk_norm_across_heads and name.endswith("q_norm.weight"):  # one weight per dim of every head
         return 0, tp.q_head_start * d, tp.num_heads * d
     if config.family.qk_norm_across_heads and name.endswith("k_norm.weight"):
         return 0, tp.kv_head_start * d, tp.num_kv_heads * d
     inter = tp.mlp_columns(name)
-    if name.endswith((".experts.gate_proj", ".experts.up_proj")):  # stacked experts [E, I, H]: their columns
-        return 1, tp.rank * inter, inter
+    if name.endswith((".experts.gate_proj", ".experts.up_proj", ".experts.gate_proj_bias", ".experts.up_proj_bias")):
+        return 1, tp.rank * inter, inter  # stacked experts [E, I, H] (their biases [E, I]): their columns
     if name.endswith(".experts.down_proj"):  # [E, H, I]
         return 2, tp.rank * inter, inter
     if ".gate_proj." in name or ".up_proj." in name:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings as Hugging Face computes them (default, linear, dynamic NTK, llama3, LongRoPE), over
+"""Rotary position embeddings as Hugging Face computes them (default, linear, dynamic NTK, llama3, LongRoPE, YaRN), over
 each head's first `rotary_dim` dims (all of them but for a partial rotary embedding).
 
 The float ops follow transformers' rope init functions so fp32 results match bit for bit.
@@ -47,6 +47,38 @@ def _longrope_inv_freq(base: float, dim: int, factors: list[float]) -> torch.Ten
     return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
+def _yarn_inv_freq(base: float, dim: int, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and cos/sin scale, as transformers' `_compute_yarn_parameters`: the interpolated
+    frequencies (divided by `factor`) below a ramp over the dims between the beta_fast and beta_slow rotation counts,
+    the original ones above it; the scale `attention_factor`, else 0.1 ln(factor) + 1 (with mscale and
+    mscale_all_dim: their ratio)."""
+    factor = scaling.get("factor") or max_position_embeddings / scaling["original_max_position_embeddings"]
+    original = scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # [D/2]: 1 where the original frequency is kept
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, local: bool = False) -> None:
         """`local`: the sliding layers' rope where the config gives them a base of their own (Gemma 3's
@@ -64,12 +96,16 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
         elif rope_type == "longrope":
             inv_freq = _longrope_inv_freq(self.base, self.dim, self.scaling["short_factor"])
+        scale = 1.0  # of cos and sin: LongRoPE's and YaRN's attention factor
+        if rope_type == "yarn":
+            inv_freq, scale = _yarn_inv_freq(self.base, self.dim, self.scaling, self.max_position_embeddings)
         self.dynamic = rope_type == "dynamic"
         # LongRoPE: the long factors for a sequence longer than this, the short ones up to it
         self.long_after = self.scaling["original_max_position_embeddings"] if rope_type == "longrope" else None
         # whether each token's sequence length chooses its frequencies
         self.needs_seq_lens = self.dynamic or self.long_after is not None
-        scale = _longrope_attention_factor(self.scaling, self.max_position_embeddings) if self.long_after else 1.0
+        if self.long_after:
+            scale = _longrope_attention_factor(self.scaling, self.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         positions = torch.arange(max_positions, dtype=torch.float32)
         self.register_buffer("cos_cached", self._scaled((positions[:, None] * inv_freq[None, :]).cos(), scale),
@@ -83,7 +119,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     @staticmethod
     def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
-        # transformers multiplies even by 1.0 (a no-op on the bits); only LongRoPE's factor differs from it
+        # transformers multiplies even by 1.0 (a no-op on the bits); only LongRoPE's and YaRN's factors differ
         return x if scale == 1.0 else x * scale
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,

@@ -169,9 +169,9 @@ int paged_attention_supports(int64_t num_q_heads, int64_t num_kv_heads, int64_t 
 }
 
 /* One block's n tokens (K and V `kstride`/`vstride` floats apart) for one query token's `group` heads of one KV
- * head: their scores (soft-capped when softcap > 0), the online-softmax update of acc [group, D], m and l [group], and the p.v sum. Every
- * token of every row goes through this one compiled copy, whatever tile it is computed in: its bits follow
- * from its own query and context alone. */
+ * head: their scores (soft-capped when softcap > 0), the online-softmax update of acc [group, D], m and l
+ * [group], and the p.v sum. Every token of every row goes through this one compiled copy, whatever tile it is
+ * computed in: its bits follow from its own query and context alone. */
 __attribute__((noinline)) static void attend_block(const float *q, const float *k, int64_t kstride, const float *v,
                                                    int64_t vstride, int64_t n, int64_t group, int64_t D, int64_t B,
                                                    float softcap, float *scores, float *acc, float *m, float *l) {
@@ -267,10 +267,11 @@ static int attend_range(const float *q_in, int64_t q_stride, int64_t count, int6
 static inline int64_t num_slices(int64_t ctx, int64_t slice) { return ctx > slice ? (ctx + slice - 1) / slice : 1; }
 
 /* o [hg, D] = the slices' sums, each rescaled from its own maximum to their common one, normalised. `parts`
- * holds `count` slices of acc [hg * D], m [hg], l [hg], `stride` floats apart. One compiled copy for every
- * caller: with -ffast-math, two inlined copies could sum in different orders. */
+ * holds `count` slices of acc [hg * D], m [hg], l [hg], `stride` floats apart. `sinks` (NULL: none): each head's
+ * attention-sink logit, whose exponential joins the denominator only (it attends to no value). One compiled copy
+ * for every caller: with -ffast-math, two inlined copies could sum in different orders. */
 __attribute__((noinline)) static void merge_slices(const float *parts, int64_t count, int64_t stride, int64_t hg,
-                                                   int64_t D, float *o) {
+                                                   int64_t D, const float *sinks, float *o) {
     const int64_t hgd = hg * D;
     for (int64_t j = 0; j < hg; j++) {
         float top = -FLT_MAX, total = 0.0f;
@@ -286,6 +287,7 @@ __attribute__((noinline)) static void merge_slices(const float *parts, int64_t c
             total += part[hgd + hg + j] * w;
             for (int64_t d = 0; d < D; d++) acc[d] += part[j * D + d] * w;
         }
+        if (sinks) total += expf(sinks[j] - top);
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[d] * inv;
     }
@@ -295,8 +297,9 @@ __attribute__((noinline)) static void merge_slices(const float *parts, int64_t c
  * outside the pool (nothing outside the pool is read; the output is then not valid); -3 when out of memory;
  * -4 when a row has more new tokens than context. `window` > 0: each token sees the last `window` positions
  * up to itself only (a sliding-window layer); 0: its whole context. `softcap` > 0: each scaled score s is
- * softcap * tanh(s / softcap); 0: scores as they are. */
-int paged_attention_windowed(
+ * softcap * tanh(s / softcap); 0: scores as they are. `sinks` [Hq] (NULL: none): each query head's sink logit, in
+ * its softmax's denominator. */
+int paged_attention_sinks(
     const float *query,          /* [T, Hq, D] fp32, contiguous */
     const void *kv,              /* [2, N, B, Hkv, D] one layer's pool, contiguous, of kv_dtype */
     int kv_dtype,
@@ -310,7 +313,8 @@ int paged_attention_windowed(
     float scale,
     int num_threads,              /* torch.get_num_threads(): the kernel follows torch's setting */
     int64_t window,               /* > 0: the sliding window's length; 0: none */
-    float softcap)                /* > 0: the scores' soft cap; 0: none */
+    float softcap,                /* > 0: the scores' soft cap; 0: none */
+    const float *sinks)           /* [Hq] fp32, or NULL */
 {
     const int64_t group = num_q_heads / num_kv_heads, D = head_dim, B = block_size, Hkv = num_kv_heads;
     if (!paged_attention_supports(num_q_heads, num_kv_heads, head_dim, block_size)) return -1;
@@ -387,15 +391,16 @@ int paged_attention_windowed(
                 /* Token i's own slices only: from its window's (a later token's can start a slice later). */
                 const int64_t own_first = window_start(ctx0 + i, window) / slice;
                 merge_slices(own + ((own_first - s0) * tile + i) * stride, num_slices(ctx0 + i, slice) - own_first,
-                             tile * stride, hg, D, out + at + i * num_q_heads * D);
+                             tile * stride, hg, D, sinks ? sinks + h0 * group : NULL, out + at + i * num_q_heads * D);
             }
     }
     for (int64_t unit = 0; spread && unit < units; unit++) {
         const int64_t t = unit / chunks, h0 = (unit % chunks) * heads;
+        const float *unit_sinks = sinks ? sinks + h0 * group : NULL;
         for (int64_t i = 0; i < tile_count[t]; i++) {
             const int64_t own_first = window_start(tile_ctx[t] + i, window) / slice;
             merge_slices(parts + unit * tile_parts + ((own_first - tile_slice[t]) * tile + i) * stride,
-                         num_slices(tile_ctx[t] + i, slice) - own_first, tile * stride, hg, D,
+                         num_slices(tile_ctx[t] + i, slice) - own_first, tile * stride, hg, D, unit_sinks,
                          out + ((tile_first[t] + i) * num_q_heads + h0 * group) * D);
         }
     }
@@ -404,13 +409,13 @@ int paged_attention_windowed(
     return bad_block ? -2 : 0;
 }
 
-/* Full attention (no window, no soft cap): the entry the one-call decoder calls through its function pointer,
+/* Full attention (no window, no soft cap, no sinks): the entry the one-call decoder calls through its function pointer,
  * whose signature stays as it was. */
 int paged_attention(const float *query, const void *kv, int kv_dtype, float *out, int64_t num_rows,
                     const int64_t *cu_seqlens_q, const int64_t *context_lens, const int64_t *block_tables,
                     int64_t table_stride, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, int64_t num_blocks, float scale, int num_threads) {
-    return paged_attention_windowed(query, kv, kv_dtype, out, num_rows, cu_seqlens_q, context_lens, block_tables,
-                                    table_stride, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                                    num_threads, 0, 0.0f);
+    return paged_attention_sinks(query, kv, kv_dtype, out, num_rows, cu_seqlens_q, context_lens, block_tables,
+                                 table_stride, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                                 num_threads, 0, 0.0f, NULL);
 }
