@@ -30,9 +30,10 @@ generate: install
 
 # In a loopback-only network namespace where possible: Ray binds every interface (scripts/loopback-netns.sh).
 # The offline bundle's test installs from downloads made here first: inside the namespace there is no network.
+# The slowest tests are listed at the end, to keep the suite's time in view.
 test: install
 	$(PY) tests/test_offline_bundle.py --prepare
-	scripts/loopback-netns.sh $(PY) -m pytest -q
+	scripts/loopback-netns.sh $(PY) -m pytest -q --durations=40
 
 test-fast: install
 	scripts/loopback-netns.sh $(PY) -m pytest -q -m "not slow"

@@ -132,6 +132,10 @@ TP_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                      "shared_expert_intermediate_size": 96, "mlp_only_layers": [1]},
                   (1, 17, 70), (2,)),
+    # gpt-oss: each rank its heads' sinks and its columns of every expert's biased projections; one rank adds the
+    # experts' down biases before the all-reduce. Its first layer slides (a window of 12), its second does not.
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                 "sliding_window": 12}, (1, 17, 70), (2,)),
 }
 
 
@@ -151,8 +155,10 @@ def tiny_family(request, tmp_path_factory):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):  # ones would hide a rank reading another's share
                 param.normal_(1.0, 0.3)
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # no near ties among experts
-                param.normal_(0.0, 0.3)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")):
+                param.normal_(0.0, 0.3)  # no near ties among experts
+            if name.endswith(("_bias", ".sinks")):  # gpt-oss's, zeros as initialised
+                param.normal_(0.0, 0.5)
     path = tmp_path_factory.mktemp(f"{request.param}_tp")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(6)

@@ -344,3 +344,41 @@ def test_a_soft_cap_under_zero_is_an_error():
     for backend in (cpu, ref):
         with pytest.raises(ValueError, match="softcap=-1.0 must be positive"):
             backend.paged_attention(query, kv, cu, ctx, tables, 0.125, softcap=-1.0)
+
+
+# --- attention sinks (gpt-oss's) --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 7, 600])
+def test_attention_sinks_match_the_reference(window, dtype):
+    """Every row kind, long contexts cut into slices (the sink joins the merge of a token's slices once), GQA;
+    sinks both above and below the scores, so that some heads give the keys little of their weight."""
+    query, kv, poisoned, cu, ctx, tables = make_batch(WINDOW_ROWS, 9, 3, 64, 16, dtype)
+    hidden = tables if window is None else hide_before_windows(poisoned, cu, ctx, tables, window)
+    sinks = torch.linspace(-4.0, 6.0, 9)
+    expected = ref.paged_attention(query.float(), kv.float(), cu, ctx, tables, 0.125, window=window, sinks=sinks)
+    out = cpu.paged_attention(query, poisoned, cu, ctx, hidden, 0.125, window=window, sinks=sinks)
+    torch.testing.assert_close(out.float(), expected, atol=max(ATOL[dtype], 2e-5), rtol=max(ATOL[dtype], 2e-5))
+    without = cpu.paged_attention(query, poisoned, cu, ctx, hidden, 0.125, window=window)
+    assert not torch.allclose(out, without, atol=1e-3), "the sinks changed nothing: they were not applied"
+
+
+def test_with_sinks_a_prefill_token_gets_the_bits_of_a_decode_row():
+    num_q, ctx_len = 200, 1100
+    query, _, kv, cu, ctx, tables = make_batch([(num_q, ctx_len)], 9, 3, 64, 16, torch.float32)
+    sinks = torch.linspace(-2.0, 3.0, 9)
+    prefill = cpu.paged_attention(query, kv, cu, ctx, tables, 0.125, sinks=sinks)
+    start = ctx_len - num_q
+    for i in range(0, num_q, 13):
+        decode = cpu.paged_attention(query[i:i + 1], kv, torch.tensor([0, 1]), torch.tensor([start + i + 1]),
+                                     tables, 0.125, max_query_len=1, sinks=sinks)
+        assert torch.equal(decode, prefill[i:i + 1]), i
+
+
+def test_sinks_not_one_fp32_logit_per_query_head_are_an_error():
+    query, kv, _, cu, ctx, tables = make_batch([(1, 20)], 4, 2, 64, 16, torch.float32)
+    for backend in (cpu, ref):
+        for sinks in (torch.zeros(2), torch.zeros(4, dtype=torch.bfloat16)):
+            with pytest.raises(ValueError, match=r"sinks must be fp32 \[4\]"):
+                backend.paged_attention(query, kv, cu, ctx, tables, 0.125, sinks=sinks)

@@ -400,6 +400,50 @@ def test_sliding_window_prefill_tiles_launched_heavy_first_and_bad_window():
         paged_attention(query, kv, cu, ctx, tables, 0.125, window=0)
 
 
+# --- attention sinks (gpt-oss's) ---------------------------------------------------------------------------------
+
+
+def test_the_references_sinks_are_transformers_eager_attention():
+    """The oracle itself: the reference's attention with sinks equals transformers' gpt-oss eager attention (the
+    sink logit a column beside the scaled scores, dropped after the softmax), with and without a window."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    query, kv, _, cu, ctx, tables = make_cpu_batch([(30, 30)], 4, 2, 16, 16, torch.float32, seed=18)
+    k, v = ref.gather_kv(kv, tables[0], 30)  # [30, Hkv, D] each
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    module.sinks = torch.tensor([-3.0, 0.0, 1.5, 4.0])
+    for window in (None, 7):
+        keys, positions = torch.arange(30)[None, :], torch.arange(30)[:, None]
+        allowed = (keys <= positions) & ((keys > positions - window) if window else True)
+        mask = torch.zeros(30, 30).masked_fill(~allowed, float("-inf"))[None, None]  # transformers' additive mask
+        expected, _ = eager_attention_forward(module, query.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], mask, scaling=0.3)
+        out = ref.paged_attention(query, kv, cu, ctx, tables, 0.3, window=window, sinks=module.sinks)
+        torch.testing.assert_close(out, expected[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,dtype",
+                         [(8, 2, 64, 16, torch.float32), (14, 2, 80, 32, torch.float16)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_attention_sinks_match_the_reference(window, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Every row kind, with and without split-KV (the merge adds the sink once) and a window."""
+    query, kv, poisoned, cu, ctx, tables = make_batch(WINDOW_ROWS, num_q_heads, num_kv_heads, head_dim, block_size,
+                                                      dtype, seed=19)
+    sinks = torch.linspace(-4.0, 6.0, num_q_heads)
+    expected = ref.paged_attention(query.float().cpu(), kv.float().cpu(), cu.cpu(), ctx.cpu(), tables.cpu(), 0.25,
+                                   window=window, sinks=sinks).to(DEVICE)
+    if window is not None:
+        poisoned, tables = poison_before_window(poisoned, cu, ctx, tables, window)
+    for split_kv in (False, True):
+        out = run_triton(query, poisoned, cu, ctx, tables, 0.25, split_kv=split_kv, window=window,
+                         sinks=sinks.to(DEVICE))
+        assert_close(out, expected, dtype)
+    without = run_triton(query, poisoned, cu, ctx, tables, 0.25, window=window)
+    assert not torch.allclose(out.float(), without.float(), atol=1e-2), "the sinks changed nothing"
+
+
 # --- attention-logit soft cap (Gemma 2's) -------------------------------------------------------------------
 
 

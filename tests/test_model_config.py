@@ -29,7 +29,7 @@ def saved(tmp_path, config: transformers.PretrainedConfig, **extra) -> dict:
                                     transformers.Phi3Config(**TINY), transformers.Olmo2Config(**TINY),
                                     transformers.Gemma2Config(**TINY), transformers.Gemma3TextConfig(**TINY),
                                     transformers.MixtralConfig(**TINY), transformers.Qwen3MoeConfig(**TINY),
-                                    transformers.Qwen2MoeConfig(**TINY)],
+                                    transformers.Qwen2MoeConfig(**TINY), transformers.GptOssConfig(**TINY)],
                          ids=lambda c: c.model_type)
 def test_the_configs_transformers_writes_for_the_served_families_load(tmp_path, config):
     d = saved(tmp_path, config)
@@ -299,9 +299,54 @@ def test_router_training_settings_change_nothing(tmp_path):
     (transformers.Qwen2MoeConfig(**TINY | dict(num_hidden_layers=4), use_sliding_window=True, sliding_window=8,
                                  max_window_layers=3), (8, None, 8, None)),
     (transformers.MixtralConfig(**TINY, sliding_window=8), (8, 8)),
-], ids=["qwen3_moe-off", "qwen3_moe", "qwen2_moe-off", "qwen2_moe", "mixtral"])
+    (transformers.GptOssConfig(**TINY | dict(num_hidden_layers=3), sliding_window=8), (8, None, 8)),
+], ids=["qwen3_moe-off", "qwen3_moe", "qwen2_moe-off", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_moe_families_layers_have_the_windows_transformers_gives_them(tmp_path, config, windows):
     d = saved(tmp_path, config)
     assert ModelConfig.from_dict(d).layer_windows == windows
     d.pop("layer_types", None)  # as configs written before transformers kept them
     assert ModelConfig.from_dict(d).layer_windows == windows
+
+
+def test_gpt_oss_configs_as_published_and_as_transformers_defaults_them(tmp_path):
+    """OpenAI's config.json (rope_scaling at the top level, experts_per_token and initial_context_length beside
+    transformers' keys, MXFP4 experts) loads; one without rope settings, windows or layer types gets what
+    GptOssConfig gives (YaRN over a base of 150000, a window of 128 on alternate layers)."""
+    yarn = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "rope_type": "yarn", "truncate": False}
+    published = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "attention_bias": True,
+                 "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+                 "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+                 "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+                 "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+                 "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+                 "output_router_logits": False, "pad_token_id": 199999, "quantization_config": {
+                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+                 "rms_norm_eps": 1e-05, "rope_scaling": yarn, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+                 "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+                 "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088}
+    config = ModelConfig.from_dict(published)
+    assert config.layer_windows == (128, None) * 12 and config.moe_layers == (True,) * 24
+    assert config.rope_scaling["rope_type"] == "yarn" and config.rope_theta == 150000.0
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (32, 4, 2880)
+    assert (config.swiglu_limit, config.swiglu_alpha, config.qkv_bias, config.o_bias) == (7.0, 1.702, True, True)
+    bare = {k: v for k, v in published.items() if k not in ("rope_scaling", "rope_theta", "sliding_window",
+                                                             "layer_types", "quantization_config")}
+    defaulted = ModelConfig.from_dict(bare)
+    assert defaulted.layer_windows == config.layer_windows
+    assert (defaulted.rope_scaling, defaulted.rope_theta) == (config.rope_scaling, 150000.0)
+
+
+def test_gpt_oss_settings_it_does_not_compute_are_refused_by_name(tmp_path):
+    d = saved(tmp_path, transformers.GptOssConfig(**TINY), experts_per_token=3, swiglu_limit=-1.0,
+              quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ValueError) as refused:
+        ModelConfig.from_dict(d)
+    message = str(refused.value)
+    for key in ("experts_per_token=3 and num_experts_per_tok=4 (", "swiglu_limit=-1.0 (",
+                "quantization_config.quant_method='fp8' ("):
+        assert key in message, key
+    d = saved(tmp_path, transformers.Qwen3MoeConfig(**TINY), swiglu_limit=7.0)  # not a setting of other families
+    with pytest.raises(ValueError, match=r"swiglu_limit \(not a setting of qwen3_moe"):
+        ModelConfig.from_dict(d)

@@ -218,3 +218,154 @@ def test_fused_experts_replay_from_a_cuda_graph_with_new_routes():
         experts.copy_(e)
         graph.replay()
         torch.testing.assert_close(out, grouped_experts(x, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)
+
+
+# --- gpt-oss: its router, its experts' clamped SwiGLU and biases, its checkpoints' layouts -----------------------
+
+
+def gpt_oss_config(**kwargs):
+    import transformers
+
+    return transformers.GptOssConfig(**dict(vocab_size=100, hidden_size=32, intermediate_size=64, head_dim=8,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2, sliding_window=8) | kwargs)
+
+
+def test_top_k_first_routing_is_gpt_oss_router():
+    """The biased logits' top k, then their softmax: the same weights and ids, bit for bit."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    router = GptOssTopKRouter(gpt_oss_config(num_local_experts=8, num_experts_per_tok=3))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    torch.nn.init.normal_(router.bias, std=0.5)
+    x = torch.randn(11, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, ref_weights, ref_experts = router(x)
+        weights, experts = route(F.linear(x, router.weight, router.bias), 3, False, top_k_first=True)
+    assert torch.equal(experts, ref_experts)
+    assert torch.equal(weights, ref_weights)
+
+
+def test_grouped_experts_with_biases_and_the_clamped_swiglu_are_gpt_oss_experts():
+    """transformers' GptOssExperts (transposed weights, gate and up interleaved) against the loop over experts on
+    the layout the loader makes of them; inputs large enough that the clamps bite."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from pagedserve.workers.models.moe import ClampedSwiGLU
+
+    config = gpt_oss_config(swiglu_limit=1.5)
+    module = GptOssExperts(config)
+    gen = torch.Generator().manual_seed(5)
+    for param in module.parameters():
+        param.data = torch.randn(param.shape, generator=gen) * 0.5
+    x = torch.randn(9, 32, generator=gen) * 2
+    weights, experts = route(torch.randn(9, 4, generator=gen), 2, False, top_k_first=True)
+    with torch.no_grad():
+        expected = module(x, experts, weights)
+        gate_up = module.gate_up_proj.transpose(1, 2)  # [E, 2I, H], rows interleaved
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+        bias = torch.cat([module.gate_up_proj_bias[:, 0::2], module.gate_up_proj_bias[:, 1::2]], dim=1)
+        got = grouped_experts(x, weights, experts, gate_up, module.down_proj.transpose(1, 2), bias,
+                              module.down_proj_bias, ClampedSwiGLU(1.5, config.swiglu_alpha))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    plain = grouped_experts(x, weights, experts, gate_up, module.down_proj.transpose(1, 2).detach())
+    assert not torch.allclose(plain, expected, atol=1e-2)
+
+
+def test_mxfp4_dequantization_is_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagedserve.workers.gpt_oss_weights import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(6)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 140, (3, 10, 4), dtype=torch.uint8, generator=gen)
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, cols, rows]: transposed
+    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), expected)
+    with pytest.raises(ValueError, match=r"blocks must be \[..., G, 16\] beside scales \[..., G\]"):
+        dequantize_mxfp4(blocks, scales[:, :, :3])
+
+
+def save_mxfp4(model, path) -> None:
+    """`model`'s checkpoint with its experts' projections in MXFP4 (random codes and scales), as OpenAI's gpt-oss
+    checkpoints store them: blocks and scales untransposed ([E, rows, cols / 32, ...])."""
+    import json
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(8)
+    tensors = {}
+    for name, param in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            num, cols, rows = param.shape
+            tensors[name + "_blocks"] = torch.randint(0, 256, (num, rows, cols // 32, 16), dtype=torch.uint8,
+                                                      generator=gen)
+            tensors[name + "_scales"] = torch.randint(119, 124, (num, rows, cols // 32), dtype=torch.uint8,
+                                                      generator=gen)
+        else:
+            tensors[name] = param.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict() | {"quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("layout", ["bf16", "mxfp4"])
+def test_each_rank_loads_its_columns_of_every_gpt_oss_expert(tmp_path, layout):
+    """Under tensor parallelism 2 each rank holds its half of every expert's gate and up columns (de-interleaved)
+    and of their biases, its down rows, its heads' sinks, the whole router and down biases, from the checkpoint
+    transformers writes and from an MXFP4 one (dequantized, exactly transformers' weights)."""
+    import transformers
+
+    from pagedserve.workers.loader import build_model, resolve_model
+    from pagedserve.workers.models.model_config import ModelConfig
+    from pagedserve.workers.models.parallel import TPLayout
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(gpt_oss_config(), dtype=torch.float32).eval()
+    for name, param in hf.named_parameters():
+        if name.endswith(("_bias", "sinks")):
+            torch.nn.init.normal_(param, std=0.5)
+    if layout == "bf16":
+        hf.save_pretrained(tmp_path)
+    else:
+        save_mxfp4(hf, tmp_path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = ModelConfig.from_file(tmp_path / "config.json")
+    layer = hf.model.layers[0]
+    gate_up, down = layer.mlp.experts.gate_up_proj.detach(), layer.mlp.experts.down_proj.detach()  # [E, H, 2I]
+    bias = layer.mlp.experts.gate_up_proj_bias.detach()  # [E, 2I]
+    for rank in range(2):
+        model = build_model(resolve_model(str(tmp_path)), ours, torch.float32, torch.device("cpu"), 64,
+                            tp=TPLayout.make(ours, rank, 2))
+        block, attn = model.model.layers[0].mlp, model.model.layers[0].self_attn
+        cols = slice(rank * 32, rank * 32 + 32)
+        gate, up = gate_up[..., 0::2][..., cols], gate_up[..., 1::2][..., cols]  # [E, H, I / 2]
+        torch.testing.assert_close(block.experts.gate_up_proj, torch.cat([gate, up], dim=2).transpose(1, 2),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(block.experts.gate_up_proj_bias,
+                                   torch.cat([bias[:, 0::2][:, cols], bias[:, 1::2][:, cols]], dim=1), rtol=0, atol=0)
+        torch.testing.assert_close(block.experts.down_proj, down[:, cols].transpose(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(block.experts.down_proj_bias, layer.mlp.experts.down_proj_bias.detach(),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(block.gate.bias, layer.mlp.router.bias.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(attn.sinks, layer.self_attn.sinks.detach()[rank * 2:rank * 2 + 2], rtol=0, atol=0)
+
+
+def test_fused_experts_with_biases_and_the_clamped_swiglu_equal_the_loop():
+    pytest.importorskip("triton")
+    from pagedserve.kernels.gpu.fused_moe import fused_experts
+    from pagedserve.workers.models.moe import ClampedSwiGLU
+
+    gen = torch.Generator().manual_seed(9)
+    gate_up, down = expert_weights(8, 64, 40, torch.float32, 9)
+    gate_up_bias = torch.randn(8, 80, generator=gen).to(DEVICE)
+    down_bias = torch.randn(8, 64, generator=gen).to(DEVICE)
+    x = torch.randn(13, 64, generator=gen).to(DEVICE) * 3
+    weights, experts = route(torch.randn(13, 8, generator=gen).to(DEVICE), 2, False, top_k_first=True)
+    act = ClampedSwiGLU(1.0, 1.702)
+    got = fused_experts(x, weights, experts, gate_up, down, gate_up_bias, down_bias, act)
+    expected = grouped_experts(x, weights, experts, gate_up, down, gate_up_bias, down_bias, act)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

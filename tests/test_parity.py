@@ -61,16 +61,22 @@ TINY = {
     # ... and Qwen2-MoE's (not renormalized, a shared expert under its sigmoid gate; MoE on the second layer only).
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                      "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2}),
+    # ... and gpt-oss's (the softmax of the top 2 biased logits; biased experts of a clamped SwiGLU), with
+    # attention sinks, biased projections, windows on alternate layers and YaRN.
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                 "sliding_window": 12}),
 }
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
 
 
 def decisive_routers(model) -> None:
     """Router weights large enough that no token's top k is a near tie: an initializer's tiny scores would let a
     last-bit rounding pick another expert."""
     for name, param in model.named_parameters():
-        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")):
             torch.nn.init.normal_(param, std=0.3)
+        if name.endswith(("_bias", ".sinks")):  # gpt-oss's, zeros as initialised: random ones test their paths
+            torch.nn.init.normal_(param, std=0.5)
 
 
 def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **generate) -> list[list[int]]:
@@ -408,7 +414,7 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
     assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("family", [f for f in MOE if f != "gpt_oss"])
 def test_moe_logprobs_match_transformers(tmp_path, family):
     """A routing error (a wrong expert, weight or renormalization) need not move a greedy token of a tiny model;
     the logprobs of every step show it. Prompts prefilled whole and in chunks, and decoded; the checkpoint in the
@@ -437,6 +443,39 @@ def test_moe_logprobs_match_transformers(tmp_path, family):
     for layout, llm_kwargs in (("original", {}), ("original", {"max_num_batched_tokens": 24,
                                                                 "enable_prefix_caching": False}), ("stacked", {})):
         outs = LLM(str(tmp_path / layout), block_size=BS, **llm_kwargs).generate(prompts, params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            ref_tokens, ref_lp = hf_logprobs(model, prompt)
+            assert out.outputs[0].token_ids == ref_tokens
+            got_lp = [e.logprob for e in out.outputs[0].logprobs]
+            assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["bf16", "mxfp4"])
+def test_gpt_oss_logprobs_match_transformers(tmp_path, layout):
+    """gpt-oss's logprobs at every step (a wrong sink, bias, clamp, expert or YaRN frequency shows there, where a
+    tiny model's greedy token may not move), prompts prefilled whole and in chunks, and decoded: from the checkpoint
+    transformers writes, and from one with the experts in MXFP4 as OpenAI's checkpoints store them (which
+    transformers dequantizes on a CPU, and so does the loader)."""
+    import transformers
+
+    from tests.test_moe import save_mxfp4
+
+    config = transformers.GptOssConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, swiglu_limit=2.0,
+                                       **TINY["gpt_oss"][1])
+    torch.manual_seed(97)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    decisive_routers(model)
+    if layout == "bf16":
+        model.save_pretrained(tmp_path)
+    else:
+        save_mxfp4(model, tmp_path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    for llm_kwargs in ({}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False}):
+        outs = LLM(str(tmp_path), block_size=BS, **llm_kwargs).generate(prompts, params)
         for prompt, out in zip(prompts, outs, strict=True):
             ref_tokens, ref_lp = hf_logprobs(model, prompt)
             assert out.outputs[0].token_ids == ref_tokens
