@@ -67,6 +67,10 @@ FAMILIES = {
     # A mixture of experts beside the kernels: its router, experts and shared expert (the backend's SiLU gate).
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 64}),
+    # gpt-oss: attention sinks in the prefill, decode and merge kernels (a window of 8 on its first layer), and the
+    # fused MoE kernel with its biases and clamped SwiGLU.
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                 "sliding_window": 8}),
 }
 
 
@@ -86,8 +90,10 @@ def test_triton_backend_matches_transformers_logprobs_for_other_layers(family, t
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(1.0, 0.3)
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # no near ties among experts
-                param.normal_(0.0, 0.3)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")):
+                param.normal_(0.0, 0.3)  # no near ties among experts
+            if name.endswith(("_bias", ".sinks")):  # gpt-oss's, zeros as initialised
+                param.normal_(0.0, 0.5)
     model.save_pretrained(tmp_path)
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 17, 40)]
