@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as Q
 
 # transformers model_type -> llama.cpp's GGUF architecture
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "granite": "granite", "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2"}
+             "granite": "granite", "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2",
+             "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 _PERMUTED = {"llama", "granite", "smollm3"}  # llama.cpp's LlamaModel and its subclasses
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
 
@@ -25,8 +26,9 @@ Quantizer = Callable[[str, np.ndarray], tuple[np.ndarray, Q] | None]
 
 
 def q8_0(name: str, values: np.ndarray) -> tuple[np.ndarray, Q] | None:
-    """llama.cpp's `--outtype q8_0`, near enough: 2-D tensors in Q8_0, vectors in F32."""
-    if values.ndim == 2 and values.shape[1] % 32 == 0:
+    """llama.cpp's `--outtype q8_0`, near enough: 2-D tensors (and stacked experts) in Q8_0, vectors in F32; the
+    routers in F32, as llama.cpp's converter keeps them."""
+    if values.ndim in (2, 3) and values.shape[-1] % 32 == 0 and ".ffn_gate_inp" not in name:
         return gguf.quants.quantize(values, Q.Q8_0), Q.Q8_0
     return None
 
@@ -37,12 +39,12 @@ def q8_0_and_q6_k(seed: int) -> Quantizer:
     rng = np.random.default_rng(seed)
 
     def quantize(name: str, values: np.ndarray) -> tuple[np.ndarray, Q] | None:
-        if values.ndim == 2 and name.split(".")[-2] in ("attn_v", "attn_output", "ffn_down") and (
-                values.shape[1] % 256 == 0):
-            blocks = rng.integers(0, 256, size=(values.shape[0], values.shape[1] // 256, 210), dtype=np.uint8)
-            d = np.abs(rng.standard_normal(blocks.shape[:2] + (1,))) * 2e-5
+        if name.split(".")[-2] in ("attn_v", "attn_output", "ffn_down", "ffn_down_exps", "ffn_down_shexp") and (
+                values.shape[-1] % 256 == 0):
+            blocks = rng.integers(0, 256, size=(*values.shape[:-1], values.shape[-1] // 256, 210), dtype=np.uint8)
+            d = np.abs(rng.standard_normal(blocks.shape[:-1] + (1,))) * 2e-5
             blocks[..., 208:210] = d.astype(np.float16).view(np.uint8)
-            return blocks.reshape(values.shape[0], -1), Q.Q6_K
+            return blocks.reshape(*values.shape[:-1], -1), Q.Q6_K
         return q8_0(name, values)
 
     return quantize
@@ -113,6 +115,14 @@ def write_metadata(writer: gguf.GGUFWriter, arch: str, hp: dict) -> None:
                          ("logits_scaling", writer.add_logit_scale)):
             if hp.get(key):
                 add(hp[key])
+    experts = hp.get("num_local_experts", hp.get("num_experts"))
+    if experts:  # TextModel.set_gguf_parameters, then Qwen2MoeModel's
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(hp["num_experts_per_tok"])
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        if hp.get("shared_expert_intermediate_size") is not None:
+            writer.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
     if arch == "gemma3":
         if hp.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
@@ -150,6 +160,13 @@ def gguf_tensors(model_dir: Path, arch: str) -> dict[str, torch.Tensor]:
         if arch == "gemma2" and name == "lm_head.weight":  # llama.cpp drops it
             continue
         w = w.float()
+        if name.endswith("mlp.experts.gate_up_proj"):  # stacked [E, 2I, H]: Qwen2MoeModel splits gate and up
+            base = name.removesuffix("gate_up_proj")
+            for part, half in zip(("gate_proj", "up_proj"), w.chunk(2, dim=1), strict=True):
+                out[name_map.get_name(base + part + ".weight", try_suffixes=(".weight",))] = half.contiguous()
+            continue
+        if name.endswith("mlp.experts.down_proj"):  # stacked [E, H, I], named as a weight
+            name += ".weight"
         if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _permute(w, n_head, n_head)
         elif arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -194,7 +211,13 @@ def _undone(stored: dict[str, torch.Tensor], model_dir: Path, arch: str) -> dict
                                         hp["num_hidden_layers"])
     state = {}
     for name in load_file(str(model_dir / "model.safetensors")):
-        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            state[name] = torch.cat([stored[name_map.get_name(base + part + ".weight", try_suffixes=(".weight",))]
+                                     for part in ("gate_proj", "up_proj")], dim=1).contiguous()
+            continue
+        stacked = ".weight" if name.endswith("mlp.experts.down_proj") else ""
+        gguf_name = name_map.get_name(name + stacked, try_suffixes=(".weight", ".bias"))
         if gguf_name not in stored:
             continue
         w = stored[gguf_name]

@@ -33,7 +33,7 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump whenever the produced directory changes meaning (names, dtype, files), so that caches written by an
 # older converter are not silently reused.
-CONVERTER_VERSION = 8
+CONVERTER_VERSION = 9
 
 # Written last, so its presence (plus the files it lists) is what "this cache entry is complete" means.
 MANIFEST_NAME = "pagedserve_gguf.json"
@@ -151,8 +151,9 @@ def _converted_tensors(gguf_path: Path) -> Iterator[tuple[str, Any, Any | None, 
             continue  # Llama 3's rope scaling: the config's rope settings say it (`hf_config`)
         hf_name = _hf_tensor_name(tensor.name, arch)
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        keep_blocks = tensor.tensor_type.name in BLOCKS and tensor.data.ndim == 2
-        raw = tensor.data  # [rows, bytes of a row's blocks]
+        # a linear layer's [rows, bytes of a row's blocks], or a layer's experts' [E, rows, bytes]
+        keep_blocks = tensor.tensor_type.name in BLOCKS and tensor.data.ndim in (2, 3)
+        raw = tensor.data
         if arch.permuted_qk:
             # A row permutation: the same one applies to the rows of blocks.
             if ".attn_q." in tensor.name:
@@ -161,6 +162,8 @@ def _converted_tensors(gguf_path: Path) -> Iterator[tuple[str, Any, Any | None, 
                 weights, raw = _reverse_qk_permute(weights, n_kv_head), _reverse_qk_permute(raw, n_kv_head)
         if arch.norm_offset and hf_name.endswith("norm.weight"):  # stored as offset + w, in fp32
             weights = weights - np.float32(arch.norm_offset)
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's [H]; transformers' [1, H]
+            weights = weights.reshape(1, -1)
         # Copy out of the file's memmap: the reader's views are read-only and must not outlive it.
         values = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
         # The reader gives F32 and F16 tensors as their values: their bytes, as they are
@@ -198,6 +201,31 @@ def _write_weights(tensors: Iterator[tuple[str, Any]], out_dir: Path) -> None:
         weight_map |= dict.fromkeys(names, file)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate|up|down)_proj\.weight$")
+
+
+def _stacked_experts(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The tensors, each layer's stacked experts as transformers 5 writes them: gate and up ([E, I, H] each) as one
+    `experts.gate_up_proj` [E, 2I, H] (gate rows then up rows), down as `experts.down_proj` [E, H, I]."""
+    import torch
+
+    halves: dict[str, Any] = {}  # a layer's gate or up, until the other arrives
+    for name, values in tensors:
+        m = _EXPERTS_RE.match(name)
+        if m is None:
+            yield name, values
+        elif m.group(2) == "down":
+            yield f"{m.group(1)}.down_proj", values
+        else:
+            halves[name] = values
+            gate, up = halves.get(f"{m.group(1)}.gate_proj.weight"), halves.get(f"{m.group(1)}.up_proj.weight")
+            if gate is not None and up is not None:
+                del halves[f"{m.group(1)}.gate_proj.weight"], halves[f"{m.group(1)}.up_proj.weight"]
+                yield f"{m.group(1)}.gate_up_proj", torch.cat([gate, up], dim=1)
+    if halves:
+        raise ValueError(f"GGUF experts without their other half (gate and up): {', '.join(sorted(halves))}")
 
 
 def _block_parts(name: str, rows: Any, config: Any) -> Iterator[tuple[str, Any]]:
@@ -254,7 +282,8 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
                     blocks[part], block_types[part] = part_rows, qtype
             yield tensor, values
 
-    _write_weights(fp32_tensors(), out_dir)
+    _write_weights(_stacked_experts(fp32_tensors()), out_dir)
+
     if blocks:
         save_file(blocks, str(out_dir / GGUF_BLOCKS_NAME), metadata={"format": "pt", **block_types})
     blocks.clear()

@@ -51,6 +51,16 @@ _LEAVES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, each layer's experts stacked ([E, I, H], down [E, H, I]), and Qwen2-MoE's
+    # shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Gemma's four norms a layer: the one before the MLP is `ffn_norm`, the ones after attention and MLP their own.
 _SANDWICH_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -145,6 +155,41 @@ def _gemma3(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
             "query_pre_attn_scalar": _query_scale(m, d, 62), "rope_parameters": rope}
 
 
+def _experts(m: Metadata, renormalize: bool) -> dict[str, Any]:
+    """A mixture of experts' keys as llama.cpp computes it: a MoE block on every layer, the softmax's top
+    `expert_used_count` renormalized where its graph for the architecture says so (Qwen3-MoE's and Mixtral's, not
+    Qwen2-MoE's, whatever the checkpoint's norm_topk_prob was). What else it may scale or gate by is refused."""
+    if (scale := m.get("expert_weights_scale")) not in (None, 0.0, 1.0):
+        raise NotImplementedError(f"{m.arch}.expert_weights_scale={scale!r} is not converted")
+    if (gating := m.get("expert_gating_func")) not in (None, 1):  # 1: softmax
+        raise NotImplementedError(f"{m.arch}.expert_gating_func={gating!r} is not converted (only softmax)")
+    return {"num_experts": m.need("expert_count"), "num_experts_per_tok": m.need("expert_used_count"),
+            "norm_topk_prob": renormalize}
+
+
+def _qwen3_moe(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    return _experts(m, True) | {"moe_intermediate_size": m.need("expert_feed_forward_length"),
+                                "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _qwen2_moe(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    return _experts(m, False) | {
+        "moe_intermediate_size": m.need("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": m.get("expert_shared_feed_forward_length", 0),
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "qkv_bias": "blk.0.attn_q.bias" in m.tensor_names}  # llama.cpp reads the biases where the file has them
+
+
+def _llama(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral, which llama.cpp writes as a llama model with experts (every layer's, renormalized; no window)."""
+    if m.get("expert_count") is None:
+        return {}
+    experts = _experts(m, True)
+    # Mixtral's class always renormalizes, and calls the count num_local_experts
+    return {"model_type": "mixtral", "num_local_experts": experts["num_experts"],
+            "num_experts_per_tok": experts["num_experts_per_tok"], "sliding_window": None}
+
+
 def _olmo2(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
     if m.get("attention.sliding_window"):  # OLMo 3, which llama.cpp writes as olmo2 with windows
         raise NotImplementedError(f"{m.arch}.attention.sliding_window: OLMo 3's sliding windows are not converted")
@@ -152,9 +197,11 @@ def _olmo2(m: Metadata, d: dict[str, Any]) -> dict[str, Any]:
 
 
 ARCHS = {
-    "llama": GgufArch("llama", permuted_qk=True),
+    "llama": GgufArch("llama", permuted_qk=True, config=_llama),
     "qwen2": GgufArch("qwen2"),
     "qwen3": GgufArch("qwen3"),
+    "qwen2moe": GgufArch("qwen2_moe", config=_qwen2_moe),
+    "qwen3moe": GgufArch("qwen3_moe", config=_qwen3_moe),
     # q/k/v and gate/up fused, as in Phi-3's own checkpoints
     "phi3": GgufArch("phi3", leaves={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                      partial_rope=True, config=_phi3),

@@ -473,16 +473,53 @@ def load_gguf_linears(model: CausalLM, blocks_path: Path) -> set[str]:
                                            for qtype, rows in runs], bias)
             setattr(owner, attr, layer)
             held.update(parts)
+        held |= _gguf_experts(model, f, names, types)
     _table_in_panels(model)
+    return held
+
+
+def _gguf_experts(model: CausalLM, f, names: set[str], types: dict[str, str]) -> set[str]:
+    """Each MoE layer's experts on their own GGUF blocks (`experts.{gate,up,down}_proj.weight` [E, rows, bytes]):
+    this rank's rows of every expert's gate and up, its columns of down (where they fall on block bounds).
+    Returns the names under which the loader meets those tensors, never to read them."""
+    tp, held = model.tp, set()
+    inter, start = tp.moe_intermediate_size, tp.rank * tp.moe_intermediate_size
+    for experts, prefix in _expert_sources(model):
+        parts = [f"{prefix}.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        if not all(p in names and types[p] in BLOCKS for p in parts):
+            continue
+        values, bb = BLOCKS[types[parts[2]]]
+        if start % values or inter % values:
+            continue  # this rank's columns of down cut its blocks: fp32 experts
+        gate, up = (f.get_slice(p)[:, start:start + inter] for p in parts[:2])  # [E, I, bytes]
+        down = f.get_slice(parts[2])[:, :, start // values * bb:(start + inter) // values * bb]  # [E, H, bytes]
+        hidden = model.config.hidden_size
+        if types[parts[0]] == types[parts[1]]:
+            gate_up = [QuantLinear(torch.cat([g, u]), types[parts[0]], hidden, None) for g, u in zip(gate, up,
+                                                                                                      strict=True)]
+        else:
+            gate_up = [ConcatQuantLinear([QuantLinear(g, types[parts[0]], hidden, None),
+                                          QuantLinear(u, types[parts[1]], hidden, None)], None)
+                       for g, u in zip(gate, up, strict=True)]
+        experts.hold_linears(gate_up, [QuantLinear(d.contiguous(), types[parts[2]], inter, None) for d in down])
+        held |= {p.removesuffix(".weight") for p in parts}
     return held
 
 
 def load_fp32_linears(model: CausalLM) -> int:
     """Swap each nn.Linear whose in_features is a multiple of 32 for a QuantLinear on its fp32 weights, and give
-    a tied LM head without a module of its own one on the embedding (the lookup keeps the plain weights);
-    returns how many were swapped."""
-    return replace_linears(model, lambda weight, bias: QuantLinear.from_fp32(weight, bias)
-                           if weight.shape[1] % QK == 0 else None)
+    a tied LM head without a module of its own one on the embedding (the lookup keeps the plain weights); each
+    expert of a MoE layer too, its stacked weights dropped (so that its rows, like every other layer's, are
+    computed the same way in any batch). Returns how many layers were swapped."""
+    swapped = replace_linears(model, lambda weight, bias: QuantLinear.from_fp32(weight, bias)
+                              if weight.shape[1] % QK == 0 else None)
+    for experts, _ in _expert_sources(model):
+        if experts.gate_up_proj is None or experts.gate_up_proj.shape[2] % QK or experts.down_proj.shape[2] % QK:
+            continue  # held already (a GGUF's blocks), or widths the kernel does not take
+        experts.hold_linears([QuantLinear.from_fp32(w, None) for w in experts.gate_up_proj],
+                             [QuantLinear.from_fp32(w, None) for w in experts.down_proj])
+        swapped += 2 * experts.num_experts
+    return swapped
 
 
 def hold_embedding(model: CausalLM) -> str:
@@ -511,6 +548,13 @@ def _table_in_panels(model: CausalLM) -> bool:
     return True
 
 
+def _expert_sources(model: CausalLM):
+    """(experts module, its HF name prefix) of every MoE layer."""
+    for i, layer in enumerate(model.model.layers):
+        if (experts := getattr(layer.mlp, "experts", None)) is not None:
+            yield experts, f"model.layers.{i}.mlp.experts"
+
+
 def _linear_sources(model: CausalLM):
     """(module, attribute, the HF tensors whose rows it concatenates) for every linear layer."""
     for i, layer in enumerate(model.model.layers):
@@ -519,6 +563,9 @@ def _linear_sources(model: CausalLM):
         yield layer.self_attn, "o_proj", [p + "self_attn.o_proj.weight"]
         yield layer.mlp, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         yield layer.mlp, "down_proj", [p + "mlp.down_proj.weight"]
+        if (shared := getattr(layer.mlp, "shared_expert", None)) is not None:  # Qwen2-MoE's
+            yield shared, "gate_up_proj", [p + f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up")]
+            yield shared, "down_proj", [p + "mlp.shared_expert.down_proj.weight"]
     # A tied head reads the embedding's blocks, and the lookups read the head's (`hold_embedding`); an untied
     # table has blocks of its own.
     if model.config.tie_word_embeddings:

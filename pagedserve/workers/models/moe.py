@@ -15,7 +15,7 @@ all-reduced once; an expert's down-projection bias is added by one rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,26 +77,27 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-                    down_bias: torch.Tensor | None = None,
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    gate_up: torch.Tensor | Sequence[nn.Module], down: torch.Tensor | Sequence[nn.Module],
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                     activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Each token's routed experts' outputs, weighted and summed: x [T, H], weights and experts [T, k], gate_up
-    [E, 2I, H] (gate rows then up rows), down [E, H, I], their biases [E, 2I] and [E, H] where given (added after
-    each product, as transformers' grouped experts add them), `activation` of the [gate | up] rows (None: SiLU's
-    gate) -> this rank's partial sums [T, H] (x's dtype). Only the tokens routed to an expert go through it."""
+    [E, 2I, H] (gate rows then up rows), down [E, H, I] (or each expert's linear layers: the CPU kernel's, with a
+    `product`), their biases [E, 2I] and [E, H] where given (added after each product, as transformers' grouped
+    experts add them), `activation` of the [gate | up] rows (None: SiLU's gate) -> this rank's partial sums
+    [T, H] (x's dtype). Only the tokens routed to an expert go through it."""
     activation = activation or silu_gate
     num_tokens, top_k = experts.shape
     sorted_experts, order = torch.sort(experts.reshape(-1), stable=True)  # pairs grouped by expert  [T * k]
-    counts = torch.bincount(sorted_experts, minlength=gate_up.shape[0]).tolist()  # the group sizes, on the host
+    counts = torch.bincount(sorted_experts, minlength=len(gate_up)).tolist()  # the group sizes, on the host
     rows = x[order // top_k]  # each pair's token  [T * k, H]
-    out = torch.empty(num_tokens * top_k, down.shape[1], dtype=x.dtype, device=x.device)  # [T * k, H]
+    out = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)  # [T * k, H]
     start = 0
     for e, n in enumerate(counts):
         if n:
-            h = F.linear(rows[start:start + n], gate_up[e])  # [n, 2I]
+            h = _product(gate_up, e, rows[start:start + n])  # [n, 2I]
             h = activation(h if gate_up_bias is None else h + gate_up_bias[e])
-            h = F.linear(h, down[e])  # [n, H]
+            h = _product(down, e, h)  # [n, H]
             out[start:start + n] = h if down_bias is None else h + down_bias[e]
             start += n
     # weights times outputs in the pairs' sorted order (in the weights' dtype where it is wider: Mixtral's fp32),
@@ -108,13 +109,18 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
+def _product(weights: torch.Tensor | Sequence[nn.Module], expert: int, x: torch.Tensor) -> torch.Tensor:
+    """x @ W_e.T, for stacked weights or an expert's own linear layer."""
+    return F.linear(x, weights[expert]) if isinstance(weights, torch.Tensor) else weights[expert].product(x)
+
+
 class Experts(nn.Module):
     """The experts' stacked weights (and gpt-oss's biases): this rank's columns of each."""
 
     def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
         super().__init__()
         inter, hidden, num = tp.moe_intermediate_size, config.hidden_size, config.num_experts
-        self.tp = tp
+        self.tp, self.num_experts = tp, num
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))  # [E, H, I]
         biases = config.family.moe_biases
@@ -122,14 +128,29 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(num, hidden)) if biases else None  # [E, H], whole on each rank
         self.activation = (None if config.swiglu_limit is None
                            else ClampedSwiGLU(config.swiglu_limit, config.swiglu_alpha))
+        # each expert's gate|up and down as linear layers of their own, in place of the stacked weights
+        # (`hold_linears`: the CPU kernel's, on a GGUF's blocks or the weights' panels)
+        self.gate_up_linears: nn.ModuleList | None = None
+        self.down_linears: nn.ModuleList | None = None
+
+    def hold_linears(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
+        """Compute each expert with its own layers, `gate_up[e]` ([gate | up] rows) and `down[e]`; the stacked
+        weights are dropped (on a model not yet made, never allocated)."""
+        if len(gate_up) != self.num_experts or len(down) != self.num_experts:
+            raise ValueError(f"{len(gate_up)} and {len(down)} expert layers for {self.num_experts} experts")
+        self.gate_up_linears, self.down_linears = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.gate_up_proj = self.down_proj = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 backend: AttentionBackend | None = None) -> torch.Tensor:
         """The backend's fused kernel where it has one (Triton's: nothing waits for the host, so steps can be
         captured in CUDA graphs), else the loop over experts."""
+        down_bias = self.down_proj_bias if self.tp.rank == 0 else None  # the all-reduce sums it once
+        if self.gate_up_linears is not None:
+            return grouped_experts(x, weights, experts, self.gate_up_linears, self.down_linears,
+                                   self.gate_up_proj_bias, down_bias, self.activation)
         compute = backend.fused_experts if backend is not None and backend.fused_experts is not None else (
             grouped_experts)
-        down_bias = self.down_proj_bias if self.tp.rank == 0 else None  # the all-reduce sums it once
         return compute(x, weights, experts, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, down_bias,
                        self.activation)
 
