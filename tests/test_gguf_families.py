@@ -261,7 +261,7 @@ def test_engine_on_the_gguf_matches_transformers(family, monkeypatch: pytest.Mon
     with LLM(str(path), block_size=16) as llm:
         engine_model = llm.llm_engine.executor.worker.model
         types = {m.qtype for m in engine_model.modules() if isinstance(m, quant_linear.QuantLinear)}
-        assert types == {"Q8_0", "Q6_K"}, types
+        assert types == {"Q8_0", "Q6_K"} | ({"F32"} if model_type in MOE else set()), types  # routers: F32
         assert not any(isinstance(m, torch.nn.Linear) for m in engine_model.modules())
         # experts on their own blocks: no stacked fp32 copies of them were ever made
         experts = [m for m in engine_model.modules() if hasattr(m, "gate_up_linears")]

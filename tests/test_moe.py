@@ -369,3 +369,40 @@ def test_fused_experts_with_biases_and_the_clamped_swiglu_equal_the_loop():
     got = fused_experts(x, weights, experts, gate_up, down, gate_up_bias, down_bias, act)
     expected = grouped_experts(x, weights, experts, gate_up, down, gate_up_bias, down_bias, act)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- experts on the CPU's linear kernel ---------------------------------------------------------------------------
+
+
+def test_on_the_cpu_kernel_an_experts_rows_get_the_same_bits_in_any_batch(tmp_path):
+    """A Qwen3-MoE's fp32 experts on the kernel's panels (as every CPU fp32 model's are): a request's logprobs are
+    the same bits alone and among others that route other tokens to its experts, and its tokens are
+    transformers'."""
+    import transformers
+
+    from pagedserve import LLM, SamplingParams
+
+    from .test_parity import decisive_routers, hf_logprobs
+
+    config = transformers.Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    decisive_routers(model)
+    model.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (30, 7, 50, 12, 41)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def exact(out):
+        return [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top_logprobs])
+                for e in out.outputs[0].logprobs]
+
+    with LLM(str(tmp_path), block_size=16) as llm:
+        experts = [m for m in llm.llm_engine.executor.worker.model.modules() if hasattr(m, "gate_up_linears")]
+        assert experts and all(e.gate_up_linears is not None and e.gate_up_proj is None for e in experts)
+        alone = exact(llm.generate(prompts[:1], params)[0])
+        among = exact(llm.generate(prompts[1:] + prompts[:1], params)[-1])
+    assert among == alone
+    assert [e[0] for e in alone] == hf_logprobs(model, prompts[0], new_tokens=12)[0]

@@ -519,6 +519,11 @@ def load_fp32_linears(model: CausalLM) -> int:
         experts.hold_linears([QuantLinear.from_fp32(w, None) for w in experts.gate_up_proj],
                              [QuantLinear.from_fp32(w, None) for w in experts.down_proj])
         swapped += 2 * experts.num_experts
+    for layer in model.model.layers:  # the routers and Qwen2-MoE's shared-expert gates
+        for gate in (getattr(layer.mlp, "gate", None), getattr(layer.mlp, "shared_expert_gate", None)):
+            if gate is not None and gate.linear is None and gate.weight.shape[1] % QK == 0:
+                gate.hold_linear(QuantLinear.from_fp32(gate.weight, gate.bias))
+                swapped += 1
     return swapped
 
 

@@ -28,16 +28,24 @@ from pagedserve.workers.models.parallel import TPLayout, all_reduce
 
 
 class Gate(nn.Module):
-    """A linear map (with a bias for gpt-oss's router) whose weight is read as transformers' (`F.linear`), kept out
-    of the CPU's linear-layer swaps: the router's scores pick experts, and a different rounding could pick others."""
+    """A linear map (with a bias for gpt-oss's router) whose weight is read as transformers' (`F.linear`), not an
+    nn.Linear: no swap for the linear layers takes it by accident (its scores pick experts). The CPU's fp32 path
+    computes it on its linear kernel on purpose (`hold_linear`), as it does every other layer, so that a row's
+    scores, and the experts they pick, do not depend on the batch's other rows."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.linear: nn.Module | None = None
+
+    def hold_linear(self, linear: nn.Module) -> None:
+        """Compute with `linear` (the same weight and bias, held its own way) in place of the parameters."""
+        self.linear = linear
+        self.weight = self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if self.linear is None else self.linear(x)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, keep_fp32: bool = False,
