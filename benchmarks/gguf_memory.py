@@ -19,6 +19,7 @@ be measured with the same script:
 
   python benchmarks/gguf_memory.py --llama-server [--mix Q5_K_M|Q3_K_M|Q2_K|IQ4_XS] [--keep DIR]
   PYTHONPATH=/path/to/other/checkout python benchmarks/gguf_memory.py
+  python benchmarks/gguf_memory.py --gguf FILE --llama-server   # a GGUF made elsewhere (moe_gguf.py's)
 
 `--keep DIR` leaves the GGUF in DIR, for `throughput.py --model DIR/<file>` on the same weights.
 """
@@ -178,14 +179,15 @@ def main() -> None:
     p.add_argument("--mix", choices=sorted(MIXES), default="Q4_K_M", help="llama-quantize's type mix to lay out")
     p.add_argument("--keep", type=Path, help="write the GGUF into this directory and leave it there")
     p.add_argument("--llama-server", action="store_true", help="also llama.cpp's llama-server on the same file")
+    p.add_argument("--gguf", type=Path, help="measure this GGUF instead of making one (the shape options unused)")
     args = p.parse_args()
     announce()
     mib = 2**20
     with tempfile.TemporaryDirectory(prefix="gguf-memory-") as d:
         if args.keep:
             args.keep.mkdir(parents=True, exist_ok=True)
-        path = make_gguf((args.keep or Path(d)) / f"body.{args.mix}.gguf", args.layers, args.hidden,
-                         args.intermediate, args.heads, args.kv_heads, args.mix)
+        path = args.gguf or make_gguf((args.keep or Path(d)) / f"body.{args.mix}.gguf", args.layers, args.hidden,
+                                      args.intermediate, args.heads, args.kv_heads, args.mix)
         print(f"GGUF: {path.stat().st_size / mib:,.0f} MiB")
         cache = Path(d) / "cache"
         converted, peak = child(_CONVERT, str(path), str(cache))

@@ -318,7 +318,9 @@ def _bias_parameter(bias: torch.Tensor | None) -> nn.Parameter | None:
 class QuantLinear(_KernelLinear):
     """`x @ W.T + bias` with W [out_features, in_features] held as GGUF blocks; x is fp32."""
 
-    def __init__(self, rows: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, rows: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None,
+                 panels: torch.Tensor | None = None) -> None:
+        """`panels`: `rows` already repacked (`stacked`), which are then read for their shape only."""
         super().__init__()
         if qtype not in BLOCKS:
             raise ValueError(f"GGUF type {qtype!r} has no CPU kernel (supported: {sorted(BLOCKS)})")
@@ -326,13 +328,25 @@ class QuantLinear(_KernelLinear):
         if in_features % values or rows.shape[1] != in_features // values * block_bytes:
             raise ValueError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {in_features} values")
         self.out_features, self.in_features, self.qtype = rows.shape[0], in_features, qtype
-        self.panels = _repacked_in_chunks(rows, qtype)
+        self.panels = _repacked_in_chunks(rows, qtype) if panels is None else panels
         lib = quant_linear_library()
         if self.panels.shape[1] != lib.quant_linear_panel_bytes(KERNEL_TYPE[qtype], in_features):
             raise RuntimeError(f"{qtype} panels of {self.panels.shape[1]} bytes: the kernel reads "
                                  f"{lib.quant_linear_panel_bytes(KERNEL_TYPE[qtype], in_features)}")
         self.bias = _bias_parameter(bias)
         self._kernel, self._lookup = lib.quant_linear, lib.quant_linear_rows  # a step makes a hundred calls
+
+    @classmethod
+    def stacked(cls, rows: torch.Tensor, qtype: str, in_features: int) -> list[QuantLinear]:
+        """A layer (without bias) for each of rows [E, N, bytes] (a MoE layer's experts), repacked in one pass over
+        them all where N is a multiple of the panels' rows: each layer's panels a view of its own rows' (thousands of
+        small experts repacked one by one cost ten times their bytes' worth)."""
+        num, n = rows.shape[:2]
+        if n % quant_linear_library().quant_linear_panel_rows():
+            return [cls(r, qtype, in_features, None) for r in rows]
+        panels = _repacked_in_chunks(rows.reshape(num * n, -1), qtype)
+        return [cls(r, qtype, in_features, None, p) for r, p in zip(rows, panels.view(num, -1, panels.shape[1]),
+                                                                     strict=True)]
 
     @classmethod
     def from_fp32(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
@@ -495,13 +509,12 @@ def _gguf_experts(model: CausalLM, f, names: set[str], types: dict[str, str]) ->
         down = f.get_slice(parts[2])[:, :, start // values * bb:(start + inter) // values * bb]  # [E, H, bytes]
         hidden = model.config.hidden_size
         if types[parts[0]] == types[parts[1]]:
-            gate_up = [QuantLinear(torch.cat([g, u]), types[parts[0]], hidden, None) for g, u in zip(gate, up,
-                                                                                                      strict=True)]
+            gate_up = QuantLinear.stacked(torch.cat([gate, up], dim=1), types[parts[0]], hidden)
         else:
-            gate_up = [ConcatQuantLinear([QuantLinear(g, types[parts[0]], hidden, None),
-                                          QuantLinear(u, types[parts[1]], hidden, None)], None)
-                       for g, u in zip(gate, up, strict=True)]
-        experts.hold_linears(gate_up, [QuantLinear(d.contiguous(), types[parts[2]], inter, None) for d in down])
+            gate_up = [ConcatQuantLinear([g, u], None) for g, u in zip(
+                QuantLinear.stacked(gate.contiguous(), types[parts[0]], hidden),
+                QuantLinear.stacked(up.contiguous(), types[parts[1]], hidden), strict=True)]
+        experts.hold_linears(gate_up, QuantLinear.stacked(down.contiguous(), types[parts[2]], inter))
         held |= {p.removesuffix(".weight") for p in parts}
     return held
 
