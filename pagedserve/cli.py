@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--executor", choices=["local", "ray"], default="local",
                      help="ray: worker actors on the Ray cluster of RAY_ADDRESS (else a local one)")
     gen.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    gen.add_argument("--gpus-per-worker", type=float, default=1.0,
+                     help="the share of a GPU each Ray worker reserves (0.5: two ranks on one GPU)")
     gen.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay decode steps from CUDA graphs (default: on CUDA)")
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
                   executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
-                  cuda_graphs=args.cuda_graphs)
+                  gpus_per_worker=args.gpus_per_worker, cuda_graphs=args.cuda_graphs)
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": args.prompt})

@@ -29,3 +29,8 @@ def test_generate_plain_prompt_with_model_path(embedded_dir):
 def test_bad_argument_is_a_clear_error(embedded_dir):
     proc = run_cli("generate", "hi", "--temperature", "-1")
     assert proc.returncode == 2 and "temperature" in proc.stderr
+
+
+def test_gpus_per_worker_reaches_the_engine_settings(embedded_dir):
+    proc = run_cli("generate", "hi", "--device", "cpu", "--executor", "ray", "--tp", "3", "--gpus-per-worker", "0.5")
+    assert proc.returncode == 2 and "gpus_per_worker=0.5 has no meaning with device='cpu'" in proc.stderr
