@@ -144,3 +144,17 @@ def test_gpu_serve_runs_the_serve_config_and_compares_it_with_offline(tmp_path):
     assert all(s["tokens"] == 2 * s["streams"] * 8 for s in result["served"])
     assert result["routes"]["http_text"] == result["routes"]["grpc_text"] != ""
     assert all(o["check_tokens"] == result["routes"]["grpc_tokens"] for o in result["offline"])
+
+
+def test_gpu_tp_shared_compares_two_ranks_with_one():
+    """benchmarks/gpu_tp_shared.py on the CPU (TP 2 over gloo against TP 1), so that a GPU run spends its time
+    comparing: both give the same fp32 tokens, and the last line says so."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "benchmarks/gpu_tp_shared.py", "--device", "cpu", "--preset",
+                          "qwen2-tiny", "--dtypes", "float32", "--num-prompts", "3", "--max-tokens", "6"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "float32: TP 2 on one cpu (CPU slots) vs TP 1: 3/3 prompts equal" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("TP_SHARED: ok; float32 3/3 equal")
