@@ -406,3 +406,40 @@ def test_on_the_cpu_kernel_an_experts_rows_get_the_same_bits_in_any_batch(tmp_pa
         among = exact(llm.generate(prompts[1:] + prompts[:1], params)[-1])
     assert among == alone
     assert [e[0] for e in alone] == hf_logprobs(model, prompts[0], new_tokens=12)[0]
+
+
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (1, 8), (13, 2), (40, 4)])
+def test_the_native_experts_call_gives_the_loops_bits(num_tokens, top_k):
+    """One native call (csrc/decoder.c `moe_experts`) against the loop over experts on the same kernel layers and
+    the CPU backend's SiLU gate: the same bits, experts with no token included; parts of two types (Q8_0 gate
+    beside fp32 up) too."""
+    from pagedserve.kernels.cpu import ops
+    from pagedserve.kernels.cpu.native_forward import NativeExperts
+    from pagedserve.kernels.cpu.quant_linear import ConcatQuantLinear, QuantLinear
+
+    if not ops.available():
+        pytest.skip("the CPU kernels need a C compiler")
+    gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
+    hidden, inter, num = 64, 96, 8
+    gate_up_w = torch.randn(num, 2 * inter, hidden, generator=gen) * 0.1
+    down_w = torch.randn(num, hidden, inter, generator=gen) * 0.1
+    gate_up = [QuantLinear.from_fp32(w, None) for w in gate_up_w[:4]]
+    gate_up += [ConcatQuantLinear([QuantLinear(quantized_rows(w[:inter]), "Q8_0", hidden, None),
+                                   QuantLinear.from_fp32(w[inter:], None)], None) for w in gate_up_w[4:]]
+    down = [QuantLinear.from_fp32(w, None) for w in down_w]
+    assert NativeExperts.covers(gate_up, down)
+    native = NativeExperts(gate_up, down, hidden)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, experts = route(torch.randn(num_tokens, num, generator=gen), top_k, renormalize=True)
+    got = native(x, weights, experts)
+    expected = grouped_experts(x, weights, experts, gate_up, down, activation=ops.silu_mul)
+    assert torch.equal(got, expected)
+    # and within rounding of torch's own SiLU (the kernel's exp is its own)
+    torch.testing.assert_close(got, grouped_experts(x, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)
+
+
+def quantized_rows(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] as GGUF Q8_0 rows of blocks."""
+    import gguf
+
+    return torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0))

@@ -93,7 +93,9 @@ def layer_ops_library() -> ctypes.CDLL | None:
 def decoder_library() -> ctypes.CDLL | None:
     """The built decoder driver (one call per step through the other kernels), or None (logged)."""
     return _library("decoder.c", DECODER_FLAGS, "the CPU decoder runs layer by layer in Python",
-                    {"decoder_forward": ([_ptr, _ptr, _ptr, _ptr], ctypes.c_int)})
+                    {"decoder_forward": ([_ptr, _ptr, _ptr, _ptr], ctypes.c_int),
+                     "moe_experts": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int],
+                                     ctypes.c_int)})
 
 
 def _library(source: str, flags: list[str], fallback: str,

@@ -162,11 +162,7 @@ class NativeForward:
         self._model = _Model(len(layers), config.hidden_size, tp.num_heads, tp.num_kv_heads, config.head_dim,
                              tp.intermediate_size, config.rms_norm_eps, layers[0].self_attn.scale,
                              model.model.norm.weight.data_ptr(), self._layers)
-        # The same functions the backend's wrappers call, as pointers.
-        layer_ops = layer_ops_library()
-        self._kernels = _Kernels(*[ctypes.cast(fn, _ptr).value for fn in (
-            quant_linear_library().quant_linear, paged_attention_library().paged_attention, layer_ops.rms_norm_f32,
-            layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32, layer_ops.rms_norm_heads_f32)])
+        self._kernels = _kernels()
         self._forward = decoder_library().decoder_forward
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -192,6 +188,62 @@ class NativeForward:
         if status:
             _raise(status, kv.shape[2], kv.shape[3])
         return hidden
+
+
+class _Experts(ctypes.Structure):
+    _fields_ = [("gate_up", ctypes.POINTER(_Linear)), ("down", ctypes.POINTER(_Linear)), ("num_experts", _i64),
+                ("hidden", _i64), ("intermediate", _i64)]
+
+
+def _kernels() -> _Kernels:
+    """The same functions the backend's wrappers call, as pointers."""
+    layer_ops = layer_ops_library()
+    return _Kernels(*[ctypes.cast(fn, _ptr).value for fn in (
+        quant_linear_library().quant_linear, paged_attention_library().paged_attention, layer_ops.rms_norm_f32,
+        layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32, layer_ops.rms_norm_heads_f32)])
+
+
+class NativeExperts:
+    """A MoE layer's SiLU-gated experts, each on the CPU kernel's own layers (`Experts.hold_linears`), in one native
+    call (csrc/decoder.c `moe_experts`): at a decode step of one sequence the loop over experts in Python made
+    about a dozen dispatches an expert, half the step. Its outputs are the modules' bits (`grouped_experts` with the
+    backend's SiLU gate)."""
+
+    def __init__(self, gate_up: list[QuantLinear | ConcatQuantLinear], down: list[QuantLinear], hidden: int) -> None:
+        self.layers = (gate_up, down)  # holds the panels the structures point into
+        self._gate_up = (_Linear * len(gate_up))(*map(_linear, gate_up))
+        self._down = (_Linear * len(down))(*map(_linear, down))
+        self._experts = _Experts(self._gate_up, self._down, len(gate_up), hidden, down[0].in_features)
+        self._kernels = _kernels()
+        self._call = decoder_library().moe_experts
+
+    @staticmethod
+    def covers(gate_up: list, down: list) -> bool:
+        """Whether these experts' layers are ones the native call runs (kernel layers without biases, in at most
+        three parts), and its kernels could be built."""
+        layers = [*gate_up, *down]
+        return (None not in (decoder_library(), layer_ops_library(), paged_attention_library(), quant_linear_library())
+                and all(isinstance(p, QuantLinear | ConcatQuantLinear) and p.bias is None
+                        and len(p.columns()) <= _MAX_PARTS for p in layers))
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, H] fp32, weights and expert ids [T, k] -> the weighted sum of each token's experts' outputs [T, H]."""
+        x = x.contiguous()
+        num_tokens, top_k = experts.shape
+        ids = experts.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        out = torch.empty(num_tokens, self._experts.hidden)  # [T, H]
+        pairs = num_tokens * top_k
+        scratch = torch.empty(pairs * (2 * self._experts.hidden + 3 * self._experts.intermediate))
+        order = torch.empty(pairs, dtype=torch.int64)
+        status = self._call(ctypes.byref(self._kernels), ctypes.byref(self._experts), x.data_ptr(), num_tokens, top_k,
+                            ids.data_ptr(), weights.data_ptr(), out.data_ptr(), scratch.data_ptr(), order.data_ptr(),
+                            torch.get_num_threads())
+        if status == -1:
+            raise IndexError(f"expert ids outside [0, {self._experts.num_experts})")
+        if status:
+            raise RuntimeError(f"moe_experts: the linear kernel failed with status {-(status + 100)}")
+        return out
 
 
 def _raise(status: int, num_blocks: int, block_size: int) -> None:

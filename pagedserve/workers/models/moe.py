@@ -109,12 +109,16 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
             out[start:start + n] = h if down_bias is None else h + down_bias[e]
             start += n
     # weights times outputs in the pairs' sorted order (in the weights' dtype where it is wider: Mixtral's fp32),
-    # then back in token order and summed over each token's k pairs, as transformers' grouped path does (so fp32
-    # bits match where its matmuls do)
+    # then back in token order and added over each token's k pairs in choice order, as transformers' grouped path
+    # sums them (and the CPU's native call, csrc/decoder.c `moe_experts`, adds them)
     weighted = out * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
-    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    per_choice = unsorted.view(num_tokens, top_k, -1)  # [T, k, H]
+    total = per_choice[:, 0]
+    for j in range(1, top_k):
+        total = total + per_choice[:, j]
+    return total.to(x.dtype)
 
 
 def _product(weights: torch.Tensor | Sequence[nn.Module], expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +132,7 @@ class Experts(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPLayout) -> None:
         super().__init__()
         inter, hidden, num = tp.moe_intermediate_size, config.hidden_size, config.num_experts
-        self.tp, self.num_experts = tp, num
+        self.tp, self.num_experts, self.hidden_size = tp, num, hidden
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))  # [E, H, I]
         biases = config.family.moe_biases
@@ -140,6 +144,7 @@ class Experts(nn.Module):
         # (`hold_linears`: the CPU kernel's, on a GGUF's blocks or the weights' panels)
         self.gate_up_linears: nn.ModuleList | None = None
         self.down_linears: nn.ModuleList | None = None
+        self.native: Callable | None = None  # those layers in one native call (the CPU's), where it runs them
 
     def hold_linears(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
         """Compute each expert with its own layers, `gate_up[e]` ([gate | up] rows) and `down[e]`; the stacked
@@ -148,19 +153,27 @@ class Experts(nn.Module):
             raise ValueError(f"{len(gate_up)} and {len(down)} expert layers for {self.num_experts} experts")
         self.gate_up_linears, self.down_linears = nn.ModuleList(gate_up), nn.ModuleList(down)
         self.gate_up_proj = self.down_proj = None
+        from pagedserve.kernels.cpu.native_forward import NativeExperts
+
+        if self.activation is None and self.gate_up_proj_bias is None and NativeExperts.covers(gate_up, down):
+            self.native = NativeExperts(gate_up, down, self.hidden_size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 backend: AttentionBackend | None = None) -> torch.Tensor:
         """The backend's fused kernel where it has one (Triton's: nothing waits for the host, so steps can be
         captured in CUDA graphs), else the loop over experts."""
         down_bias = self.down_proj_bias if self.tp.rank == 0 else None  # the all-reduce sums it once
+        if self.native is not None and backend is not None and backend.name == "cpu":
+            return self.native(x, weights, experts)
+        # the backend's SiLU gate where it has one (the CPU's), as the dense MLP's
+        activation = self.activation or (backend.silu_mul if backend is not None else None)
         if self.gate_up_linears is not None:
             return grouped_experts(x, weights, experts, self.gate_up_linears, self.down_linears,
-                                   self.gate_up_proj_bias, down_bias, self.activation)
+                                   self.gate_up_proj_bias, down_bias, activation)
         compute = backend.fused_experts if backend is not None and backend.fused_experts is not None else (
             grouped_experts)
         return compute(x, weights, experts, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, down_bias,
-                       self.activation)
+                       activation)
 
 
 class SparseMoeBlock(nn.Module):

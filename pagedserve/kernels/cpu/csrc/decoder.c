@@ -144,3 +144,51 @@ int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, co
     memcpy(b->hidden, b->normed, sizeof(float) * (size_t)(T * H));
     return 0;
 }
+
+/* A mixture-of-experts layer's SiLU-gated experts over T tokens in one call: each expert's gate|up and down
+ * projections (`gate_up[e]`, `down[e]`: the CPU kernel's layers) over the tokens routed to it, as the modules'
+ * loop over experts computes them (workers/models/moe.py `grouped_experts` with the backend's SiLU gate): pairs
+ * (token t's j-th choice, p = t * top_k + j) grouped by expert in pair order, each group's rows gathered, the
+ * two projections and the SiLU gate by the kernels. Its own arithmetic is the routing weights' and the modules':
+ * each pair's output times its weight, then a token's k products added in choice order. */
+typedef struct {
+    const linear_t *gate_up, *down;  /* [E] each */
+    int64_t num_experts, hidden, intermediate;
+} experts_t;
+
+/* x [T, H] -> out [T, H]; ids and weights [T, top_k]; scratch: T * top_k * (2 H + 3 I) floats and T * top_k
+ * int64. Returns 0, -1 for an expert id outside [0, E), or the linear kernel's status minus 100. */
+int moe_experts(const kernels_t *kern, const experts_t *e, const float *x, int64_t T, int64_t top_k,
+                const int64_t *ids, const float *weights, float *out, float *scratch, int64_t *order, int threads) {
+    const int64_t P = T * top_k, H = e->hidden, I = e->intermediate;
+    float *rows = scratch, *pair_out = rows + P * H, *gate_up = pair_out + P * H, *act = gate_up + P * 2 * I;
+    int status;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= e->num_experts) return -1;
+    int64_t start = 0;
+    for (int64_t expert = 0; expert < e->num_experts; expert++) {
+        int64_t n = 0;
+        for (int64_t p = 0; p < P; p++)
+            if (ids[p] == expert) order[start + n++] = p;
+        if (!n) continue;
+        for (int64_t r = 0; r < n; r++)
+            memcpy(rows + r * H, x + order[start + r] / top_k * H, sizeof(float) * (size_t)H);
+        if ((status = linear(kern, &e->gate_up[expert], rows, n, gate_up, 2 * I, threads))) return status - 100;
+        kern->silu_mul(gate_up, 2 * I, act, I, n, I, threads);
+        if ((status = linear(kern, &e->down[expert], act, n, rows, H, threads))) return status - 100;
+        for (int64_t r = 0; r < n; r++)
+            memcpy(pair_out + order[start + r] * H, rows + r * H, sizeof(float) * (size_t)H);
+        start += n;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        for (int64_t j = 0; j < top_k; j++) {
+            const float w = weights[t * top_k + j], *y = pair_out + (t * top_k + j) * H;
+            if (j == 0)
+                for (int64_t c = 0; c < H; c++) o[c] = y[c] * w;
+            else
+                for (int64_t c = 0; c < H; c++) o[c] = o[c] + y[c] * w;
+        }
+    }
+    return 0;
+}
