@@ -400,7 +400,7 @@ def test_sliding_window_prefill_tiles_launched_heavy_first_and_bad_window():
         paged_attention(query, kv, cu, ctx, tables, 0.125, window=0)
 
 
-# --- attention sinks (gpt-oss's) ---------------------------------------------------------------------------------
+# --- attention sinks (gpt-oss's), and below the soft cap (Gemma 2's) -----------------------------------------------
 
 
 def test_the_references_sinks_are_transformers_eager_attention():
@@ -421,27 +421,6 @@ def test_the_references_sinks_are_transformers_eager_attention():
                                               v.transpose(0, 1)[None], mask, scaling=0.3)
         out = ref.paged_attention(query, kv, cu, ctx, tables, 0.3, window=window, sinks=module.sinks)
         torch.testing.assert_close(out, expected[0], atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,dtype",
-                         [(8, 2, 64, 16, torch.float32), (14, 2, 80, 32, torch.float16)],
-                         ids=lambda v: str(v).replace("torch.", ""))
-def test_attention_sinks_match_the_reference(window, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
-    """Every row kind, with and without split-KV (the merge adds the sink once) and a window."""
-    query, kv, poisoned, cu, ctx, tables = make_batch(WINDOW_ROWS, num_q_heads, num_kv_heads, head_dim, block_size,
-                                                      dtype, seed=19)
-    sinks = torch.linspace(-4.0, 6.0, num_q_heads)
-    expected = ref.paged_attention(query.float().cpu(), kv.float().cpu(), cu.cpu(), ctx.cpu(), tables.cpu(), 0.25,
-                                   window=window, sinks=sinks).to(DEVICE)
-    if window is not None:
-        poisoned, tables = poison_before_window(poisoned, cu, ctx, tables, window)
-    for split_kv in (False, True):
-        out = run_triton(query, poisoned, cu, ctx, tables, 0.25, split_kv=split_kv, window=window,
-                         sinks=sinks.to(DEVICE))
-        assert_close(out, expected, dtype)
-    without = run_triton(query, poisoned, cu, ctx, tables, 0.25, window=window)
-    assert not torch.allclose(out.float(), without.float(), atol=1e-2), "the sinks changed nothing"
 
 
 # --- attention-logit soft cap (Gemma 2's) -------------------------------------------------------------------
@@ -466,20 +445,25 @@ def test_the_references_soft_cap_is_transformers_eager_attention():
         torch.testing.assert_close(out, expected[0], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("scores", ["softcap", "sinks"])
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,dtype",
                          [(8, 2, 64, 16, torch.float32), (14, 2, 80, 32, torch.float16)],
                          ids=lambda v: str(v).replace("torch.", ""))
-def test_soft_capped_scores_match_the_reference(window, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
-    """Every row kind, with and without split-KV and a window (keys before it poisoned); a cap that bites."""
+def test_capped_scores_and_sinks_match_the_reference(scores, window, num_q_heads, num_kv_heads, head_dim, block_size,
+                                                     dtype):
+    """Every row kind, with and without split-KV (whose merge adds a sink once) and a window (keys before it
+    poisoned): a soft cap that bites (Gemma 2's), or attention sinks above and below the scores (gpt-oss's)."""
     query, kv, poisoned, cu, ctx, tables = make_batch(WINDOW_ROWS, num_q_heads, num_kv_heads, head_dim, block_size,
                                                       dtype, seed=17)
+    option = {"softcap": 1.5} if scores == "softcap" else {"sinks": torch.linspace(-4.0, 6.0, num_q_heads)}
     expected = ref.paged_attention(query.float().cpu(), kv.float().cpu(), cu.cpu(), ctx.cpu(), tables.cpu(), 0.25,
-                                   window=window, softcap=1.5).to(DEVICE)
+                                   window=window, **option).to(DEVICE)
+    option = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in option.items()}
     if window is not None:
         poisoned, tables = poison_before_window(poisoned, cu, ctx, tables, window)
     for split_kv in (False, True):
-        out = run_triton(query, poisoned, cu, ctx, tables, 0.25, split_kv=split_kv, window=window, softcap=1.5)
+        out = run_triton(query, poisoned, cu, ctx, tables, 0.25, split_kv=split_kv, window=window, **option)
         assert_close(out, expected, dtype)
-    uncapped = run_triton(query, poisoned, cu, ctx, tables, 0.25, window=window)
-    assert not torch.allclose(out.float(), uncapped.float(), atol=1e-2), "the cap changed nothing"
+    plain = run_triton(query, poisoned, cu, ctx, tables, 0.25, window=window)
+    assert not torch.allclose(out.float(), plain.float(), atol=1e-2), f"the {scores} changed nothing"
