@@ -401,7 +401,8 @@ def test_on_the_cpu_kernel_an_experts_rows_get_the_same_bits_in_any_batch(tmp_pa
 
     with LLM(str(tmp_path), block_size=16) as llm:
         experts = [m for m in llm.llm_engine.executor.worker.model.modules() if hasattr(m, "gate_up_linears")]
-        assert experts and all(e.gate_up_linears is not None and e.gate_up_proj is None for e in experts)
+        assert experts and all(e.gate_up_linears is not None and e.gate_up_proj is None and e.native is not None
+                               for e in experts)
         alone = exact(llm.generate(prompts[:1], params)[0])
         among = exact(llm.generate(prompts[1:] + prompts[:1], params)[-1])
     assert among == alone

@@ -13,6 +13,7 @@ import torch
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.kernels.backend import get_attention_backend
 from pagedserve.kernels.cpu import quant_linear
+from pagedserve.kernels.cpu.native_forward import attach_native_experts
 from pagedserve.kernels.cpu.packed_linear import can_pack, pack_linears
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
@@ -67,6 +68,7 @@ class Worker:
             # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step. A 16-bit
             # checkpoint's weights stay 16-bit there, exactly: half the bytes a decode step streams.
             quant_linear.load_fp32_linears(self.model)
+            attach_native_experts(self.model)  # a MoE layer's experts on those layers: one native call
             embedding = quant_linear.hold_embedding(self.model)
             table, head = self.model.model.embed_tokens.table, getattr(self.model, "lm_head", None)
             types = Counter(m.qtype for m in self.model.modules()

@@ -203,6 +203,22 @@ def _kernels() -> _Kernels:
         layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32, layer_ops.rms_norm_heads_f32)])
 
 
+def attach_native_experts(model: CausalLM) -> int:
+    """Give each MoE layer whose experts run on the CPU kernel's layers (SiLU-gated, without biases) their native
+    call; returns how many layers got one."""
+    attached = 0
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if (experts is None or experts.gate_up_linears is None or experts.activation is not None
+                or experts.gate_up_proj_bias is not None
+                or not NativeExperts.covers(experts.gate_up_linears, experts.down_linears)):
+            continue
+        experts.native = NativeExperts(list(experts.gate_up_linears), list(experts.down_linears),
+                                       model.config.hidden_size)
+        attached += 1
+    return attached
+
+
 class NativeExperts:
     """A MoE layer's SiLU-gated experts, each on the CPU kernel's own layers (`Experts.hold_linears`), in one native
     call (csrc/decoder.c `moe_experts`): at a decode step of one sequence the loop over experts in Python made

@@ -144,7 +144,8 @@ class Experts(nn.Module):
         # (`hold_linears`: the CPU kernel's, on a GGUF's blocks or the weights' panels)
         self.gate_up_linears: nn.ModuleList | None = None
         self.down_linears: nn.ModuleList | None = None
-        self.native: Callable | None = None  # those layers in one native call (the CPU's), where it runs them
+        # those layers in one native call (the CPU's `NativeExperts`, which its worker attaches), where it runs them
+        self.native: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def hold_linears(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
         """Compute each expert with its own layers, `gate_up[e]` ([gate | up] rows) and `down[e]`; the stacked
@@ -153,10 +154,6 @@ class Experts(nn.Module):
             raise ValueError(f"{len(gate_up)} and {len(down)} expert layers for {self.num_experts} experts")
         self.gate_up_linears, self.down_linears = nn.ModuleList(gate_up), nn.ModuleList(down)
         self.gate_up_proj = self.down_proj = None
-        from pagedserve.kernels.cpu.native_forward import NativeExperts
-
-        if self.activation is None and self.gate_up_proj_bias is None and NativeExperts.covers(gate_up, down):
-            self.native = NativeExperts(gate_up, down, self.hidden_size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 backend: AttentionBackend | None = None) -> torch.Tensor:
