@@ -157,8 +157,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 backend: AttentionBackend | None = None) -> torch.Tensor:
-        """The backend's fused kernel where it has one (Triton's: nothing waits for the host, so steps can be
-        captured in CUDA graphs), else the loop over experts."""
+        """On the CPU backend the native call where the worker attached one; the backend's fused kernel where it has
+        one (Triton's: nothing waits for the host, so steps can be captured in CUDA graphs); else the loop over
+        experts (over their own layers where they hold them)."""
         down_bias = self.down_proj_bias if self.tp.rank == 0 else None  # the all-reduce sums it once
         if self.native is not None and backend is not None and backend.name == "cpu":
             return self.native(x, weights, experts)
