@@ -164,3 +164,35 @@ def test_the_engine_gives_the_same_outputs_with_it_as_without(embedded_dir, monk
     used, modules = outputs()
     assert not used
     assert native == modules
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_layers_in_the_one_call_give_the_modules_outputs(tmp_path, monkeypatch, family):
+    """Mixtral's and Qwen3-MoE's layers (one of them dense) in the one native call: its router on the kernel, the
+    routing kernel, the experts' native call; the same tokens and logprobs, to the bit, as the modules."""
+    import transformers
+
+    from pagedserve.workers import model_runner
+
+    cls, extra = {"qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=64, norm_topk_prob=True,
+                                                        mlp_only_layers=[1], head_dim=16)),
+                  "mixtral": ("MixtralConfig", dict(num_local_experts=4))}[family]
+    config = getattr(transformers, cls)(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, **extra)
+    torch.manual_seed(8)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 33, 12)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, logprobs=2) for i in range(3)]
+
+    def outputs() -> tuple[bool, list]:
+        with LLM(str(tmp_path), block_size=BLOCK, max_num_batched_tokens=24) as llm:
+            used = llm.llm_engine.executor.worker.runner.native_forward is not None
+            return used, [[(c.token_ids, c.logprobs) for c in o.outputs] for o in llm.generate(prompts, params)]
+
+    used, native = outputs()
+    assert used, "the MoE model's layers must run in the one native call"
+    monkeypatch.setattr(model_runner, "native_forward", lambda *args: None)
+    used, modules = outputs()
+    assert not used
+    assert native == modules

@@ -70,6 +70,14 @@ class FusedExperts(Protocol):
         activation of [gate | up] rows (None: SiLU(gate) * up) -> [T, H]."""
 
 
+class RouteTopK(Protocol):
+    def __call__(self, logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Router logits [T, E] -> (weights [T, k], expert ids [T, k]): the softmax over all experts, its top k,
+        divided by their sum where `renormalize` (workers.models.moe.route's); None where it does not take these
+        logits (the caller routes with torch)."""
+
+
 class RotateQK(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """q [T, Hq, D] and k [T, Hkv, D] (contiguous in D) rotated in place by cos/sin [T, 1, R] (each head's first
@@ -86,6 +94,7 @@ class AttentionBackend:
     silu_mul: SiluMul | None = None
     rms_norm_heads: RMSNormHeads | None = None  # the per-head q/k norms (Qwen3)
     fused_experts: FusedExperts | None = None  # None: the loop over experts (workers/models/moe.py)
+    route_topk: RouteTopK | None = None  # None: torch's ops (the CPU's own: its one-call decoder routes the same)
 
 
 @dataclass
@@ -128,7 +137,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         if not cpu.available():
             raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel (set CC)")
         return AttentionBackend("cpu", cpu.write_kv_cache, cpu.paged_attention, cpu.rms_norm, cpu.rotate_qk,
-                                cpu.silu_mul, cpu.rms_norm_heads)
+                                cpu.silu_mul, cpu.rms_norm_heads, route_topk=cpu.route_topk)
     if name == "reference":
         from pagedserve.kernels import reference
 

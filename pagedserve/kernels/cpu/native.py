@@ -86,7 +86,8 @@ def layer_ops_library() -> ctypes.CDLL | None:
         "silu_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int], None),
         "rotate_qk_f32": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64], None),
         "write_kv_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
-                         ctypes.c_int)})
+                         ctypes.c_int),
+        "route_topk_f32": ([_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr], None)})
 
 
 @functools.cache

@@ -38,7 +38,7 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in ("quant_linear", "attention", "rms_norm", "rotate", "write_kv", "silu_mul",
-                                          "rms_norm_heads")]
+                                          "rms_norm_heads", "route")]
 
 
 _MAX_PARTS = 3  # decoder.c's MAX_PARTS: q, k and v each of its own type at most
@@ -52,9 +52,15 @@ class _Linear(ctypes.Structure):
     _fields_ = [("parts", _Part * _MAX_PARTS), ("num_parts", _i64), ("k", _i64)]
 
 
+class _Experts(ctypes.Structure):
+    _fields_ = [("gate_up", ctypes.POINTER(_Linear)), ("down", ctypes.POINTER(_Linear)), ("num_experts", _i64),
+                ("hidden", _i64), ("intermediate", _i64)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", _Linear),
-                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("router", ctypes.POINTER(_Linear)),
+                ("experts", ctypes.POINTER(_Experts)), ("top_k", _i64), ("renormalize", _i64)]
 
 
 class _Model(ctypes.Structure):
@@ -71,7 +77,8 @@ class _Step(ctypes.Structure):
 
 
 class _Buffers(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("hidden", "residual", "normed", "qkv", "query", "attn", "gate_up", "act")]
+    _fields_ = [(name, _ptr) for name in ("hidden", "residual", "normed", "qkv", "query", "attn", "gate_up", "act",
+                                          "router_logits", "route_weights", "route_ids", "moe_scratch", "moe_order")]
 
 
 def native_forward(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend) -> NativeForward | None:
@@ -86,8 +93,8 @@ def native_forward(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBac
 
 def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend) -> str | None:
     config, tp = model.config, model.tp
-    if backend.name != "cpu" or (backend.rms_norm, backend.silu_mul, backend.rms_norm_heads) != (
-            ops.rms_norm, ops.silu_mul, ops.rms_norm_heads):
+    if backend.name != "cpu" or (backend.rms_norm, backend.silu_mul, backend.rms_norm_heads, backend.route_topk) != (
+            ops.rms_norm, ops.silu_mul, ops.rms_norm_heads, ops.route_topk):
         return f"the {backend.name} attention backend"
     if kv_pool.dtype != torch.float32 or not kv_pool.is_cpu or not kv_pool.is_contiguous():
         return f"a {kv_pool.dtype} KV pool"
@@ -104,8 +111,8 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
         return f"norms placed {config.family.norms!r} or over all heads"
     if (config.embedding_multiplier, config.residual_multiplier) != (1.0, 1.0):
         return "scaled embeddings or residual adds"  # the logits' scale and cap are applied after it (compute_logits)
-    if config.num_experts:
-        return "mixture-of-experts layers"  # decoder.c's layers have one dense MLP each
+    if config.num_experts and (why := _uncovered_experts(model)):
+        return why
     if config.hidden_act != "silu":
         return f"a {config.hidden_act} MLP"
     if config.attn_logit_softcapping is not None:
@@ -115,7 +122,9 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
     if not ops.supports_shape(tp.num_heads, tp.num_kv_heads, config.head_dim, kv_pool.shape[3]):
         return "an attention shape the kernel does not take"
     for layer in model.model.layers:
-        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        mlp = ((layer.mlp.gate.linear,) if hasattr(layer.mlp, "experts")
+               else (layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp)
         if not all(isinstance(p, QuantLinear | ConcatQuantLinear) for p in projections):
             return "a projection the GGUF-block kernel does not run"
         if any(len(p.columns()) > _MAX_PARTS for p in projections):
@@ -123,6 +132,25 @@ def _uncovered(model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend
     norms = [model.model.norm.weight] + [norm.weight for layer in model.model.layers for norm in _norms(layer)]
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return "norm weights that are not contiguous fp32"
+    return None
+
+
+def _uncovered_experts(model: CausalLM) -> str | None:
+    """Why the one-call decoder does not take this mixture of experts' layers, or None: it takes routers on the
+    kernel (the softmax's top k), and experts in one native call (`attach_native_experts`), without a shared
+    expert."""
+    for layer in model.model.layers:
+        block = layer.mlp
+        if not hasattr(block, "experts"):
+            continue
+        if block.shared_expert is not None:
+            return "a shared expert"
+        if block.top_k_first:
+            return "a router of another kind"
+        if block.experts.native is None:
+            return "experts the native call does not run"
+        if not isinstance(block.gate.linear, QuantLinear) or block.gate.linear.bias is not None:
+            return "a router off the linear kernel"
     return None
 
 
@@ -153,17 +181,29 @@ class NativeForward:
         self.qkv_size = (tp.num_heads + 2 * tp.num_kv_heads) * config.head_dim
         self.q_size = tp.num_heads * config.head_dim
         self.intermediate = tp.intermediate_size
+        self._moe: list = []
+        self.num_experts = self.top_k = self.expert_size = 0  # a MoE model's (any MoE layer's: they are alike)
         layers = model.model.layers
-        self._layers = (_Layer * len(layers))(*[
-            _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                   _optional_ptr(layer.self_attn.q_norm), _optional_ptr(layer.self_attn.k_norm),
-                   _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
-                   _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)) for layer in layers])
+        self._layers = (_Layer * len(layers))(*map(self._layer, layers))
         self._model = _Model(len(layers), config.hidden_size, tp.num_heads, tp.num_kv_heads, config.head_dim,
                              tp.intermediate_size, config.rms_norm_eps, layers[0].self_attn.scale,
                              model.model.norm.weight.data_ptr(), self._layers)
         self._kernels = _kernels()
         self._forward = decoder_library().decoder_forward
+
+    def _layer(self, layer) -> _Layer:
+        """A layer's structure; a MoE layer's with its router and its experts' native structure (kept alive here)."""
+        attn, block = layer.self_attn, layer.mlp
+        common = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                  _optional_ptr(attn.q_norm), _optional_ptr(attn.k_norm), _linear(attn.qkv_proj), _linear(attn.o_proj))
+        if not hasattr(block, "experts"):
+            return _Layer(*common, _linear(block.gate_up_proj), _linear(block.down_proj))
+        router = ctypes.pointer(_linear(block.gate.linear))
+        self._moe.append((router, block.experts.native))  # what the pointers point into
+        self.num_experts, self.top_k = block.experts.num_experts, block.top_k
+        self.expert_size = block.experts.native.intermediate
+        return _Layer(*common, _Linear(), _Linear(), router, ctypes.pointer(block.experts.native.experts),
+                      block.top_k, int(block.renormalize))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, H], the KV pool written as the modules write it."""
@@ -175,6 +215,12 @@ class NativeForward:
         # act [T, I]: buffers_t's order
         buffers = [torch.empty(t, n) for n in (self.hidden_size, self.hidden_size, self.qkv_size, self.q_size,
                                                self.q_size, 2 * self.intermediate, self.intermediate)]
+        # a MoE model's: router logits [T, E], weights and ids [T, k], the experts' scratch and pair order
+        pairs = t * self.top_k
+        buffers += [torch.empty(t, self.num_experts), torch.empty(t, self.top_k),
+                    torch.empty(t, self.top_k, dtype=torch.int64),
+                    torch.empty(pairs * (2 * self.hidden_size + 3 * self.expert_size)),
+                    torch.empty(pairs, dtype=torch.int64)]
         cu = ctx.cu_seqlens_q.to(torch.int64).contiguous()  # the kernels read int64
         context_lens = ctx.context_lens.to(torch.int64).contiguous()
         tables = ctx.block_tables.to(torch.int64).contiguous()
@@ -190,17 +236,13 @@ class NativeForward:
         return hidden
 
 
-class _Experts(ctypes.Structure):
-    _fields_ = [("gate_up", ctypes.POINTER(_Linear)), ("down", ctypes.POINTER(_Linear)), ("num_experts", _i64),
-                ("hidden", _i64), ("intermediate", _i64)]
-
-
 def _kernels() -> _Kernels:
     """The same functions the backend's wrappers call, as pointers."""
     layer_ops = layer_ops_library()
     return _Kernels(*[ctypes.cast(fn, _ptr).value for fn in (
         quant_linear_library().quant_linear, paged_attention_library().paged_attention, layer_ops.rms_norm_f32,
-        layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32, layer_ops.rms_norm_heads_f32)])
+        layer_ops.rotate_qk_f32, layer_ops.write_kv_f32, layer_ops.silu_mul_f32, layer_ops.rms_norm_heads_f32,
+        layer_ops.route_topk_f32)])
 
 
 def attach_native_experts(model: CausalLM) -> int:
@@ -229,7 +271,8 @@ class NativeExperts:
         self.layers = (gate_up, down)  # holds the panels the structures point into
         self._gate_up = (_Linear * len(gate_up))(*map(_linear, gate_up))
         self._down = (_Linear * len(down))(*map(_linear, down))
-        self._experts = _Experts(self._gate_up, self._down, len(gate_up), hidden, down[0].in_features)
+        self.intermediate = down[0].in_features
+        self.experts = _Experts(self._gate_up, self._down, len(gate_up), hidden, self.intermediate)
         self._kernels = _kernels()
         self._call = decoder_library().moe_experts
 
@@ -248,15 +291,15 @@ class NativeExperts:
         num_tokens, top_k = experts.shape
         ids = experts.to(torch.int64).contiguous()
         weights = weights.to(torch.float32).contiguous()
-        out = torch.empty(num_tokens, self._experts.hidden)  # [T, H]
+        out = torch.empty(num_tokens, self.experts.hidden)  # [T, H]
         pairs = num_tokens * top_k
-        scratch = torch.empty(pairs * (2 * self._experts.hidden + 3 * self._experts.intermediate))
+        scratch = torch.empty(pairs * (2 * self.experts.hidden + 3 * self.experts.intermediate))
         order = torch.empty(pairs, dtype=torch.int64)
-        status = self._call(ctypes.byref(self._kernels), ctypes.byref(self._experts), x.data_ptr(), num_tokens, top_k,
+        status = self._call(ctypes.byref(self._kernels), ctypes.byref(self.experts), x.data_ptr(), num_tokens, top_k,
                             ids.data_ptr(), weights.data_ptr(), out.data_ptr(), scratch.data_ptr(), order.data_ptr(),
                             torch.get_num_threads())
         if status == -1:
-            raise IndexError(f"expert ids outside [0, {self._experts.num_experts})")
+            raise IndexError(f"expert ids outside [0, {self.experts.num_experts})")
         if status:
             raise RuntimeError(f"moe_experts: the linear kernel failed with status {-(status + 100)}")
         return out
@@ -268,5 +311,7 @@ def _raise(status: int, num_blocks: int, block_size: int) -> None:
         raise IndexError(f"slot_mapping names a slot past the KV pool's {num_blocks * block_size}")
     if kernel == 3 and code == 2:
         raise ValueError(f"block_tables name a block outside the KV pool (num_blocks={num_blocks})")
+    if kernel == 4:
+        raise IndexError("a route named an expert outside its layer's")
     raise RuntimeError(f"decoder_forward: the {('linear', 'K/V write', 'attention')[kernel - 1]} kernel failed "
                        f"with status {-code}")

@@ -19,8 +19,8 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.checks import check_rotation, check_sinks, check_softcap, check_window
 from pagedserve.kernels.cpu.native import layer_ops_library, paged_attention_library
 
-__all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "silu_mul", "supports_shape",
-           "write_kv_cache"]
+__all__ = ["available", "paged_attention", "rms_norm", "rms_norm_heads", "rotate_qk", "route_topk", "silu_mul",
+           "supports_shape", "write_kv_cache"]
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -144,6 +144,20 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], n)  # [T, I]
     lib.silu_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), n, x.shape[0], n, torch.get_num_threads())
     return out
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """See backend.RouteTopK: one native call for fp32 CPU logits [T, E], else None (the caller routes with
+    torch)."""
+    lib = layer_ops_library()
+    if lib is None or not _f32(logits) or logits.dim() != 2:
+        return None
+    logits = logits.contiguous()
+    weights = torch.empty(logits.shape[0], top_k)  # [T, k]
+    ids = torch.empty(logits.shape[0], top_k, dtype=torch.int64)
+    lib.route_topk_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], top_k, int(renormalize),
+                       weights.data_ptr(), ids.data_ptr())
+    return weights, ids
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

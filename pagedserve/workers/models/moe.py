@@ -193,7 +193,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H], all-reduced."""
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32, self.top_k_first)
+        logits = self.gate(x)  # [T, E]
+        routed = None
+        if backend is not None and backend.route_topk is not None and not self.top_k_first:
+            routed = backend.route_topk(logits, self.top_k, self.renormalize)  # the CPU's: its decoder's bits
+        weights, experts = routed or route(logits, self.top_k, self.renormalize, self.weights_fp32, self.top_k_first)
         out = self.experts(x, weights, experts, backend)
         if self.shared_expert is not None:  # its partial sums scaled before the one all-reduce: the same sum
             shared = self.shared_expert(x, backend, reduce=False)

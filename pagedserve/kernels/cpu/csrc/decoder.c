@@ -6,7 +6,8 @@
  * linear layer, the RMSNorm, the rotary embedding, the K/V write, the paged attention, the SiLU gate), so the
  * outputs are the modules' bits (tests/test_native_forward.py checks it). It covers what those kernels cover:
  * Llama / Qwen2 / Qwen3 layers (biases, q/k norms) whose four projections run on the GGUF-block kernel (GGUF
- * blocks, in parts of different types too, or plain panels), fp32, one rank; the modules run every other model.
+ * blocks, in parts of different types too, or plain panels), and Mixtral's and Qwen3-MoE's MoE layers (the
+ * router, the routing kernel, each expert on its own layers), fp32, one rank; the modules run every other model.
  */
 #include <stdint.h>
 #include <string.h>
@@ -31,6 +32,8 @@ typedef void (*rms_norm_heads_fn)(const float *x, int64_t stride_t, int64_t stri
                                   int64_t heads, int64_t dim);
 typedef void (*silu_mul_fn)(const float *x, int64_t stride_x, float *out, int64_t stride_o, int64_t rows, int64_t n,
                             int num_threads);
+typedef void (*route_fn)(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, float *weights,
+                         int64_t *ids);
 
 typedef struct {
     quant_linear_fn quant_linear;
@@ -40,6 +43,7 @@ typedef struct {
     write_kv_fn write_kv;
     silu_mul_fn silu_mul;
     rms_norm_heads_fn rms_norm_heads;
+    route_fn route;
 } kernels_t;
 
 #define MAX_PARTS 3
@@ -56,10 +60,20 @@ typedef struct {
     int64_t num_parts, k;
 } linear_t;
 
+/* A mixture-of-experts layer's experts: each one's gate|up and down layers. */
+typedef struct {
+    const linear_t *gate_up, *down;  /* [E] each */
+    int64_t num_experts, hidden, intermediate;
+} experts_t;
+
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     const float *q_norm, *k_norm;         /* [head_dim] each, or NULL */
-    linear_t qkv, o, gate_up, down;
+    linear_t qkv, o, gate_up, down;       /* gate_up and down unused on a MoE layer */
+    /* A MoE layer's router and experts (NULL on a dense layer): the softmax's top_k experts, renormalized or not. */
+    const linear_t *router;
+    const experts_t *experts;
+    int64_t top_k, renormalize;
 } layer_t;
 
 typedef struct {
@@ -80,10 +94,19 @@ typedef struct {
     int num_threads;
 } step_t;
 
-/* Scratch of the step's shapes, and `hidden` [T, H]: the embeddings in, the final norm's output out. */
+/* Scratch of the step's shapes, and `hidden` [T, H]: the embeddings in, the final norm's output out. A MoE model's
+ * too: router logits [T, E], routing weights and ids [T, k], the experts' scratch (see moe_experts). */
 typedef struct {
     float *hidden, *residual, *normed, *qkv, *query, *attn, *gate_up, *act;
+    float *router_logits, *route_weights;
+    int64_t *route_ids;
+    float *moe_scratch;
+    int64_t *moe_order;
 } buffers_t;
+
+static int moe_experts_impl(const kernels_t *kern, const experts_t *e, const float *x, int64_t T, int64_t top_k,
+                            const int64_t *ids, const float *weights, float *out, float *scratch, int64_t *order,
+                            int threads);
 
 /* y [T, ldy] = x [T, l->k] @ W^T (+ bias): each part's kernel call writes its own columns. */
 static int linear(const kernels_t *kern, const linear_t *l, const float *x, int64_t T, float *y, int64_t ldy,
@@ -100,7 +123,7 @@ static int linear(const kernels_t *kern, const linear_t *l, const float *x, int6
 }
 
 /* Returns 0; else the failing kernel's status plus an offset naming it: 100 the linear layer, 200 the K/V
- * write, 300 the attention. */
+ * write, 300 the attention; 400: a route named an expert outside the layer's. */
 int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, const buffers_t *b) {
     const int64_t T = s->num_tokens, H = m->hidden, D = m->head_dim, Hq = m->num_q_heads, Hkv = m->num_kv_heads;
     const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size, I = m->intermediate;
@@ -134,6 +157,17 @@ int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, co
         if ((status = linear(kern, &L->o, b->attn, T, b->hidden, H, threads)))
             return 100 - status;
         kern->rms_norm(b->hidden, H, b->residual, H, L->post_norm, m->eps, b->normed, H, T, H, threads);
+        if (L->experts) {  /* the router's logits, the route, the experts' weighted sum into `hidden` */
+            const int64_t E = L->experts->num_experts;
+            if ((status = linear(kern, L->router, b->normed, T, b->router_logits, E, threads)))
+                return 100 - status;
+            kern->route(b->router_logits, T, E, L->top_k, (int)L->renormalize, b->route_weights, b->route_ids);
+            status = moe_experts_impl(kern, L->experts, b->normed, T, L->top_k, b->route_ids, b->route_weights,
+                                      b->hidden, b->moe_scratch, b->moe_order, threads);
+            if (status == -1) return 400;
+            if (status) return 100 - (status + 100);
+            continue;
+        }
         if ((status = linear(kern, &L->gate_up, b->normed, T, b->gate_up, 2 * I, threads)))
             return 100 - status;
         kern->silu_mul(b->gate_up, 2 * I, b->act, I, T, I, threads);
@@ -151,15 +185,16 @@ int decoder_forward(const kernels_t *kern, const model_t *m, const step_t *s, co
  * (token t's j-th choice, p = t * top_k + j) grouped by expert in pair order, each group's rows gathered, the
  * two projections and the SiLU gate by the kernels. Its own arithmetic is the routing weights' and the modules':
  * each pair's output times its weight, then a token's k products added in choice order. */
-typedef struct {
-    const linear_t *gate_up, *down;  /* [E] each */
-    int64_t num_experts, hidden, intermediate;
-} experts_t;
-
 /* x [T, H] -> out [T, H]; ids and weights [T, top_k]; scratch: T * top_k * (2 H + 3 I) floats and T * top_k
  * int64. Returns 0, -1 for an expert id outside [0, E), or the linear kernel's status minus 100. */
 int moe_experts(const kernels_t *kern, const experts_t *e, const float *x, int64_t T, int64_t top_k,
                 const int64_t *ids, const float *weights, float *out, float *scratch, int64_t *order, int threads) {
+    return moe_experts_impl(kern, e, x, T, top_k, ids, weights, out, scratch, order, threads);
+}
+
+static int moe_experts_impl(const kernels_t *kern, const experts_t *e, const float *x, int64_t T, int64_t top_k,
+                            const int64_t *ids, const float *weights, float *out, float *scratch, int64_t *order,
+                            int threads) {
     const int64_t P = T * top_k, H = e->hidden, I = e->intermediate;
     float *rows = scratch, *pair_out = rows + P * H, *gate_up = pair_out + P * H, *act = gate_up + P * 2 * I;
     int status;

@@ -173,3 +173,34 @@ void silu_mul_f32(const float *x, int64_t stride_x, float *out, int64_t stride_o
         }
     }
 }
+
+/* A mixture of experts' routing for rows of router logits [T, E]: the softmax over all experts (the maximum
+ * subtracted, expf, the sum in order), the k largest (ties to the lower expert id) in descending order, divided by
+ * their sum (in order) where `renormalize`. Its exp is libm's: within an ulp of torch's, the same for every row in
+ * any batch. */
+void route_topk_f32(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, float *weights,
+                    int64_t *ids) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E;
+        float m = l[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
+        for (int64_t e = 0; e < E; e++) sum += expf(l[e] - m);
+        float *w = weights + t * k;
+        int64_t *id = ids + t * k;
+        for (int64_t j = 0; j < k; j++) {  /* k passes: k is a few, E at most a few hundred */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            id[j] = best;
+            w[j] = expf(l[best] - m) / sum;
+        }
+        if (renormalize) {
+            float total = 0.0f;
+            for (int64_t j = 0; j < k; j++) total += w[j];
+            for (int64_t j = 0; j < k; j++) w[j] = w[j] / total;
+        }
+    }
+}
