@@ -444,3 +444,21 @@ def quantized_rows(weight: torch.Tensor) -> torch.Tensor:
     import gguf
 
     return torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_the_cpu_routing_kernel_picks_torchs_experts(renormalize):
+    """The CPU backend's routing (one native call, its own exp) against the torch route: the same experts in the
+    same order, weights within an ulp or two; a row alone gets the bits it gets in a batch."""
+    from pagedserve.kernels.cpu import ops
+
+    logits = torch.randn(33, 16, generator=torch.Generator().manual_seed(11)) * 2
+    routed = ops.route_topk(logits, 4, renormalize)
+    if routed is None:
+        pytest.skip("the CPU kernels need a C compiler")
+    weights, experts = routed
+    ref_weights, ref_experts = route(logits, 4, renormalize)
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    alone_weights, alone_experts = ops.route_topk(logits[5:6], 4, renormalize)
+    assert torch.equal(alone_weights, weights[5:6]) and torch.equal(alone_experts, experts[5:6])

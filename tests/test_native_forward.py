@@ -148,22 +148,30 @@ def test_a_slot_or_block_outside_the_pool_is_an_error():
         native(input_ids, positions, bad)
 
 
+def assert_same_outputs_with_it_as_without(model: str, prompts: list, params: list, monkeypatch, **llm_kwargs):
+    """The engine's outputs (prompt logprobs, tokens, logprobs) with the one native call and, the driver made
+    unavailable, with the modules: the same bits."""
+
+    def outputs() -> tuple[bool, list]:
+        with LLM(model, **llm_kwargs) as llm:
+            used = llm.llm_engine.executor.worker.runner.native_forward is not None
+            return used, [(o.prompt_logprobs, [(c.token_ids, c.logprobs) for c in o.outputs])
+                          for o in llm.generate(prompts, params)]
+
+    used, native = outputs()
+    assert used, "the model's layers must run in the one native call"
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "native_forward", lambda *args: None)
+        used, modules = outputs()
+    assert not used
+    assert native == modules
+
+
 def test_the_engine_gives_the_same_outputs_with_it_as_without(embedded_dir, monkeypatch):
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, logprobs=2, prompt_logprobs=1)
               for i in range(len(PROMPTS))]
-
-    def outputs() -> list:
-        with LLM(str(embedded_dir), max_num_batched_tokens=64) as llm:
-            used = llm.llm_engine.executor.worker.runner.native_forward is not None
-            return used, [(o.prompt_logprobs, [(c.token_ids, c.logprobs) for c in o.outputs])
-                          for o in llm.generate(PROMPTS, params)]
-
-    used, native = outputs()
-    assert used, "the embedded model's layers must run in the one native call"
-    monkeypatch.setattr(model_runner, "native_forward", lambda *args: None)
-    used, modules = outputs()
-    assert not used
-    assert native == modules
+    assert_same_outputs_with_it_as_without(str(embedded_dir), PROMPTS, params, monkeypatch,
+                                           max_num_batched_tokens=64)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -171,8 +179,6 @@ def test_moe_layers_in_the_one_call_give_the_modules_outputs(tmp_path, monkeypat
     """Mixtral's and Qwen3-MoE's layers (one of them dense) in the one native call: its router on the kernel, the
     routing kernel, the experts' native call; the same tokens and logprobs, to the bit, as the modules."""
     import transformers
-
-    from pagedserve.workers import model_runner
 
     cls, extra = {"qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=64, norm_topk_prob=True,
                                                         mlp_only_layers=[1], head_dim=16)),
@@ -184,15 +190,5 @@ def test_moe_layers_in_the_one_call_give_the_modules_outputs(tmp_path, monkeypat
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 33, 12)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, logprobs=2) for i in range(3)]
-
-    def outputs() -> tuple[bool, list]:
-        with LLM(str(tmp_path), block_size=BLOCK, max_num_batched_tokens=24) as llm:
-            used = llm.llm_engine.executor.worker.runner.native_forward is not None
-            return used, [[(c.token_ids, c.logprobs) for c in o.outputs] for o in llm.generate(prompts, params)]
-
-    used, native = outputs()
-    assert used, "the MoE model's layers must run in the one native call"
-    monkeypatch.setattr(model_runner, "native_forward", lambda *args: None)
-    used, modules = outputs()
-    assert not used
-    assert native == modules
+    assert_same_outputs_with_it_as_without(str(tmp_path), prompts, params, monkeypatch, block_size=BLOCK,
+                                           max_num_batched_tokens=24)

@@ -2,8 +2,9 @@
  * values, as the model's modules make through the CPU backend (workers/models/llama.py), without the Python
  * and torch dispatch between them, which at a decode step of a few sequences costs a third of the step.
  *
- * This file does no arithmetic of its own: every value is computed by the kernels it is handed (the GGUF-block
- * linear layer, the RMSNorm, the rotary embedding, the K/V write, the paged attention, the SiLU gate), so the
+ * This file does no arithmetic of its own but a MoE layer's weighted sum of its experts' outputs (in the modules'
+ * order): every other value is computed by the kernels it is handed (the GGUF-block linear layer, the RMSNorm, the
+ * rotary embedding, the K/V write, the paged attention, the SiLU gate, the routing), so the
  * outputs are the modules' bits (tests/test_native_forward.py checks it). It covers what those kernels cover:
  * Llama / Qwen2 / Qwen3 layers (biases, q/k norms) whose four projections run on the GGUF-block kernel (GGUF
  * blocks, in parts of different types too, or plain panels), and Mixtral's and Qwen3-MoE's MoE layers (the
