@@ -286,6 +286,15 @@ def test_mxfp4_dequantization_is_transformers():
         dequantize_mxfp4(blocks, scales[:, :, :3])
 
 
+def load_dequantized(path):
+    """transformers' model of an MXFP4 checkpoint, its experts dequantized to fp32 (as it does on a CPU; asked for
+    here, so that a machine with a GPU does the same)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+
+
 def save_mxfp4(model, path) -> None:
     """`model`'s checkpoint with its experts' projections in MXFP4 (random codes and scales), as OpenAI's gpt-oss
     checkpoints store them: blocks and scales untransposed ([E, rows, cols / 32, ...])."""
@@ -332,7 +341,7 @@ def test_each_rank_loads_its_columns_of_every_gpt_oss_expert(tmp_path, layout):
         hf.save_pretrained(tmp_path)
     else:
         save_mxfp4(hf, tmp_path)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        hf = load_dequantized(tmp_path)
     ours = ModelConfig.from_file(tmp_path / "config.json")
     layer = hf.model.layers[0]
     gate_up, down = layer.mlp.experts.gate_up_proj.detach(), layer.mlp.experts.down_proj.detach()  # [E, H, 2I]
@@ -399,7 +408,7 @@ def test_on_the_cpu_kernel_an_experts_rows_get_the_same_bits_in_any_batch(tmp_pa
         return [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top_logprobs])
                 for e in out.outputs[0].logprobs]
 
-    with LLM(str(tmp_path), block_size=16) as llm:
+    with LLM(str(tmp_path), block_size=16, device="cpu") as llm:  # the CPU kernels, also where there is a GPU
         experts = [m for m in llm.llm_engine.executor.worker.model.modules() if hasattr(m, "gate_up_linears")]
         assert experts and all(e.gate_up_linears is not None and e.gate_up_proj is None and e.native is not None
                                for e in experts)
@@ -418,6 +427,7 @@ def test_the_native_experts_call_gives_the_loops_bits(num_tokens, top_k):
     from pagedserve.kernels.cpu.native_forward import NativeExperts
     from pagedserve.kernels.cpu.quant_linear import ConcatQuantLinear, QuantLinear
 
+    pytest.importorskip("gguf")  # the Q8_0 part's blocks (the GPU machine has no gguf)
     if not ops.available():
         pytest.skip("the CPU kernels need a C compiler")
     gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)

@@ -458,7 +458,7 @@ def test_gpt_oss_logprobs_match_transformers(tmp_path):
     (`tests/test_cluster.py`)."""
     import transformers
 
-    from tests.test_moe import save_mxfp4
+    from tests.test_moe import load_dequantized, save_mxfp4
 
     config = transformers.GptOssConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                        num_attention_heads=4, num_key_value_heads=2, swiglu_limit=2.0,
@@ -467,7 +467,7 @@ def test_gpt_oss_logprobs_match_transformers(tmp_path):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     decisive_routers(model)
     save_mxfp4(model, tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = load_dequantized(tmp_path)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
