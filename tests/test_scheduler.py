@@ -390,12 +390,26 @@ def test_first_come_first_served_refuses_priorities():
 )
 def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_blocks, block_size, budget,
                                                                  max_num_seqs, caching, ahead, policy):
+    check_random_workload(data.draw(st.integers(0, 2**16)), data.draw(st.integers(1, 8)), num_blocks, block_size,
+                          budget, max_num_seqs, caching, ahead, policy)
+
+
+def test_a_sequence_preempted_in_the_step_that_copied_its_last_block_recomputes_it():
+    """Found by the test above: a forked sample preempted by a more urgent request in the step whose
+    copy-on-write gave it a block of its own; that copy is dropped with it, so the block holds nothing and must
+    not be offered as the sample's computed tail when it is admitted again."""
+    check_random_workload(1682, 6, num_blocks=9, block_size=8, budget=23, max_num_seqs=5, caching=True, ahead=False,
+                          policy="priority")
+
+
+def check_random_workload(seed: int, num_requests: int, num_blocks: int, block_size: int, budget: int,
+                          max_num_seqs: int, caching: bool, ahead: bool, policy: str) -> None:
     sched, worker = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=num_blocks * block_size,
                          caching=caching, policy=policy)
-    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    rng = random.Random(seed)
     stem = [rng.randrange(VOCAB) for _ in range(3 * block_size)]
     reqs = []
-    for i in range(data.draw(st.integers(1, 8))):
+    for i in range(num_requests):
         prompt = stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
         max_tokens = rng.randrange(1, 12)
         n = min(rng.choice([1, 1, 2, 3]), max_num_seqs)

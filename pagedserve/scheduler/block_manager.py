@@ -335,16 +335,19 @@ class BlockManager:
         child.rope_long = parent.rope_long
         child.num_computed_tokens = parent.num_computed_tokens
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, tail_written: bool = True) -> None:
         """Release a sequence's blocks; tail blocks first so they are evicted first. A partial last block's
         computed tokens stay findable (`BlockPool.cache_tail`) until the block is allocated again: a
         sequence that goes on from them (a beam search's next step, a preempted sequence readmitted, the
-        next turn of a chat) copies the block instead of computing them."""
+        next turn of a chat) copies the block instead of computing them. `tail_written=False`: that block's
+        copy-on-write copy was never sent (a sequence preempted in the step that allocated it): it holds
+        nothing, and is not offered."""
         computed = min(seq.num_computed_tokens, seq.num_tokens)  # a pending token's K/V is not written yet
         full, partial = divmod(computed, self.block_size)
         pool = self.pool
         for g, table in enumerate(seq.block_tables):
-            if (self.enable_prefix_caching and partial and full < len(table) and _held(pool, table[full])
+            if (self.enable_prefix_caching and tail_written and partial and full < len(table)
+                    and _held(pool, table[full])
                     and len(seq.block_hashes) >= full):
                 parent = seq.block_hashes[full - 1] if full else _root(seq)
                 start = full * self.block_size

@@ -197,8 +197,10 @@ class Scheduler:
                         budget += n
                         break
                 victim_blocks = set().union(*victim.block_tables)
-                copies = [c for c in copies if c[1] not in victim_blocks]
-                self._preempt(victim)
+                kept = [c for c in copies if c[1] not in victim_blocks]
+                # a copy-on-write copy dropped with it: its tail block was never written
+                self._preempt(victim, tail_written=len(kept) == len(copies))
+                copies = kept
                 continue
             self.waiting.popleft()
             if seq.request.num_cached_tokens is None:  # its first admission: what the prefix cache held
@@ -393,8 +395,8 @@ class Scheduler:
         else:
             queue.append(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self._free_blocks(seq)
+    def _preempt(self, seq: Sequence, tail_written: bool = True) -> None:
+        self._free_blocks(seq, tail_written)
         seq.status = SequenceStatus.WAITING
         if self.by_priority:
             bisect.insort(self.waiting, seq, key=_urgency)
@@ -402,9 +404,10 @@ class Scheduler:
             self.waiting.appendleft(seq)  # admitted before every sequence still waiting
         self.num_preemptions += 1
 
-    def _free_blocks(self, seq: Sequence) -> None:
-        """Free the sequence's blocks, and its row of the workers' block table with them."""
-        self.block_manager.free(seq)
+    def _free_blocks(self, seq: Sequence, tail_written: bool = True) -> None:
+        """Free the sequence's blocks, and its row of the workers' block table with them (see
+        `BlockManager.free` for `tail_written`)."""
+        self.block_manager.free(seq, tail_written)
         seq.penalty_counts_sent = False  # its slot's counts go with the slot
         if seq.slot is not None:
             heapq.heappush(self._free_slots, seq.slot)
