@@ -9,6 +9,7 @@ import torch
 
 from pagedserve.chat.reasoning import check_reasoning_parser
 from pagedserve.scheduler.scheduler import POLICIES
+from pagedserve.speculative.speculative_config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -56,6 +57,10 @@ class EngineConfig:
     # Parse a reasoning model's thinking (`<think>...</think>`) out of its chat answers, and start a request's
     # output constraint after it: "qwen3" or "deepseek_r1" (pagedserve/chat/reasoning.py); None: no parsing.
     reasoning_parser: str | None = None
+    # Speculative decoding, in vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} proposes up to k tokens a step copied from where the
+    # sequence's last n..m tokens occurred before, all verified by one step (pagedserve/speculative/).
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -77,6 +82,7 @@ class EngineConfig:
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true, false or null (auto)")
         check_reasoning_parser(self.reasoning_parser)
+        SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.gguf_linears, bool):
             raise ValueError(f"gguf_linears={self.gguf_linears!r} must be true or false")
         self._check_gpu_share()
@@ -99,6 +105,10 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs=True with gpus_per_worker={share} and tensor_parallel_size="
                              f"{self.tensor_parallel_size}: ranks that share a GPU all-reduce over gloo, on the host, "
                              "which a CUDA graph cannot capture (leave cuda_graphs null or false)")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config`'s settings (None: no speculative decoding)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def shares_gpus(self) -> bool:
         """Whether tensor-parallel ranks may share a GPU (`gpus_per_worker` below 1): they then talk over gloo."""

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.speculative.ngram import propose_ngram
+from pagedserve.speculative.ngram import NgramIndex, propose_ngram
 from pagedserve.speculative.verify import verify_greedy, verify_sampled
 
 
@@ -31,6 +31,18 @@ def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
        extra=st.integers(0, 3))
 def test_ngram_proposals_are_the_lookup_definition(tokens, k, min_n, extra):
     assert propose_ngram(tokens, k, min_n, min_n + extra) == lookup(tokens, k, min_n, min_n + extra)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), cuts=st.lists(st.integers(1, 5), max_size=10),
+       min_n=st.integers(1, 3), extra=st.integers(0, 2))
+def test_an_index_extended_step_by_step_proposes_what_a_fresh_lookup_does(tokens, cuts, min_n, extra):
+    """A sequence's index grows with the tokens each step appends (one, or several kept proposals)."""
+    index = NgramIndex(min_n, min_n + extra)
+    end = 0
+    for cut in [*cuts, len(tokens)]:
+        end = min(len(tokens), end + cut)
+        assert index.propose(tokens[:end], 3) == lookup(tokens[:end], 3, min_n, min_n + extra)
 
 
 def test_ngram_proposals_prefer_the_longest_match_then_the_earliest():

@@ -27,6 +27,7 @@ from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.kv_groups import kv_groups
 from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.speculative.speculative_config import SpeculativeConfig
 from pagedserve.workers.loader import ModelSource, resolve_model
 from pagedserve.workers.models.model_config import ModelConfig
 
@@ -61,7 +62,7 @@ class LLMEngine:
         device_type = self.executor.device_type
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
                                    self.max_model_len, config.scheduling_policy,
-                                   self.model_config.long_rope_after)
+                                   self.model_config.long_rope_after, self._speculative())
         self.inputs = InputProcessor(self.model_config, self.tokenizer, self.eos_token_ids, reasoning,
                                      self.scheduler)
         self.grammars = self.inputs.grammars  # None without a tokenizer
@@ -306,7 +307,20 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "num_worker_failures": self.num_failures,
+            **self._speculation_stats(),
         }
+
+    def _speculation_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counts: rows that verified proposals, tokens proposed and kept, the share kept,
+        and the tokens a verifying row emits on average (its kept proposals and the one after them)."""
+        if self.scheduler.speculative is None:
+            return {}
+        rows, proposed = self.scheduler.num_spec_rows, self.scheduler.num_spec_proposed
+        accepted = self.scheduler.num_spec_accepted
+        return {"spec_num_rows": rows, "spec_num_proposed_tokens": proposed,
+                "spec_num_accepted_tokens": accepted,
+                "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+                "spec_mean_accepted_length": (accepted + rows) / rows if rows else 0.0}
 
     def model_info(self) -> dict[str, Any]:
         return {"model": self.source.name, "max_model_len": self.max_model_len,
@@ -327,6 +341,18 @@ class LLMEngine:
         # the start-up heap stays frozen for another engine of this process.
         self.executor = None
         _release_startup_heap()
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings, refused for a model whose rotary frequencies follow the sequence's
+        length (dynamic NTK, LongRoPE): a step's verified tokens share one length, where one at a time each has
+        its own."""
+        speculative = self.config.speculative()
+        scaling = self.model_config.rope_scaling
+        if speculative is not None and scaling and scaling["rope_type"] in ("dynamic", "longrope"):
+            raise ValueError(f"speculative_config with rope_scaling.rope_type={scaling['rope_type']!r}: its "
+                             "frequencies depend on each token's sequence length, which one verification step "
+                             "cannot give the tokens it checks")
+        return speculative
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -29,17 +29,35 @@ class OutputProcessor:
             # Text is needed every step only to look for stop strings; without them it is decoded when an
             # output is built, all new tokens at once (`build`), so a step with no output decodes nothing.
             if params.stop:
-                # Stop strings count only once min_tokens are out (as EOS and stop_token_ids, banned until then).
-                stop = params.stop if seq.num_output_tokens >= params.min_tokens else []
-                hit = self.detokenizer.update(seq.seq_id, seq.token_ids, seq.num_prompt_tokens,
-                                              params.skip_special_tokens, stop, params.include_stop_str_in_output)
-                if hit is not None and not seq.finished:
-                    seq.stop_reason = hit
-                    self.scheduler.finish(seq, "stop")
+                self._find_stop_string(seq)
             if params.structured_outputs is not None and self.grammars.advance(seq) and not seq.finished:
                 self.scheduler.finish(seq, "stop")  # the grammar is complete: nothing more may follow
             requests[seq.request.request_id] = seq.request
         return list(requests.values())
+
+    def _find_stop_string(self, seq: Sequence) -> None:
+        """End the sequence at the first of its new tokens whose text completes a stop string. Several came where
+        proposals were kept: those after that token are dropped, as if it had stopped there (whatever ended it
+        later is then not what ended it)."""
+        params = seq.request.params
+        first = seq.num_tokens - seq.num_new_tokens + 1
+        for end in range(max(first, seq.num_prompt_tokens + 1), seq.num_tokens + 1):
+            # Stop strings count only once min_tokens are out (as EOS and stop_token_ids, banned until then).
+            stop = params.stop if end - seq.num_prompt_tokens >= params.min_tokens else []
+            tokens = seq.token_ids if end == seq.num_tokens else seq.token_ids[:end]
+            hit = self.detokenizer.update(seq.seq_id, tokens, seq.num_prompt_tokens, params.skip_special_tokens,
+                                          stop, params.include_stop_str_in_output)
+            if hit is None:
+                continue
+            if end < seq.num_tokens:
+                del seq.token_ids[end:]
+                del seq.logprobs[end - seq.num_prompt_tokens:]
+                if seq.finished:
+                    seq.finish_reason, seq.stop_reason = "stop", hit
+            if not seq.finished:
+                seq.stop_reason = hit
+                self.scheduler.finish(seq, "stop")
+            return
 
     def build(self, request: Request) -> RequestOutput:
         """The request's whole output so far; for a finished request, its last (build it once: it frees the

@@ -9,7 +9,7 @@ from pagedserve.sampling_params import SamplingParams
 
 @dataclass
 class SampleSpec:
-    """Draw `num_samples` tokens from the logits of `row`'s last query token."""
+    """Draw `num_samples` tokens from the logits of `row`'s last query token (or verify proposals)."""
 
     seq_id: int
     row: int
@@ -27,6 +27,24 @@ class SampleSpec:
     banned_token_ids: list[int] | None = None
     # Structured outputs: the tokens the grammar allows now, bit t % 32 of int32 word t // 32 (little-endian).
     token_bitmask: bytes | None = None
+    # Speculative decoding: tokens proposed to follow the row's last known token, which the row computes as its
+    # last len(proposals) query tokens. The sampler then reads the logits of the row's last len(proposals) + 1
+    # query tokens, one position per proposal and one past them, and emits 1 to len(proposals) + 1 tokens, as
+    # many draws as the sequence would make one at a time (`speculative/verify.py`).
+    proposals: list[int] | None = None
+    # The bans at each proposal's position past the first (`banned_token_ids` holds the first's), where any apply.
+    proposal_bans: list[list[int] | None] | None = None
+
+    @property
+    def num_positions(self) -> int:
+        """The logits this sample reads: its row's last query token's, and each proposal's."""
+        return 1 + len(self.proposals or ())
+
+    @property
+    def num_tokens(self) -> int:
+        """The token slots of its draws: one per sample, or one per position of a speculative row (of which it
+        emits a prefix)."""
+        return self.num_positions if self.proposals else self.num_samples
 
 
 @dataclass

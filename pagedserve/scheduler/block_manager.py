@@ -325,6 +325,22 @@ class BlockManager:
                         self.pool.cache(table[i], h, parent, tokens, g)
             seq.block_hashes.append(h)
 
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Forget what a step computed past `num_computed` tokens (proposals it rejected): the sequence is computed
+        up to there, and each group's blocks past the one that holds that position (where its next token goes) are
+        freed. Those blocks were allocated by the step and never registered (`cache_full_blocks` registers only
+        blocks of known tokens), so no cached prefix names their K/V."""
+        if num_computed > seq.num_computed_tokens:
+            raise ValueError(f"rollback to {num_computed} tokens, past the {seq.num_computed_tokens} computed")
+        seq.num_computed_tokens = num_computed
+        keep = num_computed // self.block_size + 1
+        for g, table in enumerate(seq.block_tables):
+            rejected = table[keep:]
+            if rejected:
+                del table[keep:]
+                self.pool.free(b for b in reversed(rejected) if _held(self.pool, b))
+                seq.num_sent_blocks[g] = min(seq.num_sent_blocks[g], keep)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes copy on demand."""
         for table in parent.block_tables:

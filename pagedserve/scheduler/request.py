@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.speculative.ngram import NgramIndex
 
 
 class SequenceStatus(enum.Enum):
@@ -105,6 +106,9 @@ class Sequence:
         # Penalties: whether the sampler holds this sequence's token counts in its slot (it counts each draw
         # itself once it has the history); cleared whenever they may be off, so the history goes again.
         self.penalty_counts_sent = False
+        # Speculative decoding: where each n-gram of its tokens first occurs (made when it first decodes)
+        self.ngram_index: NgramIndex | None = None
+        self.num_new_tokens = 0  # the tokens its last step appended (several where proposals were kept)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it

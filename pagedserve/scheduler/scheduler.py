@@ -16,6 +16,8 @@ from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, Sequence, SequenceStatus
+from pagedserve.speculative.ngram import NgramIndex
+from pagedserve.speculative.speculative_config import SpeculativeConfig
 
 
 class Scheduler:
@@ -27,8 +29,10 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         long_rope_after: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
-        """`long_rope_after`: a LongRoPE model's original_max_position_embeddings (see `_rope_switch`)."""
+        """`long_rope_after`: a LongRoPE model's original_max_position_embeddings (see `_rope_switch`).
+        `speculative`: propose tokens for decoding sequences, which a step verifies (`_propose`)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy={policy!r} must be one of {POLICIES}")
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -41,11 +45,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.by_priority = policy == "priority"
         self.long_rope_after = long_rope_after
+        self.speculative = speculative
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self.num_preemptions = 0
+        # Speculative decoding: rows that verified proposals, the tokens proposed and those kept
+        self.num_spec_rows = 0
+        self.num_spec_proposed = 0
+        self.num_spec_accepted = 0
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         # Rows of the workers' block table: a sequence holds one while it holds blocks. The lowest free one
@@ -140,7 +149,7 @@ class Scheduler:
         pending tokens, computed by this step from ids the worker fills in."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
+        scheduled: list[tuple[Sequence, int, list[int]]] = []  # (sequence, tokens computed, proposals)
         copies: list[tuple[int, int]] = []  # (src, dst) blocks, for the workers to copy first
         preempted = False
 
@@ -155,7 +164,14 @@ class Scheduler:
                 self._preempt(seq)  # recomputed whole under the long factors when admitted again
                 continue
             num_new = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget)
-            while (seq_copies := bm.allocate_slots(seq, num_new)) is None:
+            proposals = self._propose(seq, budget)
+            # The proposals' slots only where there is room for them: speculation never preempts
+            seq_copies = bm.allocate_slots(seq, num_new + len(proposals)) if proposals else None
+            if seq_copies is not None:
+                num_new += len(proposals)
+            else:
+                proposals = []
+            while seq_copies is None and (seq_copies := bm.allocate_slots(seq, num_new)) is None:
                 # Out of blocks: recompute the newest request later (never deadlocks, since
                 # admission guarantees a lone sequence fits).
                 preempted = True
@@ -166,7 +182,7 @@ class Scheduler:
             if seq_copies is None:
                 break
             copies += seq_copies
-            scheduled.append((seq, num_new))
+            scheduled.append((seq, num_new, proposals))
             budget -= num_new
             i += 1
 
@@ -191,7 +207,7 @@ class Scheduler:
                     break
                 victim = self.running.pop()
                 num_seqs -= _seqs_to_come(victim)
-                for j, (s, n) in enumerate(scheduled):
+                for j, (s, n, _) in enumerate(scheduled):
                     if s is victim:  # it had its rows of this step: they go too
                         del scheduled[j]
                         budget += n
@@ -209,28 +225,31 @@ class Scheduler:
             self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)
             copies += seq_copies
-            scheduled.append((seq, num_new))
+            scheduled.append((seq, num_new, []))
             budget -= num_new
 
         if not scheduled:
             return None
         return self._make_batch(scheduled, copies)
 
-    def _make_batch(self, scheduled: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> StepBatch:
+    def _make_batch(self, scheduled: list[tuple[Sequence, int, list[int]]],
+                    copies: list[tuple[int, int]]) -> StepBatch:
         batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies,
                           table_updates=[[] for _ in range(self.block_manager.num_groups)])
-        for row, (seq, num_new) in enumerate(scheduled):
+        for row, (seq, num_new, proposals) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + num_new
-            known = seq.token_ids[start:end]
+            num_known = num_new - len(proposals)
+            known = seq.token_ids[start:start + num_known]
             batch.input_ids.extend(known)
-            deferred = len(known) < num_new
+            deferred = len(known) < num_known
             if deferred:  # the pending token, drawn by the step in flight
-                if num_new - len(known) > 1:
-                    raise RuntimeError(f"sequence {seq.seq_id} has {num_new - len(known)} pending tokens: "
+                if num_known - len(known) > 1:
+                    raise RuntimeError(f"sequence {seq.seq_id} has {num_known - len(known)} pending tokens: "
                                        "steps may be scheduled only one ahead")
                 batch.deferred_inputs.append((len(batch.input_ids), seq.pending_sample))
                 batch.input_ids.append(-1)
+            batch.input_ids.extend(proposals)
             seq.num_computed_tokens = end
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + num_new)
             batch.context_lens.append(end)
@@ -246,8 +265,8 @@ class Scheduler:
                     batch.prompt_logprobs.append(PromptLogprobSpec(
                         row=row, start=first - start, target_token_ids=request.prompt_token_ids[first + 1:last + 1],
                         k=request.params.prompt_logprobs))
-            if end == seq.num_tokens_with_pending:  # caught up: this row's last logits give the next token
-                num_output = end - seq.num_prompt_tokens  # out before this draw
+            if end - len(proposals) == seq.num_tokens_with_pending:  # caught up: the row's last logits give the next
+                num_output = end - len(proposals) - seq.num_prompt_tokens  # out before this draw
                 params = request.params
                 send_history = params.needs_penalties and not seq.penalty_counts_sent
                 if send_history and deferred:
@@ -268,8 +287,29 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids if send_history else None,
                     output_token_ids=seq.output_token_ids if send_history else None,
                     banned_token_ids=self._banned_tokens(seq, num_output),
+                    proposals=proposals or None,
+                    proposal_bans=self._proposal_bans(seq, num_output, proposals),
                 ))
         return batch
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Tokens proposed to follow a decoding sequence's last token, for this step to verify (none where it
+        is not decoding, its last token not known here yet, or a grammar constrains it). At most as many as its
+        length limits and the step's token budget leave room for after the token verification adds."""
+        config = self.speculative
+        if (config is None or seq.num_pending_tokens or seq.num_computed_tokens != seq.num_tokens - 1
+                or seq.request.params.structured_outputs is not None):
+            return []
+        k = min(config.num_speculative_tokens, budget - 1, self.max_model_len - seq.num_tokens - 1,
+                seq.request.max_tokens - seq.num_output_tokens - 1)
+        if seq.ngram_index is None:
+            seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        return seq.ngram_index.propose(seq.token_ids, k)
+
+    def _proposal_bans(self, seq: Sequence, num_output: int, proposals: list[int]) -> list[list[int] | None] | None:
+        """The bans at each proposal's position past the first: as if the proposals before it were output."""
+        bans = [self._banned_tokens(seq, num_output + j, proposals[:j]) for j in range(1, len(proposals) + 1)]
+        return bans if any(bans) else None
 
     def _rope_switch(self, seq: Sequence) -> bool:
         """Whether LongRoPE's long factors apply to the sequence, and its K/V are not computed under them. As
@@ -283,9 +323,14 @@ class Scheduler:
         must be known on the host first: a request forking into its n samples, a grammar's next mask
         unless the executor takes masks after a launch (`late_masks`, see `StepBatch.late_masks`), or the
         next bans of a bad word of several tokens.
-        Penalties count the draw on the worker."""
+        Penalties count the draw on the worker. With speculative decoding, not when a sequence might have
+        tokens proposed next: the proposals follow its last token, which must be known here."""
         return all(s.num_samples == 1 and (late_masks or s.params.structured_outputs is None)
-                   and not (s.params.bad_words and self._bans_by_history(s.seq_id)) for s in batch.samples)
+                   and not (s.params.bad_words and self._bans_by_history(s.seq_id))
+                   and not self._may_speculate(s) for s in batch.samples)
+
+    def _may_speculate(self, spec: SampleSpec) -> bool:
+        return self.speculative is not None and spec.params.structured_outputs is None
 
     def _bans_by_history(self, seq_id: int) -> bool:
         seq = self.seqs.get(seq_id)
@@ -303,9 +348,10 @@ class Scheduler:
         return num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens or num_tokens >= self.max_model_len
 
     @staticmethod
-    def _banned_tokens(seq: Sequence, num_output: int) -> list[int] | None:
+    def _banned_tokens(seq: Sequence, num_output: int, proposed: list[int] | None = None) -> list[int] | None:
         """What this draw may not be, `num_output` tokens being out before it: a bad word's last token
-        where the output ends with the rest of it, and the tokens that end the output before min_tokens."""
+        where the output ends with the rest of it, and the tokens that end the output before min_tokens.
+        `proposed`: tokens that follow the sequence's own before this draw (proposals ahead of it)."""
         request = seq.request
         if num_output >= request.params.min_tokens and not request.bad_words_token_ids:
             return None  # most draws: nothing to ban
@@ -313,7 +359,8 @@ class Scheduler:
         banned: set[int] = set()
         if request.bad_words_token_ids:
             # The whole output: no step is scheduled ahead of a draw whose bans read it (`can_schedule_ahead`).
-            tokens, num_out = seq.token_ids, len(seq.token_ids) - seq.num_prompt_tokens
+            tokens = seq.token_ids + proposed if proposed else seq.token_ids
+            num_out = len(tokens) - seq.num_prompt_tokens
             banned = {ids[-1] for ids in request.bad_words_token_ids
                       if len(ids) - 1 <= num_out and tokens[len(tokens) - len(ids) + 1:] == ids[:-1]}
         # A grammar says itself when the output may end; banning its ending could leave nothing to draw.
@@ -349,6 +396,10 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_pending_tokens -= 1
+            if spec.proposals:
+                self._take_verified(seq, spec.proposals, sampled)
+                updated.append(seq)
+                continue
             targets = [seq]
             request = seq.request
             if spec.num_samples > 1:
@@ -368,9 +419,25 @@ class Scheduler:
                 updated.append(target)
         return updated
 
+    def _take_verified(self, seq: Sequence, proposals: list[int], sampled: SampledTokens) -> None:
+        """Append what a speculative row emits (the proposals kept, then one token), and forget the K/V of those
+        rejected: the sequence is computed up to its new last token, and the blocks past that are freed."""
+        emitted = len(sampled.token_ids)
+        self.num_spec_rows += 1
+        self.num_spec_proposed += len(proposals)
+        self.num_spec_accepted += emitted - 1
+        if seq.status == SequenceStatus.RUNNING:
+            self.block_manager.rollback(seq, seq.num_tokens + emitted - 1)
+        for j in range(emitted):
+            self._append_token(seq, sampled, j)
+            if seq.finished:
+                break
+        seq.num_new_tokens = j + 1
+
     def _append_token(self, seq: Sequence, sampled, j: int) -> None:
         token = sampled.token_ids[j]
         seq.token_ids.append(token)
+        seq.num_new_tokens = 1
         if sampled.logprobs is not None:
             seq.logprobs.append(_logprobs(sampled, j))
         request = seq.request

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.workers.sampler import inverse_transform
+from pagedserve.workers.draw import inverse_transform
 
 
 def verify_greedy(target_argmax: list[int], proposals: list[int]) -> list[int]:

@@ -30,7 +30,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     ctx: AttentionContext
-    sample_rows: torch.Tensor  # [S] the row of each SampleSpec
+    # [P] the query tokens whose logits the samples read: each SampleSpec's row's last `num_positions`
+    logit_tokens: torch.Tensor
     # (src [C], dst [C]): blocks copied before the forward (copy-on-write, tails), in every layer
     copies: tuple[torch.Tensor, torch.Tensor]
 
@@ -100,13 +101,11 @@ class ModelRunner:
         self.last_tokens = None
         if not batch.samples:
             return LaunchedStep(None, prompt_scores)
-        last_token = ctx.cu_seqlens_q[1:] - 1  # [R]
-        # [S, V] fp32; a collective under TP
-        logits = self.model.compute_logits(hidden[last_token[inputs.sample_rows]])
+        logits = self.model.compute_logits(hidden[inputs.logit_tokens])  # [P, V] fp32; a collective under TP
         if self.sampler is None:
             if self.share_draws:
                 self.last_tokens = self._shared_draws(
-                    torch.empty(sum(s.num_samples for s in batch.samples), dtype=torch.long, device=self.device))
+                    torch.empty(sum(s.num_tokens for s in batch.samples), dtype=torch.long, device=self.device))
             return LaunchedStep(None, prompt_scores)
         if batch.late_masks and late_masks is None:
             return LaunchedStep(None, prompt_scores, waiting=(batch, logits))
@@ -187,10 +186,12 @@ class ModelRunner:
                              f"{num_groups}")
         entries = [table_entries(updates) for updates in batch.table_updates]
         group_lists = [lst for e_slots, e_cols, e_ids, _ in entries for lst in (e_slots, e_cols, e_ids)]
-        (positions, row_of_token, cu, context_lens, input_ids, slots, deferred_index, deferred_source, sample_rows,
+        cu_list = batch.cu_seqlens_q
+        logit_tokens = [cu_list[s.row + 1] - s.num_positions + j for s in batch.samples for j in range(s.num_positions)]
+        (positions, row_of_token, cu, context_lens, input_ids, slots, deferred_index, deferred_source, logit_tokens,
          seq_lens, copy_src, copy_dst, *group_tensors) = on_device_packed(self.device, [
             positions, row_of_token, cu, context_lens, batch.input_ids, batch.slots, deferred_index, deferred_source,
-            [s.row for s in batch.samples], seq_lens, [s for s, _ in batch.block_copies],
+            logit_tokens, seq_lens, [s for s, _ in batch.block_copies],
             [d for _, d in batch.block_copies], *group_lists])
         # From here on every tensor is the device's.
         bs = self.block_size
@@ -218,4 +219,4 @@ class ModelRunner:
             if self.last_tokens is None:
                 raise RuntimeError("the step has deferred inputs but the step before it drew no tokens")
             input_ids[deferred_index] = self.last_tokens[deferred_source]
-        return StepInputs(input_ids, positions, ctx, sample_rows, (copy_src, copy_dst))
+        return StepInputs(input_ids, positions, ctx, logit_tokens, (copy_src, copy_dst))

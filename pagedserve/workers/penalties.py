@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.scheduler.batch import SampleSpec
-from pagedserve.workers.tensors import fill_at, grown, on_device
+from pagedserve.workers.tensors import fill_at, grown, on_device, on_device_packed
 
 
 def _penalized(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition, frequency,
@@ -38,9 +38,11 @@ class PenaltyCounts:
         self._owner: dict[int, int] = {}  # slot -> the sequence whose counts it holds
 
     @torch.inference_mode()
-    def apply(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]], slots: list[int]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]], slots: list[int],
+              before: list[list[int]] | None = None) -> torch.Tensor:
         """Penalize `logits` [D, V] in place, one row per draw (`rows`: (spec, i-th sample), `slots`: each
-        draw's slot)."""
+        draw's slot). `before`: per draw, tokens output before it that the counts do not hold yet (the proposals
+        ahead of a speculative position)."""
         penalized = [r for r, (spec, _) in enumerate(rows) if spec.params.needs_penalties]
         if not penalized:
             return logits
@@ -61,37 +63,57 @@ class PenaltyCounts:
                 part = penalized[c:c + self.rows_at_once]
                 index, slot_index = on_device(dev, part), on_device(dev, [slots[r] for r in part])
                 params = [rows[r][0].params for r in part]
+                counts = self.output_counts[slot_index]  # [rows, V], a copy
+                extra = [(i, t) for i, r in enumerate(part) for t in (before[r] if before else ())]
+                if extra:
+                    self._add(counts, extra)
                 logits[index] = _penalized(
-                    logits[index], self.output_counts[slot_index], self.in_prompt[slot_index],
+                    logits[index], counts, self.in_prompt[slot_index],
                     *(on_device(dev, [getattr(p, name) for p in params], logits.dtype)[:, None]  # [rows, 1]
                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")))
         else:
             for r in penalized:
                 p, slot = rows[r][0].params, slots[r]
-                logits[r] = _penalized(logits[r], self.output_counts[slot], self.in_prompt[slot],
+                counts = self.output_counts[slot]
+                if before and before[r]:
+                    counts = counts[None].clone()  # [1, V]
+                    self._add(counts, [(0, t) for t in before[r]])
+                    counts = counts[0]
+                logits[r] = _penalized(logits[r], counts, self.in_prompt[slot],
                                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
         return logits
 
+    @staticmethod
+    def _add(counts: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """One more of token t in row i of `counts` [rows, V] for each (i, t) (repeats add up)."""
+        rows, tokens = on_device_packed(counts.device, [[i for i, _ in pairs], [t for _, t in pairs]])
+        counts.index_put_((rows, tokens), torch.ones(len(pairs), dtype=counts.dtype, device=counts.device),
+                          accumulate=True)
+
     @torch.inference_mode()
-    def record(self, rows: list[tuple[SampleSpec, int]], slots: list[int], tokens: torch.Tensor) -> None:
-        """Count the step's draws `tokens` [D] as their sequences' outputs. A fork's n draws go to n new
+    def record(self, rows: list[tuple[SampleSpec, int]], slots: list[int], tokens: torch.Tensor,
+               counted: torch.Tensor | None = None) -> None:
+        """Count the step's draws `tokens` [D] as their sequences' outputs, those where `counted` [D] is true
+        (None: all; a speculative row's tokens past what it emits are not output). A fork's n draws go to n new
         sequences, whose histories come with their first draws: its slot's counts are dropped."""
-        counted = []
+        counts_rows = []
         for r, (spec, i) in enumerate(rows):
             if not spec.params.needs_penalties:
                 continue
             if spec.num_samples == 1:
-                counted.append(r)
+                counts_rows.append(r)
             elif i == 0:
                 self._owner.pop(slots[r], None)
-        if counted:
-            self._count(on_device(tokens.device, [slots[r] for r in counted]),
-                        tokens[on_device(tokens.device, counted)])
+        if counts_rows:
+            index = on_device(tokens.device, counts_rows)
+            weights = None if counted is None else counted[index].to(self.output_counts.dtype)
+            self._count(on_device(tokens.device, [slots[r] for r in counts_rows]), tokens[index], weights)
 
-    def _count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """One more output of each `tokens`[i] in slot `slots`[i] (repeats add up)."""
-        self.output_counts.index_put_((slots, tokens), torch.ones(len(slots), dtype=self.output_counts.dtype,
-                                                                  device=slots.device), accumulate=True)
+    def _count(self, slots: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """One more output of each `tokens`[i] in slot `slots`[i] (repeats add up), or `weights`[i] more."""
+        if weights is None:
+            weights = torch.ones(len(slots), dtype=self.output_counts.dtype, device=slots.device)
+        self.output_counts.index_put_((slots, tokens), weights, accumulate=True)
 
     def _rebuild(self, penalized: list[tuple[SampleSpec, int]], dev: torch.device) -> None:
         """Reset the counts of the slots whose sequence's history came with this step, from that history."""

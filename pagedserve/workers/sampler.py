@@ -3,21 +3,16 @@ greedy or seeded sampling, and logprobs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import torch
-import xxhash
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
+from pagedserve.speculative.verify import verify_sampled
+from pagedserve.workers.draw import draw_uniform, inverse_transform
 from pagedserve.workers.penalties import PenaltyCounts
 from pagedserve.workers.tensors import fill_at, on_device, on_device_packed, to_device
-
-
-def draw_uniform(seed: int, sample_index: int, output_len: int) -> float:
-    """The uniform in [0, 1) of one seeded draw: a hash of the request's seed and the draw's place only, so
-    the same seed gives the same tokens whatever else is in the batch, even after preemption."""
-    data = b"".join(x.to_bytes(8, "little", signed=True) for x in (seed, sample_index, output_len))
-    return (xxhash.xxh64_intdigest(data) >> 40) * 2.0**-24  # the top 24 bits: exact in fp32, below 1
 
 
 @dataclass
@@ -34,13 +29,16 @@ class Draws:
     scores: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None  # [D, K], K the most top logprobs a spec asks for (K > 0)
     top_logprobs: torch.Tensor | None = None  # [D, K]
+    # [G] how many of each group's tokens are its output: fewer than it holds where a speculative row kept only
+    # some of its proposals. None: all.
+    emitted: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
 
     def to_host(self) -> None:
         """Start copying the draws to host memory without waiting (CUDA); `outputs` waits for the copy."""
         if self.tokens.device.type != "cuda":
             return
-        for name in ("tokens", "scores", "top_ids", "top_logprobs"):
+        for name in ("tokens", "scores", "top_ids", "top_logprobs", "emitted"):
             t = getattr(self, name)
             if t is not None:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -56,14 +54,15 @@ class Draws:
         logprobs, ranks = self.scores.t().tolist() if self.scores is not None else (None, None)
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        emitted = self.emitted.tolist() if self.emitted is not None else [count for count, _ in self.groups]
         out: list[SampledTokens] = []
         pos = 0
-        for count, k in self.groups:
-            rows = slice(pos, pos + count)
+        for (count, k), used in zip(self.groups, emitted, strict=True):
+            rows = slice(pos, pos + used)
             if k is None:
                 out.append(SampledTokens(token_ids=tokens[rows]))
             else:
-                tops = _top_pairs(top_ids[rows], top_values[rows], k) if k > 0 else [[] for _ in range(count)]
+                tops = _top_pairs(top_ids[rows], top_values[rows], k) if k > 0 else [[] for _ in range(used)]
                 out.append(SampledTokens(token_ids=tokens[rows], logprobs=logprobs[rows], top_logprobs=tops,
                                          ranks=[int(r) for r in ranks[rows]]))
             pos += count
@@ -89,30 +88,48 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor, specs: list[SampleSpec], slots: list[int] | None = None) -> Draws:
         """`__call__` without reading the draws back: nothing here waits for the device. `slots`: each spec's
-        block-table slot, which keys its penalty counts (default: its index in `specs`)."""
+        block-table slot, which keys its penalty counts (default: its index in `specs`). `logits` [P, V] hold
+        each spec's `num_positions` rows in order: a speculative spec's proposals are verified against them."""
         dev = logits.device
-        rows = [(s, i) for s in specs for i in range(s.num_samples)]
         slots = list(range(len(specs))) if slots is None else slots
-        draw_slots = [slot for s, slot in zip(specs, slots, strict=True) for _ in range(s.num_samples)]
-        if len(rows) > len(specs):  # a request's first step draws its n samples from one row
-            counts = on_device(dev, [s.num_samples for s in specs], torch.long)
-            logits = logits.repeat_interleave(counts, dim=0, output_size=len(rows))  # [D, V], one row per draw
+        rows: list[tuple[SampleSpec, int]] = []  # one per draw: (the spec as its position draws, sample i)
+        draw_slots: list[int] = []
+        before: list[list[int]] = []  # per draw: the proposals before its position, output as far as it knows
+        for spec, slot in zip(specs, slots, strict=True):
+            if spec.proposals:
+                for j in range(spec.num_positions):
+                    rows.append((_at_position(spec, j), 0))
+                    before.append(spec.proposals[:j])
+            else:
+                rows += [(spec, i) for i in range(spec.num_samples)]
+                before += [[]] * spec.num_samples
+            draw_slots += [slot] * spec.num_tokens
+        if len(rows) > logits.shape[0]:  # a request's first step draws its n samples from one row
+            repeats = [n for s in specs for n in ([1] * s.num_positions if s.proposals else [s.num_samples])]
+            logits = logits.repeat_interleave(on_device(dev, repeats, torch.long), dim=0, output_size=len(rows))
         k = [s.params.logprobs for s in specs if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k else None  # [D, V]
-        logits = self.penalties.apply(logits, rows, draw_slots)
+        logits = self.penalties.apply(logits, rows, draw_slots, before)
         logits = _apply_bias_and_bans(logits, rows, self.rows_at_once)
-        tokens = self._pick(logits, rows)  # [D]
-        self.penalties.record(rows, draw_slots, tokens)
-        draws = Draws([(s.num_samples, s.params.logprobs) for s in specs], tokens)
+        speculative = any(s.proposals for s in specs)
+        tokens, probs = self._pick(logits, rows, speculative)  # [D]; the drawn rows' distributions when asked
+        emitted = None
+        if speculative:
+            tokens, emitted = self._verify(tokens, probs, specs, rows)
+        self.penalties.record(rows, draw_slots, tokens, _counted(specs, emitted))
+        draws = Draws([(s.num_tokens, s.params.logprobs) for s in specs], tokens, emitted=emitted)
         if raw_logprobs is not None:
             draws.scores, draws.top_logprobs, draws.top_ids = token_scores(raw_logprobs, tokens, max(k))
         return draws
 
-    def _pick(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]], keep_probs: bool = False
+              ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Each row's token [D] (the argmax, or a draw from its distribution), and with `keep_probs` the
+        distributions [V] of the rows that draw, by row."""
         greedy_tokens = logits.argmax(dim=-1)
         drawn = [r for r, (s, _) in enumerate(rows) if not s.params.greedy]
         if not drawn:
-            return greedy_tokens
+            return greedy_tokens, {}
         dev = logits.device
         # One uniform per draw instead of V exponentials for a race: 8x less time on a CPU. One for every row,
         # so that a row's uniform is the same whichever of the others draw.
@@ -120,38 +137,102 @@ class Sampler:
         if len(drawn) < len(rows):  # a mixed batch: the greedy rows' [V] rows go no further than argmax
             index = on_device(dev, drawn)
             logits, uniform, rows = logits[index], uniform[index], [rows[r] for r in drawn]  # [S, V], [S, 1]
-        temperature = on_device(dev, [s.params.temperature for s, _ in rows], logits.dtype)
-        logits = logits / temperature[:, None]
-        top_k = [s.params.top_k for s, _ in rows]
-        top_p = [s.params.top_p for s, _ in rows]
-        if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if any(s.params.min_p > 0 for s, _ in rows):
-            min_p = on_device(dev, [s.params.min_p for s, _ in rows], probs.dtype)
-            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = _distributions(logits, rows)
         seeded = [(r, draw_uniform(spec.params.seed, spec.sample_index + i, spec.output_len))
                   for r, (spec, i) in enumerate(rows) if spec.params.seed is not None]
         if seeded:  # made on the host: no generator or kernel per seeded draw
             uniform[on_device(dev, [r for r, _ in seeded]), 0] = on_device(dev, [u for _, u in seeded], probs.dtype)
         sampled = inverse_transform(probs, uniform)
+        by_row = dict(zip(drawn, probs, strict=True)) if keep_probs else {}
         if len(drawn) == len(greedy_tokens):
-            return sampled
-        return greedy_tokens.index_put_((index,), sampled)
+            return sampled, by_row
+        return greedy_tokens.index_put_((index,), sampled), by_row
+
+    def _verify(self, tokens: torch.Tensor, probs: dict[int, torch.Tensor], specs: list[SampleSpec],
+                rows: list[tuple[SampleSpec, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens of the speculative specs' positions replaced by what each emits (its proposals kept, then
+        the token after them; the slots past those are never read), and how many tokens each spec emits [G]."""
+        dev = tokens.device
+        emitted = on_device(dev, [0 if s.proposals else s.num_samples for s in specs], torch.long)  # [G]
+        starts = list(itertools.accumulate((s.num_tokens for s in specs), initial=0))
+        greedy = [g for g, s in enumerate(specs) if s.proposals and s.params.greedy]
+        if greedy:
+            # Greedy: a proposal is kept while it is the argmax, and the argmax follows the last one kept, so the
+            # row's argmaxes are what it emits; it emits up to the first proposal that is not its argmax.
+            group, place, proposed, length = (list(c) for c in zip(
+                *((g, j, t, len(specs[g].proposals)) for g in greedy for j, t in enumerate(specs[g].proposals)),
+                strict=True))
+            group_t, place_t, proposed_t, length_t, at = on_device_packed(dev, [
+                group, place, proposed, length, [starts[g] + j for g, j in zip(group, place, strict=True)]])
+            first_miss = torch.where(tokens[at] == proposed_t, length_t, place_t)
+            kept = emitted.scatter_reduce(0, group_t, first_miss, "amin", include_self=False)  # [G]
+            emitted = torch.where(emitted == 0, kept + 1, emitted)
+        by_length: dict[int, list[int]] = {}
+        for g, s in enumerate(specs):
+            if s.proposals and not s.params.greedy:
+                by_length.setdefault(len(s.proposals), []).append(g)
+        for k, groups in by_length.items():  # rejection sampling, the rows with k proposals together
+            rows_at = [starts[g] + j for g in groups for j in range(k + 1)]
+            target = torch.stack([probs[r] for r in rows_at]).view(len(groups), k + 1, -1)  # [B, k + 1, V]
+            proposals = on_device(dev, [t for g in groups for t in specs[g].proposals], torch.long).view(-1, k)
+            accept_u, draw_u = self._verification_uniforms([[rows[r][0] for r in rows_at[b * (k + 1):(b + 1) * (k + 1)]]
+                                                            for b in range(len(groups))], target.dtype, dev)
+            kept, following = verify_sampled(target, proposals, None, accept_u, draw_u)
+            out = torch.cat([proposals, proposals[:, :1]], dim=1).scatter(1, kept[:, None], following[:, None])
+            index = on_device(dev, rows_at)
+            tokens = tokens.index_put((index,), out.flatten())
+            emitted = emitted.index_put((on_device(dev, groups),), kept + 1)
+        return tokens, emitted
+
+    def _verification_uniforms(self, positions: list[list[SampleSpec]], dtype: torch.dtype, dev: torch.device
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of B, the uniforms [B, k] that test its k proposals and [B, k + 1] that draw the token after
+        the last kept, from its positions' specs: a seeded row's from its seed and each position's place (the draw
+        at a position the one a sequence without speculation makes there), others' from the generator."""
+        num_rows, width = len(positions), len(positions[0])
+        accept = torch.rand(num_rows, width - 1, generator=self.generator, device=dev, dtype=dtype)  # [B, k]
+        draw = torch.rand(num_rows, width, generator=self.generator, device=dev, dtype=dtype)  # [B, k + 1]
+        seeded = [b for b, specs in enumerate(positions) if specs[0].params.seed is not None]
+        if seeded:
+            index = on_device(dev, seeded)
+            accept[index] = on_device(dev, [draw_uniform(s.params.seed, s.sample_index, s.output_len, stream=1)
+                                            for b in seeded for s in positions[b][:-1]], dtype).view(-1, width - 1)
+            draw[index] = on_device(dev, [draw_uniform(s.params.seed, s.sample_index, s.output_len)
+                                          for b in seeded for s in positions[b]], dtype).view(-1, width)
+        return accept, draw
 
 
-def inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Each row's token [D] for its uniform in [0, 1) [D, 1], looked up in the row's cumulative mass
-    (probs [D, V] need not sum to 1: min-p leaves them unnormalised). A token without mass is never
-    picked: its cumulative mass equals its predecessor's."""
-    cumulative = probs.cumsum(dim=-1)  # [D, V]
-    total = cumulative[:, -1:]
-    # Strictly below the total, should rounding carry u * total up to it: else the pick would fall past the
-    # last token with mass.
-    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    tokens = torch.searchsorted(cumulative, target, right=True).squeeze(1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)  # only a row of NaNs gets past its end
+def _at_position(spec: SampleSpec, j: int) -> SampleSpec:
+    """A speculative spec as the draw at its j-th position sees it: j tokens further into the output."""
+    bans = spec.banned_token_ids if j == 0 else (spec.proposal_bans[j - 1] if spec.proposal_bans else None)
+    return replace(spec, output_len=spec.output_len + j, banned_token_ids=bans, proposals=None, proposal_bans=None)
+
+
+def _counted(specs: list[SampleSpec], emitted: torch.Tensor | None) -> torch.Tensor | None:
+    """Per draw [D], whether its token is output (a speculative spec's past what it emits are not); None: all."""
+    if emitted is None:
+        return None
+    dev = emitted.device
+    place = on_device(dev, [j for s in specs for j in range(s.num_tokens)], torch.long)  # [D]
+    group = on_device(dev, [g for g, s in enumerate(specs) for _ in range(s.num_tokens)], torch.long)
+    return place < torch.where(emitted[group] > 0, emitted[group], 1)
+
+
+def _distributions(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
+    """What each row draws from [S, V]: temperature, top-k, top-p, then min-p (unnormalised where min-p cuts)."""
+    dev = logits.device
+    temperature = on_device(dev, [s.params.temperature for s, _ in rows], logits.dtype)
+    logits = logits / temperature[:, None]
+    top_k = [s.params.top_k for s, _ in rows]
+    top_p = [s.params.top_p for s, _ in rows]
+    if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if any(s.params.min_p > 0 for s, _ in rows):
+        min_p = on_device(dev, [s.params.min_p for s, _ in rows], probs.dtype)
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs
 
 
 def token_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int
