@@ -114,16 +114,23 @@ def server_process(cmd: list[str], ready_url: str, log_path: Path | None, timeou
             log.close()
 
 
-@contextmanager
-def llama_server(gguf: Path, *, parallel: int, context_per_slot: int, port: int = 8090,
-                 threads: int | None = None, log_path: Path | None = None, build: str = "portable") -> Iterator[str]:
-    """llama-server of llama.cpp `build` (a key of LLAMA_BUILDS) on 127.0.0.1:`port` with `parallel` slots
-    (continuous batching); yields its base URL."""
+def llama_server_cmd(gguf: Path, *, parallel: int, context_per_slot: int, port: int = 8090,
+                     threads: int | None = None, build: str = "portable") -> tuple[list[str], str]:
+    """The command of llama-server of llama.cpp `build` (a key of LLAMA_BUILDS) on 127.0.0.1:`port` with
+    `parallel` slots (continuous batching), and its base URL."""
     threads = threads or os.cpu_count() or 1
     cmd = [str(peer_binary("llama-server", build)), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(parallel), "-c", str(parallel * context_per_slot), "-t", str(threads), "-tb", str(threads),
            "--no-webui"]
-    url = f"http://127.0.0.1:{port}"
+    return cmd, f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def llama_server(gguf: Path, *, parallel: int, context_per_slot: int, port: int = 8090,
+                 threads: int | None = None, log_path: Path | None = None, build: str = "portable") -> Iterator[str]:
+    """`llama_server_cmd`'s server, running; yields its base URL."""
+    cmd, url = llama_server_cmd(gguf, parallel=parallel, context_per_slot=context_per_slot, port=port,
+                                threads=threads, build=build)
     with server_process(cmd, url + "/health", log_path):
         yield url
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -37,9 +38,23 @@ def _parser() -> argparse.ArgumentParser:
                      help="the share of a GPU each Ray worker reserves (0.5: two ranks on one GPU)")
     gen.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay decode steps from CUDA graphs (default: on CUDA)")
+    gen.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                     help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
     register_client(sub)
     return parser
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object from the command line, or argparse's error naming the option."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
                   executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
-                  gpus_per_worker=args.gpus_per_worker, cuda_graphs=args.cuda_graphs)
+                  gpus_per_worker=args.gpus_per_worker, cuda_graphs=args.cuda_graphs,
+                  speculative_config=args.speculative_config)
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": args.prompt})

@@ -235,3 +235,39 @@ def test_a_rope_that_follows_the_sequence_length_is_refused(tmp_path, tiny_rando
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"speculative_config with rope_scaling.rope_type='dynamic'"):
         LLM(f"random:{tmp_path / 'config.json'}", speculative_config=NGRAM)
+
+
+def test_structured_outputs_verify_only_what_the_grammar_accepts(embedded_dir):
+    """A grammar's sequences get the prefix of their proposals the grammar accepts, and a mask at each position:
+    the embedded SmolLM2 copying JSON and lists from its prompt gives the same greedy text as without
+    speculation, every output fits its constraint, and some constrained proposals are kept, some cut."""
+    from pagedserve.sampling_params import StructuredOutputs
+
+    record = '{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"]}'
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                               "fields": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "born", "fields"]}
+    prompts = [f"Copy this record exactly: {record}\nCopy: ", f"Copy this record exactly: {record}\nCopy: ",
+               "Phone numbers: 555-1234, 555-9876, 555-1234. Again: ", "Answer yes or no, yes or no: "]
+    constraints = [StructuredOutputs(json=schema), StructuredOutputs(json_object=True),
+                   StructuredOutputs(regex=r"([0-9]{3}-[0-9]{4}, ){2}[0-9]{3}-[0-9]{4}"),
+                   StructuredOutputs(choice=["yes or no", "no"])]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c) for c in constraints]
+    plain = LLM(str(embedded_dir))
+    expected = [summary(o) for o in plain.generate(prompts, params)]
+    plain.shutdown()
+    llm = LLM(str(embedded_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    engine = llm.llm_engine
+    offered, kept = [], []
+    check = engine.scheduler.grammar_proposals
+    engine.scheduler.grammar_proposals = lambda seq, p: offered.append(p) or kept.append(check(seq, p)) or kept[-1]
+    with launched_batches(engine) as batches:
+        outs = llm.generate(prompts, params)
+    stats = llm.stats()
+    llm.shutdown()
+    assert [summary(o) for o in outs] == expected
+    json.loads(outs[0].outputs[0].text)
+    assert any(len(k) < len(o) for o, k in zip(offered, kept, strict=True)), "no proposal was cut by a grammar"
+    assert any(s.proposals and s.proposal_bitmasks for b in batches for s in b.samples)
+    assert stats["spec_num_accepted_tokens"] > 0

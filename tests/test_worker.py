@@ -34,6 +34,12 @@ def test_profile_batch_is_the_largest_step(num_tokens, max_num_seqs, block_size)
     assert all(s.params.needs_penalties and s.prompt_token_ids is not None and s.seq_id < 0 for s in batch.samples)
 
 
+def test_a_profile_batch_with_speculation_verifies_every_row():
+    batch = profile_batch(100, 8, 16, num_proposals=4)
+    assert [len(s.proposals) for s in batch.samples] == [4] * 8
+    assert [s.proposals for s in profile_batch(10, 8, 16, num_proposals=4).samples] == [[0]] * 2 + [None] * 6
+
+
 @pytest.mark.parametrize("max_num_batched_tokens,rows", [(100, 8), (5, 5)])
 def test_profile_step_runs_on_the_worker(tiny_random, max_num_batched_tokens, rows):
     engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
@@ -46,6 +52,15 @@ def test_profile_step_runs_on_the_worker(tiny_random, max_num_batched_tokens, ro
     assert worker.sampler.penalties.output_counts.shape[0] == 8
     assert all(len(s.token_ids) == 1 and len(s.top_logprobs[0]) == 20 for s in out.samples)
     assert worker.runner.kv_pool is pool_before  # the throwaway pool is not the serving one
+
+
+def test_profile_step_with_speculation_verifies_on_the_worker(tiny_random):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=100,
+                                    kv_cache_memory="1MiB", speculative_config={"method": "ngram",
+                                                                                 "num_speculative_tokens": 4}))
+    out = engine.executor.worker.profile_step()
+    assert len(out.samples) == 8 and all(1 <= len(s.token_ids) <= 5 for s in out.samples)
+    engine.shutdown()
 
 
 def test_kv_budget():

@@ -66,6 +66,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.model_config, self.tokenizer, self.eos_token_ids, reasoning,
                                      self.scheduler)
         self.grammars = self.inputs.grammars  # None without a tokenizer
+        if self.grammars is not None:
+            self.scheduler.grammar_proposals = self.grammars.valid_proposals
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.grammars)
         self._searches: dict[str, BeamSearch] = {}  # beam searches running, by request id
         self._beam_steps: dict[str, BeamSearch] = {}  # their steps' requests' ids -> the search

@@ -34,6 +34,8 @@ class SampleSpec:
     proposals: list[int] | None = None
     # The bans at each proposal's position past the first (`banned_token_ids` holds the first's), where any apply.
     proposal_bans: list[list[int] | None] | None = None
+    # Structured outputs: the grammar's mask at each proposal's position past the first (`token_bitmask` is the first's)
+    proposal_bitmasks: list[bytes | None] | None = None
 
     @property
     def num_positions(self) -> int:

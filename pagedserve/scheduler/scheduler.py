@@ -11,6 +11,7 @@ import bisect
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput
@@ -46,6 +47,9 @@ class Scheduler:
         self.by_priority = policy == "priority"
         self.long_rope_after = long_rope_after
         self.speculative = speculative
+        # Speculative decoding with a grammar: the prefix of a constrained sequence's proposals its grammar accepts
+        # (`GrammarManager.valid_proposals`); None: such sequences get no proposals
+        self.grammar_proposals: Callable[[Sequence, list[int]], list[int]] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -294,17 +298,20 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens proposed to follow a decoding sequence's last token, for this step to verify (none where it
-        is not decoding, its last token not known here yet, or a grammar constrains it). At most as many as its
-        length limits and the step's token budget leave room for after the token verification adds."""
+        is not decoding or its last token not known here yet), a grammar's sequence the proposals its grammar
+        accepts. At most as many as its length limits and the step's token budget leave room for after the token
+        verification adds."""
         config = self.speculative
+        constrained = seq.request.params.structured_outputs is not None
         if (config is None or seq.num_pending_tokens or seq.num_computed_tokens != seq.num_tokens - 1
-                or seq.request.params.structured_outputs is not None):
+                or (constrained and self.grammar_proposals is None)):
             return []
         k = min(config.num_speculative_tokens, budget - 1, self.max_model_len - seq.num_tokens - 1,
                 seq.request.max_tokens - seq.num_output_tokens - 1)
         if seq.ngram_index is None:
             seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-        return seq.ngram_index.propose(seq.token_ids, k)
+        proposals = seq.ngram_index.propose(seq.token_ids, k)
+        return self.grammar_proposals(seq, proposals) if constrained and proposals else proposals
 
     def _proposal_bans(self, seq: Sequence, num_output: int, proposals: list[int]) -> list[list[int] | None] | None:
         """The bans at each proposal's position past the first: as if the proposals before it were output."""
@@ -330,7 +337,8 @@ class Scheduler:
                    and not self._may_speculate(s) for s in batch.samples)
 
     def _may_speculate(self, spec: SampleSpec) -> bool:
-        return self.speculative is not None and spec.params.structured_outputs is None
+        return self.speculative is not None and (spec.params.structured_outputs is None
+                                                 or self.grammar_proposals is not None)
 
     def _bans_by_history(self, seq_id: int) -> bool:
         seq = self.seqs.get(seq_id)

@@ -34,6 +34,15 @@ class ServerMetrics:
                              _E2E_BUCKETS, tags)
         self.step_time = Histogram("pagedserve_step_time_seconds", "Engine step time (schedule, workers, update).",
                                    _LATENCY_BUCKETS, tags)
+        # Speculative decoding (vLLM's counts): rows that verified proposals, the tokens proposed, those kept; and
+        # since the start, the share kept and the tokens a verifying row emits (its kept proposals and one more)
+        self.spec_rows = Counter("pagedserve_spec_decode_num_drafts", "Rows that verified proposed tokens.", tags)
+        self.spec_proposed = Counter("pagedserve_spec_decode_num_draft_tokens", "Tokens proposed.", tags)
+        self.spec_accepted = Counter("pagedserve_spec_decode_num_accepted_tokens", "Proposed tokens kept.", tags)
+        self.spec_rate = Gauge("pagedserve_spec_decode_acceptance_rate", "Proposed tokens kept, as a share of "
+                               "those proposed, since the start.", tags)
+        self.spec_length = Gauge("pagedserve_spec_decode_mean_accepted_length", "Tokens a verifying row emits on "
+                                 "average (its kept proposals and the token after them), since the start.", tags)
         for metric in vars(self).values():  # recorded without tags from here on: merging them costs a record
             metric.set_default_tags({"model": model})
         self._last: dict[str, int] = {}
@@ -50,11 +59,18 @@ class ServerMetrics:
         total = stats["num_total_blocks"]
         self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0)
         for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                             ("num_preemptions", self.preemptions)):
+                             ("num_preemptions", self.preemptions), ("spec_num_rows", self.spec_rows),
+                             ("spec_num_proposed_tokens", self.spec_proposed),
+                             ("spec_num_accepted_tokens", self.spec_accepted)):
+            if key not in stats:  # no speculative decoding
+                continue
             delta = stats[key] - self._last.get(key, 0)
             if delta > 0:
                 counter.inc(delta)
             self._last[key] = stats[key]
+        if "spec_num_rows" in stats:
+            self.spec_rate.set(stats["spec_acceptance_rate"])
+            self.spec_length.set(stats["spec_mean_accepted_length"])
 
     def on_tokens(self, count: int, first_token_latencies: list[float], inter_token_latencies: list[float]) -> None:
         # Once per step, not per request: each record costs microseconds, and a step may carry hundreds.

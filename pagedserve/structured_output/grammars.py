@@ -202,6 +202,46 @@ class GrammarManager:
                 batch.late_masks.append(i)
             else:
                 spec.token_bitmask = self._mask(seq)
+                if spec.proposals:
+                    spec.proposal_bitmasks = self._proposal_masks(seq, spec.proposals)
+
+    def _proposal_masks(self, seq: Sequence, proposals: list[int]) -> list[bytes | None] | None:
+        """The masks at each proposal's position past the first: the grammar's after the proposals before it
+        (all of which it accepts: `valid_proposals`); None while the sequence reasons."""
+        state = self._state(seq)
+        begins = self._begins(seq, state)
+        if begins is None:
+            return None
+        matcher = self._matcher(seq, state, begins)
+        masks = []
+        for token in proposals:
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"sequence {seq.seq_id}: proposal {token} does not fit its grammar")
+            bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            masks.append(bitmask.numpy().view(np.uint32).tobytes())
+        matcher.rollback(len(proposals))
+        return masks
+
+    def valid_proposals(self, seq: Sequence, proposals: list[int]) -> list[int]:
+        """The longest prefix of tokens proposed to follow the sequence that its grammar accepts (speculative
+        decoding verifies no token the mask would ban). While the sequence reasons, unconstrained, the proposals
+        up to the tag that ends its reasoning, after which the grammar would begin."""
+        state = self._state(seq)
+        begins = self._begins(seq, state)
+        if begins is None:
+            close = self._reasoning.close_id
+            return proposals[:proposals.index(close)] if close in proposals else proposals
+        matcher = self._matcher(seq, state, begins)
+        if seq.seq_id in self._broken:
+            return []
+        kept = 0
+        for token in proposals:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            kept += 1
+        matcher.rollback(kept)
+        return proposals[:kept]
 
     def late_masks(self, batch: StepBatch, seqs: dict[int, Sequence]) -> list[bytes | None]:
         """The masks of `batch.late_masks`, once the step before it has been processed; None for a sequence

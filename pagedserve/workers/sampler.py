@@ -204,8 +204,12 @@ class Sampler:
 
 def _at_position(spec: SampleSpec, j: int) -> SampleSpec:
     """A speculative spec as the draw at its j-th position sees it: j tokens further into the output."""
-    bans = spec.banned_token_ids if j == 0 else (spec.proposal_bans[j - 1] if spec.proposal_bans else None)
-    return replace(spec, output_len=spec.output_len + j, banned_token_ids=bans, proposals=None, proposal_bans=None)
+    if j == 0:
+        return replace(spec, proposals=None, proposal_bans=None, proposal_bitmasks=None)
+    bans = spec.proposal_bans[j - 1] if spec.proposal_bans else None
+    mask = spec.proposal_bitmasks[j - 1] if spec.proposal_bitmasks else None
+    return replace(spec, output_len=spec.output_len + j, banned_token_ids=bans, token_bitmask=mask, proposals=None,
+                   proposal_bans=None, proposal_bitmasks=None)
 
 
 def _counted(specs: list[SampleSpec], emitted: torch.Tensor | None) -> torch.Tensor | None:

@@ -161,8 +161,10 @@ class Worker:
     def profile_step(self) -> StepOutput | None:
         """Run the largest step the scheduler may send, on a throwaway pool, to measure activations."""
         num_groups = len(model_kv_groups(self.model_config))
+        speculative = self.config.speculative()
         batch = profile_batch(self.config.batched_tokens(self.device.type), self.config.max_num_seqs,
-                              self.config.block_size, num_groups)
+                              self.config.block_size, num_groups,
+                              speculative.num_speculative_tokens if speculative else 0)
         num_blocks = sum(len(ids) for _, _, ids in batch.table_updates[0])
         pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                 self.tp.num_kv_heads)
@@ -180,12 +182,15 @@ def kv_budget(total: int, utilization: float, allocated: int, activation_peak: i
     return int(total * share * utilization) - allocated - activation_peak - (used_elsewhere if share == 1 else 0)
 
 
-def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_groups: int = 1) -> StepBatch:
+def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_groups: int = 1,
+                  num_proposals: int = 0) -> StepBatch:
     """The worst step the scheduler can send: `num_tokens` fresh tokens spread over as many rows as it
     allows, every row sampled with the costliest sampling path (penalties, top-k/top-p sort, min-p, 20
-    logprobs). The penalties make the sampler allocate its counts up to its rows' slots, memory that stays
-    and is so counted in the profile: the rows take the last slots, so that the counts cover all
-    max_num_seqs slots the scheduler may hand out, even when a step holds fewer rows than that. Its
+    logprobs), and with speculative decoding (`num_proposals` a row at most) verifying as many of its last tokens
+    as proposals as it may: the sampler's rows are then up to 1 + num_proposals a row. The penalties make the
+    sampler allocate its counts up to its rows' slots, memory that stays and is so counted in the profile: the rows
+    take the last slots, so that the counts cover all max_num_seqs slots the scheduler may hand out, even when a
+    step holds fewer rows than that. Its
     sequence ids are negative: no real sequence's counts are these. Every KV-cache group gets the same tables (the
     groups then write the same pages of the throwaway pool: its values are never read as anyone's)."""
     from pagedserve.sampling_params import SamplingParams
@@ -202,7 +207,8 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_group
     costly = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, max_tokens=1,
                             repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
     samples = [SampleSpec(seq_id=-1 - r, row=r, num_samples=1, sample_index=0, output_len=0, params=costly,
-                          prompt_token_ids=[0] * n, output_token_ids=[]) for r, n in enumerate(row_len)]
+                          prompt_token_ids=[0] * n, output_token_ids=[],
+                          proposals=[0] * min(num_proposals, n - 1) or None) for r, n in enumerate(row_len)]
     return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=slots,
                      table_updates=[updates] * num_groups, block_copies=[],
                      samples=samples)

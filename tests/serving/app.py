@@ -14,6 +14,8 @@ MAX_MODEL_LEN = 512
 POOL_BLOCKS = 24  # 384 tokens: a request of 410 never fits; 50 concurrent streams must preempt
 API_KEYS = ["key-one", "key-two"]  # of the "keyed" application
 GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
+# The open application's speculative decoding: tiny_random's greedy output repeats itself, so proposals are kept
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """One Serve deployment of deploy/config.yaml (tiny random model by override) for every test of this
-package, through real Ray Serve, real gRPC and real HTTP. Four applications: "pagedserve" (open),
-"bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys required) and "smol" (the embedded
-SmolLM2 instead of the tiny random model); modules add their own for their tests alone. Run inside `make
+package, through real Ray Serve, real gRPC and real HTTP. Four applications: "pagedserve" (open, decoding
+speculatively), "bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys required) and "smol" (the
+embedded SmolLM2 instead of the tiny random model); modules add their own for their tests alone. Run inside `make
 test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ with warnings.catch_warnings():  # Ray Serve's own pydantic deprecation warnings
 
 
 from pagedserve import LLM
-from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS
+from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, SPECULATIVE
 
 
 @pytest.fixture(scope="package")
@@ -32,7 +32,10 @@ def app(tiny_random):
     serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
     spec = config["applications"][0]
     args = dict(spec["args"], model=tiny_random, max_model_len=MAX_MODEL_LEN, kv_cache_memory=POOL_BLOCKS * BLOCK_BYTES)
-    serve.run(build_app(args), name=spec["name"], route_prefix=spec["route_prefix"])
+    # The open application decodes speculatively: every test of it (greedy tokens equal to the offline engine's
+    # without speculation, streams, cancellation, preemption, metrics) holds through verification steps too.
+    serve.run(build_app(dict(args, speculative_config=SPECULATIVE)), name=spec["name"],
+              route_prefix=spec["route_prefix"])
     serve.run(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
               route_prefix="/bounded")
     serve.run(build_app(dict(args, api_keys=API_KEYS)), name="keyed", route_prefix="/keyed")

@@ -186,7 +186,10 @@ METRICS = ["pagedserve_requests_running", "pagedserve_requests_waiting", "pageds
            "pagedserve_prefix_cache_queries", "pagedserve_prefix_cache_hits", "pagedserve_preemptions",
            "pagedserve_prompt_tokens", "pagedserve_generation_tokens", "pagedserve_requests_finished",
            "pagedserve_time_to_first_token_seconds", "pagedserve_inter_token_latency_seconds",
-           "pagedserve_e2e_request_latency_seconds", "pagedserve_step_time_seconds"]
+           "pagedserve_e2e_request_latency_seconds", "pagedserve_step_time_seconds",
+           "pagedserve_spec_decode_num_drafts", "pagedserve_spec_decode_num_draft_tokens",
+           "pagedserve_spec_decode_num_accepted_tokens", "pagedserve_spec_decode_acceptance_rate",
+           "pagedserve_spec_decode_mean_accepted_length"]
 # Gauges can read 0 once traffic stops; the rest must have counted something.
 MUST_BE_NONZERO = [m for m in METRICS if m not in ("pagedserve_requests_running", "pagedserve_requests_waiting",
                                                      "pagedserve_kv_cache_usage")]

@@ -1,0 +1,183 @@
+"""Speculative decoding with n-gram proposals, on and off in the same run, on the embedded SmolLM2 (a CPU).
+
+  python benchmarks/speculative.py [--requests 1 16] [--llama-server] [--json out.json]
+
+Two workloads of chat prompts, greedy, each request's output as long as the text it is asked to copy:
+- "copy": prompts that hold most of their answer: repeat this code with one name changed, copy this paragraph
+  with one word replaced (made from templates, the same every run);
+- "fresh": questions whose answer is nowhere in the prompt (a short story about a given animal).
+For each workload and each request count (all requests at once): output tokens/s with speculation over without,
+and its acceptance rate and tokens per verifying row. With --llama-server, the same prompts (as token ids) through
+llama-server on the same GGUF file, without and with its own n-gram speculative decoding (`--spec-type
+ngram-simple`, the same n-gram and proposal lengths), in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from environment import announce  # noqa: E402
+
+ANIMALS = ["otter", "fox", "heron", "badger", "owl", "hare", "wolf", "crow", "seal", "lynx", "mole", "swan", "deer",
+           "frog", "bear", "wren"]
+VERBS = ["count", "total", "scale", "merge", "clip", "shift", "pack", "sort"]
+CODE = '''def {verb}_values(values, factor={n}):
+    """Return the values after {verb}ing them by factor, keeping their order."""
+    result = []
+    for index, value in enumerate(values):
+        if value is None:
+            continue
+        adjusted = value * factor + index
+        if adjusted > {limit}:
+            adjusted = {limit}
+        result.append(adjusted)
+    return result
+
+
+def {verb}_table(rows, factor={n}):
+    """Apply {verb}_values to every row of a table."""
+    return [{verb}_values(row, factor) for row in rows]
+'''
+PARAGRAPH = ("The {animal} lives near the river, where the water runs slowly past the old stone bridge. Every "
+             "morning the {animal} walks along the bank, looks for food among the reeds, and rests in the sun when "
+             "the day grows warm. In the evening it returns to its den under the roots of a tall willow tree, and "
+             "the {animal} sleeps there until the birds begin to sing again.")
+
+
+def copy_prompts(count: int) -> list[list[dict]]:
+    """Chat messages that hold most of their answer."""
+    out = []
+    for i in range(count):
+        if i % 2 == 0:
+            verb = VERBS[i // 2 % len(VERBS)]
+            code = CODE.format(verb=verb, n=i + 2, limit=100 * (i + 1))
+            ask = f"Repeat this code exactly, but rename `{verb}_values` to `{verb}_items`:\n\n```python\n{code}```"
+        else:
+            animal = ANIMALS[i % len(ANIMALS)]
+            ask = (f"Copy this paragraph word for word, but write 'lake' instead of 'river':\n\n"
+                   f"{PARAGRAPH.format(animal=animal)}")
+        out.append([{"role": "user", "content": ask}])
+    return out
+
+
+def fresh_prompts(count: int) -> list[list[dict]]:
+    """Chat messages whose answer is not in them."""
+    return [[{"role": "user", "content": f"Write a short story about a {ANIMALS[i % len(ANIMALS)]} who learns to "
+              f"{VERBS[i % len(VERBS)]} the stars."}] for i in range(count)]
+
+
+def token_prompts(tokenizer, messages: list[list[dict]]) -> list[list[int]]:
+    return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for m in messages]
+
+
+def output_lengths(tokenizer, messages: list[list[dict]], workload: str, fresh_len: int) -> list[int]:
+    """Copy: the tokens of the text to copy (the part after the instruction); fresh: `fresh_len`."""
+    if workload == "fresh":
+        return [fresh_len] * len(messages)
+    return [len(tokenizer.encode(m[0]["content"].split("\n\n", 1)[1])) for m in messages]
+
+
+def run_pagedserve(prompts: list[list[int]], outputs: list[int], speculative: dict | None) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(speculative_config=speculative, max_num_seqs=max(16, len(prompts)))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (kernels built, caches)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    stats = llm.stats()
+    llm.shutdown()
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(outputs)
+    result = {"seconds": seconds, "tokens": produced, "tokens_per_s": produced / seconds,
+              "token_ids": [o.outputs[0].token_ids for o in outs]}
+    result.update({k: v for k, v in stats.items() if k.startswith("spec_")})
+    return result
+
+
+def run_llama_server(gguf: Path, prompts: list[list[int]], outputs: list[int], spec_args: list[str]) -> dict:
+    from peers import llama_server_cmd, post_json, server_process
+
+    slot = max(map(len, prompts)) + max(outputs) + 16
+    cmd, url = llama_server_cmd(gguf, parallel=len(prompts), context_per_slot=slot, build="native")
+    with server_process(cmd + spec_args, url + "/health", None):
+        def run(prompt: list[int], n: int) -> list[int]:
+            body = {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                    "cache_prompt": False, "return_tokens": True}
+            return post_json(url + "/completion", body)["tokens"]
+
+        run(prompts[0][:8], 4)  # warm-up
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            start = time.perf_counter()
+            tokens = list(pool.map(run, prompts, outputs))
+            seconds = time.perf_counter() - start
+    produced = sum(map(len, tokens))
+    return {"seconds": seconds, "tokens": produced, "tokens_per_s": produced / seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--workloads", nargs="+", choices=["copy", "fresh"], default=["copy", "fresh"])
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--lookup", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
+                   help="prompt_lookup_min and prompt_lookup_max")
+    p.add_argument("--fresh-len", type=int, default=128, help="output tokens of each fresh-workload request")
+    p.add_argument("--llama-server", action="store_true", help="also llama-server, without and with ngram-simple")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    env = announce()
+    from transformers import AutoTokenizer
+
+    from pagedserve.workers.gguf import embedded_model_gguf
+    from pagedserve.workers.loader import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).tokenizer_dir)
+    speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                   "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}
+    rows = []
+    for workload in args.workloads:
+        for count in args.requests:
+            messages = copy_prompts(count) if workload == "copy" else fresh_prompts(count)
+            prompts = token_prompts(tokenizer, messages)
+            outputs = output_lengths(tokenizer, messages, workload, args.fresh_len)
+            off = run_pagedserve(prompts, outputs, None)
+            on = run_pagedserve(prompts, outputs, speculative)
+            same = on.pop("token_ids") == off.pop("token_ids")
+            row = {"workload": workload, "requests": count, "output_tokens": sum(outputs), "off": off, "on": on,
+                   "speedup": on["tokens_per_s"] / off["tokens_per_s"], "same_tokens": same}
+            print(f"{workload:5} x{count:<3} pagedserve: {off['tokens_per_s']:7.1f} -> {on['tokens_per_s']:7.1f} "
+                  f"tok/s = {row['speedup']:.2f}x (acceptance {on['spec_acceptance_rate']:.2f}, "
+                  f"{on['spec_mean_accepted_length']:.2f} tokens a verifying row; same tokens: {same})", flush=True)
+            if args.llama_server:
+                gguf = embedded_model_gguf()
+                peer_off = run_llama_server(gguf, prompts, outputs, [])
+                peer_on = run_llama_server(gguf, prompts, outputs, [
+                    "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.lookup[1]),
+                    "--spec-ngram-simple-size-m", str(args.num_speculative_tokens)])
+                row["llama_server"] = {"off": peer_off, "on": peer_on,
+                                       "speedup": peer_on["tokens_per_s"] / peer_off["tokens_per_s"]}
+                print(f"{'':10} llama-server (native): {peer_off['tokens_per_s']:7.1f} -> "
+                      f"{peer_on['tokens_per_s']:7.1f} tok/s = {row['llama_server']['speedup']:.2f}x; pagedserve "
+                      f"with speculation / llama-server with: {on['tokens_per_s'] / peer_on['tokens_per_s']:.2f}x",
+                      flush=True)
+            rows.append(row)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "speculative_config": speculative, "rows": rows},
+                                        indent=2))
+
+
+if __name__ == "__main__":
+    main()
