@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.speculative.ngram import NgramIndex, propose_ngram
+from pagedserve.speculative.policy import Acceptance, StepCost, engine_acceptance, sequence_acceptance, worth_verifying
 from pagedserve.speculative.verify import verify_greedy, verify_sampled
 
 
@@ -113,3 +114,40 @@ def test_a_proposal_without_target_mass_is_never_kept():
     for u in (0.0, 0.5, 0.999):
         kept, token = verify_sampled(p, torch.tensor([[0]]), None, torch.tensor([[u]]), torch.tensor([[0.3, 0.3]]))
         assert kept.item() == 0 and token.item() in (1, 2)
+
+
+def test_the_step_cost_fit_recovers_a_line_and_forgets_old_steps():
+    cost = StepCost()
+    assert cost.fit() is None
+    for n in [16, 20, 40, 64, 16, 30] * 5:
+        cost.observe(n, 0.02 + 0.001 * n)
+    base, per_token = cost.fit()
+    assert base == pytest.approx(0.02, rel=0.05) and per_token == pytest.approx(0.001, rel=0.05)
+    for _ in range(200):  # steps of one size only: no slope to see, so proposals are tried again
+        cost.observe(16, 0.036)
+    assert cost.fit()[1] < 0.1 * per_token
+
+
+def test_a_proposal_is_verified_while_its_chance_outweighs_its_cost():
+    # one sequence, a step of 8 ms, 1 ms a token more: a proposal pays where it is kept one time in eight
+    assert worth_verifying(4, 0.9, (0.007, 0.001), 1) == 4
+    assert worth_verifying(4, 0.3, (0.007, 0.001), 1) == 1  # 0.3 > 1/8, 0.09 < 1/8
+    assert worth_verifying(4, 0.1, (0.007, 0.001), 1) == 0
+    # 16 sequences, 1.3 ms a token in a 27 ms step: only likely proposals (a^j > 0.77)
+    assert worth_verifying(4, 0.9, (0.0062, 0.0013), 16) == 2
+    assert worth_verifying(4, 0.6, (0.0062, 0.0013), 16) == 0
+    assert worth_verifying(4, 0.0, None, 16) == 4  # nothing measured yet
+    assert worth_verifying(3, 0.5, (0.01, 0.0), 64) == 3  # tokens cost nothing more (a GPU at small batch)
+
+
+def test_acceptance_counts_fade_and_fall_back_to_the_prior():
+    engine, own = Acceptance(0.5), Acceptance(0.8)
+    assert engine_acceptance(engine) == 0.5
+    engine.add(4, 0)  # one row, nothing kept
+    assert engine_acceptance(engine) == pytest.approx(1 / 3)
+    for _ in range(40):
+        engine.fade()
+    assert engine_acceptance(engine) == pytest.approx(0.5, abs=1e-6)  # tried again
+    own.record(4, 4)
+    own.record(4, 4)
+    assert sequence_acceptance(own, engine) == pytest.approx((7.2 + 1.0) / (7.2 + 2.0))

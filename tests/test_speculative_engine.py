@@ -1,7 +1,8 @@
-"""Speculative decoding in the engine (n-gram proposals): greedy output token for token what it is without
-speculation, logprobs to the bit (the CPU kernels compute a position the same in a row of one token or of several),
-over random workloads with preemption, prefix hits, penalties, biases, min_tokens and stops; sampled output with
-the target's distribution; rejected proposals leaving nothing behind in the pool or the prefix cache."""
+"""Speculative decoding in the engine (n-gram proposals): greedy and seeded output token for token what it is
+without speculation, logprobs to the bit (the CPU kernels compute a position the same in a row of one token or of
+several), over random workloads with preemption, prefix hits, penalties, biases, min_tokens and stops; unseeded
+sampled output with the target's distribution; rejected proposals leaving nothing behind in the pool or the prefix
+cache."""
 
 from __future__ import annotations
 
@@ -26,6 +27,22 @@ ALPHABET = [1000, 1001, 1002, 1003, 2000]  # few distinct tokens: n-grams recur,
 PREFIX = [1000, 1001, 1002, 1003] * 3  # shared by some prompts: prefix-cache hits
 
 
+class FreeTokens:
+    """A step cost under which every proposal is worth verifying (`speculative/policy.py`): the tests see every
+    proposal verified, whatever this machine's step times."""
+
+    def fit(self) -> tuple[float, float]:
+        return 0.01, 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+
+def speculating(llm: LLM) -> LLM:
+    llm.llm_engine.scheduler.step_cost = FreeTokens()
+    return llm
+
+
 def summary(out) -> list:
     """Everything a request's output says, its logprobs to the bit."""
     def entries(logprobs):
@@ -37,16 +54,20 @@ def summary(out) -> list:
 @pytest.fixture(scope="module")
 def engines(tiny_random):
     plain = LLM(tiny_random, **SMALL)
-    speculative = LLM(tiny_random, speculative_config=NGRAM, **SMALL)
+    speculative = speculating(LLM(tiny_random, speculative_config=NGRAM, **SMALL))
     yield plain, speculative
     plain.shutdown()
     speculative.shutdown()
 
 
 params_strategy = st.builds(
-    lambda max_tokens, penalty, min_tokens, stop, bias, logprobs, ignore_eos: SamplingParams(
-        temperature=0, max_tokens=max_tokens, repetition_penalty=penalty, min_tokens=min(min_tokens, max_tokens),
+    lambda sampling, max_tokens, penalty, min_tokens, stop, bias, logprobs, ignore_eos: SamplingParams(
+        **sampling, max_tokens=max_tokens, repetition_penalty=penalty, min_tokens=min(min_tokens, max_tokens),
         stop_token_ids=stop, logit_bias=bias, logprobs=logprobs, ignore_eos=ignore_eos),
+    # greedy, or seeded draws (top-k, top-p, min-p among them)
+    sampling=st.sampled_from([{"temperature": 0}, {"temperature": 0},
+                              {"temperature": 0.9, "seed": 3}, {"temperature": 1.2, "top_p": 0.9, "seed": 11},
+                              {"temperature": 0.7, "top_k": 5, "min_p": 0.05, "seed": 7}]),
     max_tokens=st.integers(1, 24),
     penalty=st.sampled_from([1.0, 1.0, 1.3]),
     min_tokens=st.integers(0, 6),
@@ -61,7 +82,7 @@ prompt_strategy = st.tuples(st.booleans(), st.lists(st.sampled_from(ALPHABET), m
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=st.lists(st.tuples(prompt_strategy, params_strategy), min_size=1, max_size=8))
-def test_greedy_output_with_ngram_speculation_is_the_output_without(engines, workload):
+def test_greedy_and_seeded_output_with_ngram_speculation_is_the_output_without(engines, workload):
     plain, speculative = engines
     prompts = [prompt for prompt, _ in workload]
     params = [p for _, p in workload]
@@ -76,7 +97,7 @@ def test_a_workload_keeps_and_rejects_proposals_and_preempts(tiny_random):
     preempted, prompts hit the prefix cache, and every block comes back; the counts add up."""
     prompts = [PREFIX + [ALPHABET[(i * j) % 5] for j in range(20 + i)] for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(tiny_random, speculative_config=NGRAM, **SMALL)
+    llm = speculating(LLM(tiny_random, speculative_config=NGRAM, **SMALL))
     with launched_batches(llm.llm_engine) as batches:
         outs = llm.generate(prompts, params)
     stats = llm.stats()
@@ -106,7 +127,7 @@ def test_rejected_tokens_are_never_registered_in_the_prefix_cache(tiny_random):
     from pagedserve.scheduler.block_manager import prefix_hashes
 
     prompts = [[1000, 1001, 1002, 1003, 2000] * 4 + [1000 + i] for i in range(4)]
-    llm = LLM(tiny_random, speculative_config=NGRAM, block_size=BS)
+    llm = speculating(LLM(tiny_random, speculative_config=NGRAM, block_size=BS))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     stats = llm.stats()
     assert stats["spec_num_accepted_tokens"] < stats["spec_num_proposed_tokens"]
@@ -139,20 +160,10 @@ def test_async_scheduling_and_n_samples_give_the_same_tokens(tiny_random, engine
               SamplingParams(temperature=0, max_tokens=20, min_tokens=15, stop_token_ids=[1000]),
               SamplingParams(temperature=0, max_tokens=20, logprobs=3)]
     expected = [summary(o) for o in plain.generate(prompts, params)]
-    llm = LLM(tiny_random, speculative_config=NGRAM, async_scheduling=True, **SMALL)
+    llm = speculating(LLM(tiny_random, speculative_config=NGRAM, async_scheduling=True, **SMALL))
     assert [summary(o) for o in llm.generate(prompts, params)] == expected
     assert llm.stats()["spec_num_rows"] > 0
     llm.shutdown()
-
-
-def test_a_seeded_request_gets_the_same_tokens_alone_or_in_a_batch(engines):
-    _, speculative = engines
-    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=42, max_tokens=24, ignore_eos=True, logprobs=1)
-    prompt = PREFIX + [2000, 1000]
-    alone = summary(speculative.generate([prompt], seeded)[0])
-    others = [PREFIX + [1003] * i for i in range(6)]
-    batch = speculative.generate([*others, prompt], [SamplingParams(temperature=1.0, max_tokens=30)] * 6 + [seeded])
-    assert summary(batch[-1]) == alone
 
 
 def marginals(outs, positions: range, vocab: list[int]) -> list[list[int]]:
@@ -160,23 +171,23 @@ def marginals(outs, positions: range, vocab: list[int]) -> list[list[int]]:
     return [[sum(o.outputs[0].token_ids[p] == t for o in outs) for t in vocab] for p in positions]
 
 
-def test_sampled_output_has_the_targets_distribution(tmp_path, tiny_random):
-    """Rejection sampling is lossless: four allowed tokens, a prompt that repeats them (so that proposals come
-    every step), and 3,000 seeded requests with speculation and 3,000 without: each output position's token
-    counts are one distribution (a chi-square test of homogeneity, 3 degrees of freedom, at p = 0.001: 16.27).
-    A verification that kept proposals it should reject, or drew again with a uniform a step before used, would
-    favour some tokens by far more. tiny_random with a vocabulary of 64 and no tokenizer: the draws' rows cost
-    little."""
+def test_unseeded_sampled_output_has_the_targets_distribution(tmp_path, tiny_random):
+    """Unseeded draws verify proposals too: four allowed tokens, a prompt that repeats them (so that proposals come
+    every step), and 3,000 requests with speculation and 3,000 without, each engine with its own generator seed:
+    each output position's token counts are one distribution (a chi-square test of homogeneity, 3 degrees of
+    freedom, at p = 0.001: 16.27). A verification that kept proposals it should not would favour the proposed
+    tokens by far more. tiny_random with a vocabulary of 64 and no tokenizer: the draws' rows cost little."""
     config = json.loads(open(tiny_random.removeprefix("random:")).read())
     config.update(vocab_size=64, bos_token_id=0, eos_token_id=1)
     (tmp_path / "config.json").write_text(json.dumps(config))
     allowed = [10, 11, 12, 13]
     prompt = [10, 11, 12, 13, 10, 11, 12, 13, 10]
     counts = []
-    for spec in (None, NGRAM):
-        llm = LLM(f"random:{tmp_path / 'config.json'}", speculative_config=spec, max_num_seqs=256)
-        params = [SamplingParams(temperature=1.5, allowed_token_ids=allowed, max_tokens=4, seed=s) for s in range(3000)]
-        outs = llm.generate([prompt] * len(params), params)
+    for seed, spec in ((1, None), (2, NGRAM)):
+        llm = speculating(LLM(f"random:{tmp_path / 'config.json'}", speculative_config=spec, max_num_seqs=256,
+                              seed=seed))
+        params = SamplingParams(temperature=1.5, allowed_token_ids=allowed, max_tokens=4)
+        outs = llm.generate([prompt] * 3000, params)
         stats = llm.stats()
         llm.shutdown()
         counts.append(marginals(outs, range(1, 4), allowed))
@@ -256,8 +267,8 @@ def test_structured_outputs_verify_only_what_the_grammar_accepts(embedded_dir):
     plain = LLM(str(embedded_dir))
     expected = [summary(o) for o in plain.generate(prompts, params)]
     plain.shutdown()
-    llm = LLM(str(embedded_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    llm = speculating(LLM(str(embedded_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
     engine = llm.llm_engine
     offered, kept = [], []
     check = engine.scheduler.grammar_proposals
@@ -271,3 +282,26 @@ def test_structured_outputs_verify_only_what_the_grammar_accepts(embedded_dir):
     assert any(len(k) < len(o) for o, k in zip(offered, kept, strict=True)), "no proposal was cut by a grammar"
     assert any(s.proposals and s.proposal_bitmasks for b in batches for s in b.samples)
     assert stats["spec_num_accepted_tokens"] > 0
+
+
+class CostlyTokens(FreeTokens):
+    """A step cost under which a token costs ten steps: no proposal pays."""
+
+    def fit(self) -> tuple[float, float]:
+        return 0.001, 0.01
+
+
+def test_proposals_that_cost_more_than_they_are_likely_to_save_are_not_verified(engines, tiny_random):
+    plain, _ = engines
+    prompts = [PREFIX + [2000] * i for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [summary(o) for o in plain.generate(prompts, params)]
+    llm = LLM(tiny_random, speculative_config=NGRAM, **SMALL)
+    assert llm.llm_engine.scheduler.step_cost.fit() is None
+    assert [summary(o) for o in llm.generate(prompts, params)] == expected
+    assert llm.llm_engine.scheduler.step_cost.fit() is not None  # the engine timed its steps
+    llm.llm_engine.scheduler.step_cost = CostlyTokens()
+    assert [summary(o) for o in llm.generate(prompts, params)] == expected
+    rows = llm.stats()["spec_num_rows"]
+    assert [summary(o) for o in llm.generate(prompts, params)] == expected and llm.stats()["spec_num_rows"] == rows
+    llm.shutdown()

@@ -13,6 +13,7 @@ import atexit
 import gc
 import json
 import logging
+import time
 from typing import Any
 
 from pagedserve.config import EngineConfig
@@ -187,11 +188,14 @@ class LLMEngine:
         With async scheduling the step after it is launched first, to run while this one's output is
         processed. Never raises for a failed step."""
         try:
+            start = time.perf_counter()
             launched = self._launch()
             if launched is None:
                 return []
             batch, handle = launched
-            changed = self._process(batch, self.executor.collect(handle))
+            output = self.executor.collect(handle)
+            self._measure(batch, time.perf_counter() - start)
+            changed = self._process(batch, output)
             self._send_late_masks()
             return changed
         except Exception as e:
@@ -204,11 +208,14 @@ class LLMEngine:
     async def advance_async(self) -> list[Request | BeamSearch]:
         """`advance` for an event loop: requests can be added and aborted while the workers compute."""
         try:
+            start = time.perf_counter()
             launched = self._launch()
             if launched is None:
                 return []
             batch, handle = launched
-            changed = self._process(batch, await self.executor.collect_async(handle))
+            output = await self.executor.collect_async(handle)
+            self._measure(batch, time.perf_counter() - start)
+            changed = self._process(batch, output)
             self._send_late_masks()
             return changed
         except Exception as e:
@@ -233,6 +240,12 @@ class LLMEngine:
             if ahead is not None:
                 self._in_flight = (ahead, self.executor.launch(ahead))
         return current
+
+    def _measure(self, batch: StepBatch, seconds: float) -> None:
+        """With speculative decoding, the time of a step that ran alone (none launched behind it), for the cost of
+        verifying proposals (`speculative/policy.py`)."""
+        if self.scheduler.speculative is not None and self._in_flight is None:
+            self.scheduler.step_cost.observe(batch.num_tokens, seconds)
 
     def _send_late_masks(self) -> None:
         """Once the step before it is processed, give the step in flight the grammar masks that waited for

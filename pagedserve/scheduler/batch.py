@@ -29,8 +29,8 @@ class SampleSpec:
     token_bitmask: bytes | None = None
     # Speculative decoding: tokens proposed to follow the row's last known token, which the row computes as its
     # last len(proposals) query tokens. The sampler then reads the logits of the row's last len(proposals) + 1
-    # query tokens, one position per proposal and one past them, and emits 1 to len(proposals) + 1 tokens, as
-    # many draws as the sequence would make one at a time (`speculative/verify.py`).
+    # query tokens, one position per proposal and one past them, and emits 1 to len(proposals) + 1 tokens: the
+    # draws the sequence would make one at a time, up to the first that is not the proposal (`Sampler._verify`).
     proposals: list[int] | None = None
     # The bans at each proposal's position past the first (`banned_token_ids` holds the first's), where any apply.
     proposal_bans: list[list[int] | None] | None = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.speculative.ngram import NgramIndex
+from pagedserve.speculative.policy import Acceptance
 
 
 class SequenceStatus(enum.Enum):
@@ -108,6 +109,7 @@ class Sequence:
         self.penalty_counts_sent = False
         # Speculative decoding: where each n-gram of its tokens first occurs (made when it first decodes)
         self.ngram_index: NgramIndex | None = None
+        self.spec_acceptance: Acceptance | None = None  # how often its proposals were kept lately
         self.num_new_tokens = 0  # the tokens its last step appended (several where proposals were kept)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

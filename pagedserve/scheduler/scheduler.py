@@ -17,6 +17,7 @@ from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request, Sequence, SequenceStatus
+from pagedserve.speculative import policy as spec_policy
 from pagedserve.speculative.ngram import NgramIndex
 from pagedserve.speculative.speculative_config import SpeculativeConfig
 
@@ -59,6 +60,9 @@ class Scheduler:
         self.num_spec_rows = 0
         self.num_spec_proposed = 0
         self.num_spec_accepted = 0
+        # What verifying proposals costs and how often they are kept: how many are worth a step (`policy.py`)
+        self.step_cost = spec_policy.StepCost()
+        self.spec_acceptance = spec_policy.Acceptance(spec_policy.ENGINE_DECAY)  # faded a step (`schedule`), not a row
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         # Rows of the workers' block table: a sequence holds one while it holds blocks. The lowest free one
@@ -153,6 +157,7 @@ class Scheduler:
         pending tokens, computed by this step from ids the worker fills in."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
+        self.spec_acceptance.fade()
         scheduled: list[tuple[Sequence, int, list[int]]] = []  # (sequence, tokens computed, proposals)
         copies: list[tuple[int, int]] = []  # (src, dst) blocks, for the workers to copy first
         preempted = False
@@ -311,6 +316,12 @@ class Scheduler:
         if seq.ngram_index is None:
             seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
         proposals = seq.ngram_index.propose(seq.token_ids, k)
+        if proposals:
+            if seq.spec_acceptance is None:
+                seq.spec_acceptance = spec_policy.Acceptance(spec_policy.SEQUENCE_DECAY)
+            acceptance = spec_policy.sequence_acceptance(seq.spec_acceptance, self.spec_acceptance)
+            proposals = proposals[:spec_policy.worth_verifying(len(proposals), acceptance, self.step_cost.fit(),
+                                                   len(self.running))]
         return self.grammar_proposals(seq, proposals) if constrained and proposals else proposals
 
     def _proposal_bans(self, seq: Sequence, num_output: int, proposals: list[int]) -> list[list[int] | None] | None:
@@ -434,6 +445,8 @@ class Scheduler:
         self.num_spec_rows += 1
         self.num_spec_proposed += len(proposals)
         self.num_spec_accepted += emitted - 1
+        self.spec_acceptance.add(len(proposals), emitted - 1)
+        seq.spec_acceptance.record(len(proposals), emitted - 1)
         if seq.status == SequenceStatus.RUNNING:
             self.block_manager.rollback(seq, seq.num_tokens + emitted - 1)
         for j in range(emitted):

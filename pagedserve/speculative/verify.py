@@ -8,6 +8,9 @@ probability min(1, p_i(x_i) / q_i(x_i)); at the first one rejected the token is 
 max(0, p_i - q_i), renormalized; all k kept, one more is drawn from p_k. Every emitted token then has the target's
 distribution, whatever the draft proposed. A proposer without a distribution (n-gram lookup) is a draft whose q_i
 puts all its mass on x_i: x_i is kept with probability p_i(x_i), else the next token is drawn from p_i without x_i.
+The sampler verifies such proposals by the draws themselves instead (`Sampler._verify`): each position draws its
+token as a step without speculation would, by the same uniform, and x_i is kept where that token is x_i. It keeps
+a proposal as often, and emits exactly the tokens decoding one at a time would, seeded draws included.
 """
 
 from __future__ import annotations

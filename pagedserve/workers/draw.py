@@ -7,12 +7,11 @@ import torch
 import xxhash
 
 
-def draw_uniform(seed: int, sample_index: int, output_len: int, stream: int = 0) -> float:
+def draw_uniform(seed: int, sample_index: int, output_len: int) -> float:
     """The uniform in [0, 1) of one seeded draw: a hash of the request's seed and the draw's place only, so
-    the same seed gives the same tokens whatever else is in the batch, even after preemption. `stream` 1: the
-    uniform that tests a proposal at that place (speculative decoding), apart from the draw's."""
-    places = (seed, sample_index, output_len) + ((stream,) if stream else ())
-    data = b"".join(x.to_bytes(8, "little", signed=True) for x in places)
+    the same seed gives the same tokens whatever else is in the batch, even after preemption, and whether the
+    draw verifies a proposal (speculative decoding) or not."""
+    data = b"".join(x.to_bytes(8, "little", signed=True) for x in (seed, sample_index, output_len))
     return (xxhash.xxh64_intdigest(data) >> 40) * 2.0**-24  # the top 24 bits: exact in fp32, below 1
 
 

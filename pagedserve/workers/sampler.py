@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
-from pagedserve.speculative.verify import verify_sampled
 from pagedserve.workers.draw import draw_uniform, inverse_transform
 from pagedserve.workers.penalties import PenaltyCounts
 from pagedserve.workers.tensors import fill_at, on_device, on_device_packed, to_device
@@ -111,25 +110,20 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k else None  # [D, V]
         logits = self.penalties.apply(logits, rows, draw_slots, before)
         logits = _apply_bias_and_bans(logits, rows, self.rows_at_once)
-        speculative = any(s.proposals for s in specs)
-        tokens, probs = self._pick(logits, rows, speculative)  # [D]; the drawn rows' distributions when asked
-        emitted = None
-        if speculative:
-            tokens, emitted = self._verify(tokens, probs, specs, rows)
+        tokens = self._pick(logits, rows)  # [D]
+        emitted = self._verify(tokens, specs) if any(s.proposals for s in specs) else None
         self.penalties.record(rows, draw_slots, tokens, _counted(specs, emitted))
         draws = Draws([(s.num_tokens, s.params.logprobs) for s in specs], tokens, emitted=emitted)
         if raw_logprobs is not None:
             draws.scores, draws.top_logprobs, draws.top_ids = token_scores(raw_logprobs, tokens, max(k))
         return draws
 
-    def _pick(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]], keep_probs: bool = False
-              ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Each row's token [D] (the argmax, or a draw from its distribution), and with `keep_probs` the
-        distributions [V] of the rows that draw, by row."""
+    def _pick(self, logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
+        """Each row's token [D]: the argmax, or a draw from its distribution."""
         greedy_tokens = logits.argmax(dim=-1)
         drawn = [r for r, (s, _) in enumerate(rows) if not s.params.greedy]
         if not drawn:
-            return greedy_tokens, {}
+            return greedy_tokens
         dev = logits.device
         # One uniform per draw instead of V exponentials for a race: 8x less time on a CPU. One for every row,
         # so that a row's uniform is the same whichever of the others draw.
@@ -143,63 +137,29 @@ class Sampler:
         if seeded:  # made on the host: no generator or kernel per seeded draw
             uniform[on_device(dev, [r for r, _ in seeded]), 0] = on_device(dev, [u for _, u in seeded], probs.dtype)
         sampled = inverse_transform(probs, uniform)
-        by_row = dict(zip(drawn, probs, strict=True)) if keep_probs else {}
         if len(drawn) == len(greedy_tokens):
-            return sampled, by_row
-        return greedy_tokens.index_put_((index,), sampled), by_row
+            return sampled
+        return greedy_tokens.index_put_((index,), sampled)
 
-    def _verify(self, tokens: torch.Tensor, probs: dict[int, torch.Tensor], specs: list[SampleSpec],
-                rows: list[tuple[SampleSpec, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens of the speculative specs' positions replaced by what each emits (its proposals kept, then
-        the token after them; the slots past those are never read), and how many tokens each spec emits [G]."""
+    @staticmethod
+    def _verify(tokens: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+        """How many tokens each spec emits [G]: a speculative spec its proposals up to the first that is not the
+        token its position draws, then that token. Each position's token is drawn as it would be one step at a time
+        (the argmax, or the draw by its place's uniform: a seed's, or the generator's), so the tokens it emits are
+        exactly those, greedy or seeded, whatever was proposed: the output with speculation is the output without.
+        A proposal is kept with the probability its position's distribution gives it, as rejection sampling
+        would keep a proposal that puts all its mass on one token (`speculative/verify.py`)."""
         dev = tokens.device
         emitted = on_device(dev, [0 if s.proposals else s.num_samples for s in specs], torch.long)  # [G]
         starts = list(itertools.accumulate((s.num_tokens for s in specs), initial=0))
-        greedy = [g for g, s in enumerate(specs) if s.proposals and s.params.greedy]
-        if greedy:
-            # Greedy: a proposal is kept while it is the argmax, and the argmax follows the last one kept, so the
-            # row's argmaxes are what it emits; it emits up to the first proposal that is not its argmax.
-            group, place, proposed, length = (list(c) for c in zip(
-                *((g, j, t, len(specs[g].proposals)) for g in greedy for j, t in enumerate(specs[g].proposals)),
-                strict=True))
-            group_t, place_t, proposed_t, length_t, at = on_device_packed(dev, [
-                group, place, proposed, length, [starts[g] + j for g, j in zip(group, place, strict=True)]])
-            first_miss = torch.where(tokens[at] == proposed_t, length_t, place_t)
-            kept = emitted.scatter_reduce(0, group_t, first_miss, "amin", include_self=False)  # [G]
-            emitted = torch.where(emitted == 0, kept + 1, emitted)
-        by_length: dict[int, list[int]] = {}
-        for g, s in enumerate(specs):
-            if s.proposals and not s.params.greedy:
-                by_length.setdefault(len(s.proposals), []).append(g)
-        for k, groups in by_length.items():  # rejection sampling, the rows with k proposals together
-            rows_at = [starts[g] + j for g in groups for j in range(k + 1)]
-            target = torch.stack([probs[r] for r in rows_at]).view(len(groups), k + 1, -1)  # [B, k + 1, V]
-            proposals = on_device(dev, [t for g in groups for t in specs[g].proposals], torch.long).view(-1, k)
-            accept_u, draw_u = self._verification_uniforms([[rows[r][0] for r in rows_at[b * (k + 1):(b + 1) * (k + 1)]]
-                                                            for b in range(len(groups))], target.dtype, dev)
-            kept, following = verify_sampled(target, proposals, None, accept_u, draw_u)
-            out = torch.cat([proposals, proposals[:, :1]], dim=1).scatter(1, kept[:, None], following[:, None])
-            index = on_device(dev, rows_at)
-            tokens = tokens.index_put((index,), out.flatten())
-            emitted = emitted.index_put((on_device(dev, groups),), kept + 1)
-        return tokens, emitted
-
-    def _verification_uniforms(self, positions: list[list[SampleSpec]], dtype: torch.dtype, dev: torch.device
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row of B, the uniforms [B, k] that test its k proposals and [B, k + 1] that draw the token after
-        the last kept, from its positions' specs: a seeded row's from its seed and each position's place (the draw
-        at a position the one a sequence without speculation makes there), others' from the generator."""
-        num_rows, width = len(positions), len(positions[0])
-        accept = torch.rand(num_rows, width - 1, generator=self.generator, device=dev, dtype=dtype)  # [B, k]
-        draw = torch.rand(num_rows, width, generator=self.generator, device=dev, dtype=dtype)  # [B, k + 1]
-        seeded = [b for b, specs in enumerate(positions) if specs[0].params.seed is not None]
-        if seeded:
-            index = on_device(dev, seeded)
-            accept[index] = on_device(dev, [draw_uniform(s.params.seed, s.sample_index, s.output_len, stream=1)
-                                            for b in seeded for s in positions[b][:-1]], dtype).view(-1, width - 1)
-            draw[index] = on_device(dev, [draw_uniform(s.params.seed, s.sample_index, s.output_len)
-                                          for b in seeded for s in positions[b]], dtype).view(-1, width)
-        return accept, draw
+        group, place, proposed, length = (list(c) for c in zip(
+            *((g, j, t, len(s.proposals)) for g, s in enumerate(specs) if s.proposals
+              for j, t in enumerate(s.proposals)), strict=True))
+        group_t, place_t, proposed_t, length_t, at = on_device_packed(dev, [
+            group, place, proposed, length, [starts[g] + j for g, j in zip(group, place, strict=True)]])
+        first_miss = torch.where(tokens[at] == proposed_t, length_t, place_t)
+        kept = emitted.scatter_reduce(0, group_t, first_miss, "amin", include_self=False)  # [G]
+        return torch.where(emitted == 0, kept + 1, emitted)
 
 
 def _at_position(spec: SampleSpec, j: int) -> SampleSpec:
