@@ -503,3 +503,31 @@ def test_a_bad_stream_interval_fails_the_deploy_by_name(bad):
 
     with pytest.raises(ValueError, match=r"stream_interval_ms=.* must be a number of milliseconds"):
         build_app({"stream_interval_ms": bad})
+
+
+def test_speculative_decoding_over_tensor_parallel_worker_actors(embedded_dir):
+    """Rows that verify proposals on 3 ranks (their draws shared with the others under async scheduling): greedy,
+    seeded, penalized, constrained and scored requests give the tokens of the same ranks without speculation, and
+    their logprobs to 1e-4 (gloo's all-reduce rounds a sum by the size of the whole step's tensor)."""
+    from .test_speculative_engine import speculating, summary
+
+    prompts = [f"Repeat exactly: {p} {p}" for p in PROMPTS[:5]]
+    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=5, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.2, logprobs=2),
+              grammar_mix()[1], SamplingParams(temperature=0, max_tokens=24, n=2)]
+    engine = dict(executor="ray", tensor_parallel_size=3, async_scheduling=True)
+    with LLM(str(embedded_dir), **engine) as llm:
+        expected = [summary(o) for o in llm.generate(prompts, params)]
+    llm = speculating(LLM(str(embedded_dir), **engine,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    try:
+        got = [summary(o) for o in llm.generate(prompts, params)]
+        assert [[c[:5] for c in o] for o in got] == [[c[:5] for c in o] for o in expected]
+        scored = [(g[0][5], e[0][5]) for g, e in zip(got, expected, strict=True) if e[0][5] is not None]
+        for got_entries, want_entries in scored:
+            assert [e[0] for e in got_entries] == [e[0] for e in want_entries]
+            assert [e[1] for e in got_entries] == pytest.approx([e[1] for e in want_entries], abs=1e-4)
+        stats = llm.stats()
+        assert stats["spec_num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    finally:
+        llm.shutdown()
