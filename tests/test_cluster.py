@@ -531,3 +531,23 @@ def test_speculative_decoding_over_tensor_parallel_worker_actors(embedded_dir):
         assert stats["spec_num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
     finally:
         llm.shutdown()
+
+
+def test_a_draft_model_on_a_worker_actor(tiny_random, tmp_path):
+    """The draft loads and proposes inside the worker actor (its pool beside the model's): greedy tokens and
+    logprobs to the bit of the in-process engine without speculation, every proposal of a draft equal to the model
+    kept."""
+    from .test_speculative_engine import speculating, summary
+
+    prompts = [[1000, 1001, 1002, 1003] * 3 + [2000] * i for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    with LLM(tiny_random, block_size=4) as llm:
+        expected = [summary(o) for o in llm.generate(prompts, params)]
+    llm = speculating(LLM(tiny_random, block_size=4, executor="ray", speculative_config={
+        "method": "draft_model", "model": tiny_random, "num_speculative_tokens": 3}))
+    try:
+        assert [summary(o) for o in llm.generate(prompts, params)] == expected
+        stats = llm.stats()
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_proposed_tokens"] > 0
+    finally:
+        llm.shutdown()

@@ -92,6 +92,70 @@ def test_greedy_and_seeded_output_with_ngram_speculation_is_the_output_without(e
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def random_variant(tmp_path_factory, tiny_random: str, name: str, **changes) -> str:
+    """tiny_random's config with `changes` (a key set to None: left out)."""
+    config = json.loads(open(tiny_random.removeprefix("random:")).read())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    d = tmp_path_factory.mktemp(name)
+    (d / "config.json").write_text(json.dumps(config))
+    return f"random:{d / 'config.json'}"
+
+
+@pytest.fixture(scope="module")
+def drafting(tmp_path_factory, tiny_random):
+    """tiny_random with an output layer of its own (tied to its embeddings, a random model tends to repeat its
+    input, which any draft predicts), alone and with two drafts: itself (every proposal kept) and its first layer
+    alone (random weights are drawn by name: the same embeddings, first layer and output layer), which proposes its
+    tokens often, not always."""
+    target = random_variant(tmp_path_factory, tiny_random, "untied", tie_word_embeddings=False)
+    first_layer = random_variant(tmp_path_factory, tiny_random, "first_layer", tie_word_embeddings=False,
+                                 num_hidden_layers=1)
+    llms = {"plain": LLM(target, **SMALL)}
+    llms.update({name: speculating(LLM(target, **SMALL, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3}))
+        for name, draft in (("itself", target), ("another", first_layer))})
+    yield llms
+    for llm in llms.values():
+        llm.shutdown()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=st.lists(st.tuples(prompt_strategy, params_strategy), min_size=1, max_size=8))
+def test_greedy_output_with_a_draft_model_is_the_output_without(drafting, workload):
+    """Greedy rows verify a draft's proposals as n-gram ones (the same tokens, logprobs to the bit); seeded rows
+    are rejection-sampled (their distribution is the model's, their tokens others). Penalized requests and bad
+    words get no draft (their proposals' counts and bans are on the host)."""
+    prompts = [prompt for prompt, _ in workload]
+    params = [p for _, p in workload]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    expected = [summary(o) for o in drafting["plain"].generate(prompts, params)]
+    for name in ("itself", "another"):
+        outs = drafting[name].generate(prompts, params)
+        assert [summary(outs[i]) for i in greedy] == [expected[i] for i in greedy]
+        stats = drafting[name].stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_draft_equal_to_the_model_is_always_kept_and_another_is_not(drafting):
+    prompts = [PREFIX + [ALPHABET[(i * j) % 5] for j in range(20 + i)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    counts = {}
+    for name in ("itself", "another"):
+        llm = drafting[name]
+        before = llm.stats()
+        with launched_batches(llm.llm_engine) as batches:
+            llm.generate(prompts, params)
+        after = llm.stats()
+        counts[name] = [after[k] - before[k] for k in ("spec_num_proposed_tokens", "spec_num_accepted_tokens")]
+        assert after["num_preemptions"] > before["num_preemptions"] and after["prefix_cache_hits"] > 0
+        assert all(s.draft for b in batches for s in b.samples if s.proposals)
+        # all of a row's proposals kept: the draft computes the last of them with the row after
+        assert any(b.draft_catch_up for b in batches) or name != "itself"
+    assert counts["itself"][0] == counts["itself"][1] > 0
+    assert 0 < counts["another"][1] < counts["another"][0]
+
+
 def test_a_workload_keeps_and_rejects_proposals_and_preempts(tiny_random):
     """The workload of the test above at its largest, once: proposals are kept and rejected, sequences are
     preempted, prompts hit the prefix cache, and every block comes back; the counts add up."""
@@ -171,33 +235,40 @@ def marginals(outs, positions: range, vocab: list[int]) -> list[list[int]]:
     return [[sum(o.outputs[0].token_ids[p] == t for o in outs) for t in vocab] for p in positions]
 
 
-def test_unseeded_sampled_output_has_the_targets_distribution(tmp_path, tiny_random):
-    """Unseeded draws verify proposals too: four allowed tokens, a prompt that repeats them (so that proposals come
-    every step), and 3,000 requests with speculation and 3,000 without, each engine with its own generator seed:
-    each output position's token counts are one distribution (a chi-square test of homogeneity, 3 degrees of
-    freedom, at p = 0.001: 16.27). A verification that kept proposals it should not would favour the proposed
-    tokens by far more. tiny_random with a vocabulary of 64 and no tokenizer: the draws' rows cost little."""
+def test_sampled_output_has_the_models_distribution(tmp_path, tiny_random):
+    """Four allowed tokens, a prompt that repeats them (so that proposals come every step), and 3,000 requests
+    without speculation, with n-gram proposals and with a draft model's (the model's first layer; rejection
+    sampling), each run with seeds of its own (independent draws; an engine's seed would draw other random
+    weights): each output position's token counts are one distribution (a chi-square test of homogeneity, 3
+    degrees of freedom, at p = 0.001: 16.27). A verification that kept proposals it should not would favour the
+    proposed tokens by far more. tiny_random with a vocabulary of 64 and no tokenizer: the draws' rows cost
+    little."""
     config = json.loads(open(tiny_random.removeprefix("random:")).read())
     config.update(vocab_size=64, bos_token_id=0, eos_token_id=1)
     (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    draft = {"method": "draft_model", "model": f"random:{tmp_path / 'draft' / 'config.json'}",
+             "num_speculative_tokens": 3}
     allowed = [10, 11, 12, 13]
     prompt = [10, 11, 12, 13, 10, 11, 12, 13, 10]
     counts = []
-    for seed, spec in ((1, None), (2, NGRAM)):
-        llm = speculating(LLM(f"random:{tmp_path / 'config.json'}", speculative_config=spec, max_num_seqs=256,
-                              seed=seed))
-        params = SamplingParams(temperature=1.5, allowed_token_ids=allowed, max_tokens=4)
-        outs = llm.generate([prompt] * 3000, params)
+    for first_seed, spec in ((0, None), (10_000, NGRAM), (20_000, draft)):
+        llm = speculating(LLM(f"random:{tmp_path / 'config.json'}", speculative_config=spec, max_num_seqs=256))
+        params = [SamplingParams(temperature=1.5, allowed_token_ids=allowed, max_tokens=4, seed=first_seed + i)
+                  for i in range(3000)]
+        outs = llm.generate([prompt] * len(params), params)
         stats = llm.stats()
         llm.shutdown()
         counts.append(marginals(outs, range(1, 4), allowed))
         if spec is not None:
-            assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_proposed_tokens"]
-    for plain, speculative in zip(*counts, strict=True):
-        total = [a + b for a, b in zip(plain, speculative, strict=True)]
-        chi2 = sum((row[t] - total[t] / 2) ** 2 / (total[t] / 2) for row in (plain, speculative)
-                   for t in range(len(allowed)) if total[t])
-        assert chi2 < 16.27, (plain, speculative)
+            assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_proposed_tokens"], spec["method"]
+    for speculative_counts in counts[1:]:
+        for plain, speculative in zip(counts[0], speculative_counts, strict=True):
+            total = [a + b for a, b in zip(plain, speculative, strict=True)]
+            chi2 = sum((row[t] - total[t] / 2) ** 2 / (total[t] / 2) for row in (plain, speculative)
+                       for t in range(len(allowed)) if total[t])
+            assert chi2 < 16.27, (plain, speculative)
 
 
 def test_min_tokens_holds_back_a_stop_token_among_proposals(engines):
@@ -225,7 +296,9 @@ def test_min_tokens_holds_back_a_stop_token_among_proposals(engines):
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "3"}, r"prompt_lookup_max='3' must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, r"speculative_config.lookahead is not a"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, r"speculative_config.model='x' is for"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, r"'draft_model' is not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config.model=None: method='draft_model'"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     r"speculative_config.prompt_lookup_max is for method='ngram'"),
     ("ngram", r"speculative_config='ngram' must be a mapping"),
 ])
 def test_bad_speculative_settings_are_refused_by_name(config, message):
@@ -305,3 +378,21 @@ def test_proposals_that_cost_more_than_they_are_likely_to_save_are_not_verified(
     rows = llm.stats()["spec_num_rows"]
     assert [summary(o) for o in llm.generate(prompts, params)] == expected and llm.stats()["spec_num_rows"] == rows
     llm.shutdown()
+
+
+def test_a_draft_the_model_cannot_run_beside_it_is_refused_by_name(tmp_path_factory, tiny_random):
+    other_vocab = random_variant(tmp_path_factory, tiny_random, "other_vocab", vocab_size=512)
+    short = random_variant(tmp_path_factory, tiny_random, "short", max_position_embeddings=64)
+    windowed = random_variant(tmp_path_factory, tiny_random, "windowed", model_type="qwen2",
+                              architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
+                              max_window_layers=1, attention_bias=None, mlp_bias=None)
+    cases = [(dict(model=other_vocab), r"has a vocabulary of 512 tokens, the model 49152: a draft must share"),
+             (dict(model=short), r"has 64 positions, fewer than max_model_len=512"),
+             (dict(model=windowed), r"the draft has sliding-window layers"),
+             (dict(model=tiny_random, tp=2), r"with tensor_parallel_size=2: a draft model runs on one worker")]
+    for case, message in cases:
+        engine = dict(executor="ray", tensor_parallel_size=2) if case.pop("tp", None) else {}
+        with pytest.raises(ValueError, match=message):
+            LLM(tiny_random, **engine, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                                           **case})
+

@@ -63,6 +63,15 @@ def test_profile_step_with_speculation_verifies_on_the_worker(tiny_random):
     engine.shutdown()
 
 
+def test_profile_step_with_a_draft_model_drafts_on_the_worker(tiny_random):
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_num_seqs=8, max_num_batched_tokens=100,
+                                    kv_cache_memory="1MiB", speculative_config={
+                                        "method": "draft_model", "model": tiny_random, "num_speculative_tokens": 4}))
+    out = engine.executor.worker.profile_step()
+    assert len(out.samples) == 8 and all(1 <= len(s.token_ids) <= 5 for s in out.samples)
+    engine.shutdown()
+
+
 def test_kv_budget():
     gib = 2**30
     # 80 GiB at 0.9 = 72 GiB, less 1 GiB weights, 2 GiB activations, 3 GiB of another process.

@@ -55,6 +55,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.source)
         # before the workers start: a wrong setting fails fast
         reasoning = reasoning_tags(config.reasoning_parser, self.tokenizer, self.model_config.vocab_size)
+        speculative = self._speculative()
         self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
         self.num_failures = 0
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -63,7 +64,7 @@ class LLMEngine:
         device_type = self.executor.device_type
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
                                    self.max_model_len, config.scheduling_policy,
-                                   self.model_config.long_rope_after, self._speculative())
+                                   self.model_config.long_rope_after, speculative)
         self.inputs = InputProcessor(self.model_config, self.tokenizer, self.eos_token_ids, reasoning,
                                      self.scheduler)
         self.grammars = self.inputs.grammars  # None without a tokenizer
@@ -367,7 +368,31 @@ class LLMEngine:
             raise ValueError(f"speculative_config with rope_scaling.rope_type={scaling['rope_type']!r}: its "
                              "frequencies depend on each token's sequence length, which one verification step "
                              "cannot give the tokens it checks")
+        if speculative is not None and speculative.method == "draft_model":
+            self._check_draft(speculative.model)
         return speculative
+
+    def _check_draft(self, path: str) -> None:
+        """Refuse, naming the setting, a draft model the workers could not run beside this model: one whose tokens
+        are not this model's, or that the draft's KV pool (the target's block ids, its own layers) cannot serve."""
+        draft = ModelConfig.from_file(resolve_model(path).config_path)
+        name = f"speculative_config.model={path!r}"
+        vocab = self.model_config.vocab_size
+        if draft.vocab_size != vocab:
+            raise ValueError(f"{name} has a vocabulary of {draft.vocab_size} tokens, the model {vocab}: a draft "
+                             "must share the model's tokenizer")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"{name} with tensor_parallel_size={self.config.tensor_parallel_size}: a draft model "
+                             "runs on one worker (use method 'ngram', or tensor_parallel_size=1)")
+        for who, config in (("the model", self.model_config), ("the draft", draft)):
+            if len(kv_groups(config.layer_windows)) > 1 or config.rope_scaling and config.rope_scaling[
+                    "rope_type"] in ("dynamic", "longrope"):
+                raise ValueError(f"{name}: {who} has sliding-window layers beside full ones, or rotary frequencies "
+                                 "that follow the sequence's length; a draft shares one block table per sequence "
+                                 "with the model, and needs neither")
+        limit = draft.max_position_embeddings
+        if limit < self.max_model_len:
+            raise ValueError(f"{name} has {limit} positions, fewer than max_model_len={self.max_model_len}")
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -36,6 +36,9 @@ class SampleSpec:
     proposal_bans: list[list[int] | None] | None = None
     # Structured outputs: the grammar's mask at each proposal's position past the first (`token_bitmask` is the first's)
     proposal_bitmasks: list[bytes | None] | None = None
+    # The proposals are a draft model's, made on the worker (`workers/draft.py`): `proposals` holds placeholders
+    # (-1), as the row's input ids do, and the sampler verifies the draft's tokens with its distributions.
+    draft: bool = False
 
     @property
     def num_positions(self) -> int:
@@ -101,6 +104,9 @@ class StepBatch:
     # known, which a prefill chunk's context does not reach yet): what dynamic NTK and LongRoPE rotary embeddings
     # choose their frequencies by. Empty: context_lens.
     seq_lens: list[int] = field(default_factory=list)
+    # A draft model's K/V behind the target's by one token (all of a row's last proposals were kept, the last of
+    # which no draft pass computed): (row, that token), which the draft computes first (`workers/draft.py`).
+    draft_catch_up: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -110,6 +110,8 @@ class Sequence:
         # Speculative decoding: where each n-gram of its tokens first occurs (made when it first decodes)
         self.ngram_index: NgramIndex | None = None
         self.spec_acceptance: Acceptance | None = None  # how often its proposals were kept lately
+        # A draft model's K/V lack its token before the next to compute (`StepBatch.draft_catch_up`)
+        self.draft_lag = False
         self.num_new_tokens = 0  # the tokens its last step appended (several where proposals were kept)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -259,6 +259,9 @@ class Scheduler:
                 batch.deferred_inputs.append((len(batch.input_ids), seq.pending_sample))
                 batch.input_ids.append(-1)
             batch.input_ids.extend(proposals)
+            if seq.draft_lag:  # the draft computes the token it has not, before this row's
+                batch.draft_catch_up.append((row, seq.token_ids[start - 1]))
+                seq.draft_lag = False
             seq.num_computed_tokens = end
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + num_new)
             batch.context_lens.append(end)
@@ -298,6 +301,7 @@ class Scheduler:
                     banned_token_ids=self._banned_tokens(seq, num_output),
                     proposals=proposals or None,
                     proposal_bans=self._proposal_bans(seq, num_output, proposals),
+                    draft=bool(proposals) and self.speculative.method == "draft_model",
                 ))
         return batch
 
@@ -313,15 +317,23 @@ class Scheduler:
             return []
         k = min(config.num_speculative_tokens, budget - 1, self.max_model_len - seq.num_tokens - 1,
                 seq.request.max_tokens - seq.num_output_tokens - 1)
-        if seq.ngram_index is None:
-            seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-        proposals = seq.ngram_index.propose(seq.token_ids, k)
+        if config.method == "draft_model":
+            # The draft's tokens are made on the worker: slots for them here. Not for what needs the proposals on
+            # the host: a grammar's check, penalties' counts, the bans of a bad word of several tokens.
+            request = seq.request
+            if constrained or request.params.needs_penalties or request.bans_by_history:
+                return []
+            proposals = [DRAFTED] * max(k, 0)
+        else:
+            if seq.ngram_index is None:
+                seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            proposals = seq.ngram_index.propose(seq.token_ids, k)
         if proposals:
             if seq.spec_acceptance is None:
                 seq.spec_acceptance = spec_policy.Acceptance(spec_policy.SEQUENCE_DECAY)
             acceptance = spec_policy.sequence_acceptance(seq.spec_acceptance, self.spec_acceptance)
-            proposals = proposals[:spec_policy.worth_verifying(len(proposals), acceptance, self.step_cost.fit(),
-                                                   len(self.running))]
+            worth = spec_policy.worth_verifying(len(proposals), acceptance, self.step_cost.fit(), len(self.running))
+            proposals = proposals[:worth]
         return self.grammar_proposals(seq, proposals) if constrained and proposals else proposals
 
     def _proposal_bans(self, seq: Sequence, num_output: int, proposals: list[int]) -> list[list[int] | None] | None:
@@ -449,6 +461,8 @@ class Scheduler:
         seq.spec_acceptance.record(len(proposals), emitted - 1)
         if seq.status == SequenceStatus.RUNNING:
             self.block_manager.rollback(seq, seq.num_tokens + emitted - 1)
+            # A draft computed each proposal but the last: all kept, it lacks that one's K/V
+            seq.draft_lag = self.speculative.method == "draft_model" and emitted - 1 == len(proposals)
         for j in range(emitted):
             self._append_token(seq, sampled, j)
             if seq.finished:
@@ -497,6 +511,7 @@ class Scheduler:
         `BlockManager.free` for `tail_written`)."""
         self.block_manager.free(seq, tail_written)
         seq.penalty_counts_sent = False  # its slot's counts go with the slot
+        seq.draft_lag = False  # recomputed from its first token not cached, the draft's K/V with it
         if seq.slot is not None:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None
@@ -536,6 +551,7 @@ def _logprobs(scored: SampledTokens, j: int) -> PositionLogprobs:
 
 
 POLICIES = ("fcfs", "priority")
+DRAFTED = -1  # a draft model's proposal's place in a row, its token made on the worker
 
 
 def _urgency(seq: Sequence) -> tuple[int, int, int]:

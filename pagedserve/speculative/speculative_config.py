@@ -17,6 +17,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: the most tokens proposed for a sequence per step
     prompt_lookup_min: int = DEFAULT_LOOKUP  # ngram: the shortest n-gram that counts as a match
     prompt_lookup_max: int = DEFAULT_LOOKUP  # ngram: the longest n-gram looked for
+    model: str | None = None  # draft_model: the draft's checkpoint (a directory, a .gguf, random:<config.json>)
 
     @classmethod
     def parse(cls, value: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -36,9 +37,14 @@ class SpeculativeConfig:
         if not _positive_int(k):
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer >= 1")
         if method == "draft_model":
-            # Not computed yet: refused rather than ignored.
-            raise ValueError("speculative_config.method='draft_model' is not supported by this engine yet "
-                             "(use 'ngram')")
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"speculative_config.model={model!r}: method='draft_model' needs the draft's "
+                                 "checkpoint (a directory, a .gguf file or random:<config.json>)")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if value.get(name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method='ngram', not 'draft_model'")
+            return cls(method, k, model=model)
         if value.get("model") is not None:
             raise ValueError(f"speculative_config.model={value['model']!r} is for method='draft_model', not "
                              f"{method!r}")

@@ -7,11 +7,13 @@ import torch
 import xxhash
 
 
-def draw_uniform(seed: int, sample_index: int, output_len: int) -> float:
+def draw_uniform(seed: int, sample_index: int, output_len: int, stream: int = 0) -> float:
     """The uniform in [0, 1) of one seeded draw: a hash of the request's seed and the draw's place only, so
     the same seed gives the same tokens whatever else is in the batch, even after preemption, and whether the
-    draw verifies a proposal (speculative decoding) or not."""
-    data = b"".join(x.to_bytes(8, "little", signed=True) for x in (seed, sample_index, output_len))
+    draw verifies a proposal (speculative decoding) or not. `stream`: another uniform for the same place, apart
+    from the draw's (a draft model's draw there, and rejection sampling's test of its proposal)."""
+    places = (seed, sample_index, output_len) + ((stream,) if stream else ())
+    data = b"".join(x.to_bytes(8, "little", signed=True) for x in places)
     return (xxhash.xxh64_intdigest(data) >> 40) * 2.0**-24  # the top 24 bits: exact in fp32, below 1
 
 

@@ -12,6 +12,7 @@ from pagedserve.kernels.cpu.native_forward import native_forward
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
+from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.kv_pool import layer_caches, model_kv_groups
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.parallel import broadcast
@@ -42,8 +43,9 @@ class LaunchedStep:
 
     draws: Draws | None
     prompt_scores: Draws | None  # a group per PromptLogprobSpec
-    # A step that waits for its `StepBatch.late_masks` (`ModelRunner.sample`): its batch and logits [S, V].
-    waiting: tuple[StepBatch, torch.Tensor] | None = None
+    # A step that waits for its `StepBatch.late_masks` (`ModelRunner.sample`): its batch, logits [S, V] and a draft
+    # model's proposals with their distributions.
+    waiting: tuple[StepBatch, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 class ModelRunner:
@@ -66,6 +68,7 @@ class ModelRunner:
         self.block_tables = [BlockTables(self.device) for _ in range(self.num_groups)]  # per KV-cache group
         # None: the modules run the layers (always for a model with windows, which the native one leaves them)
         self.native_forward = native_forward(model, kv_pool, backend) if self.num_groups == 1 else None
+        self.draft: DraftRunner | None = None  # speculative decoding's draft model (`Worker.init_kv_pool`)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -88,6 +91,9 @@ class ModelRunner:
         if batch.block_copies:
             src, dst = inputs.copies
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]  # every source gathered before any write
+            if self.draft is not None:
+                self.draft.kv_pool[:, :, dst] = self.draft.kv_pool[:, :, src]
+        drafts = self._drafts(batch, inputs.input_ids)
         ctx = inputs.ctx
         if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
@@ -108,24 +114,39 @@ class ModelRunner:
                     torch.empty(sum(s.num_tokens for s in batch.samples), dtype=torch.long, device=self.device))
             return LaunchedStep(None, prompt_scores)
         if batch.late_masks and late_masks is None:
-            return LaunchedStep(None, prompt_scores, waiting=(batch, logits))
-        return LaunchedStep(self._draw(batch, logits, late_masks), prompt_scores)
+            return LaunchedStep(None, prompt_scores, waiting=(batch, logits, drafts))
+        return LaunchedStep(self._draw(batch, logits, late_masks, drafts), prompt_scores)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, late_masks: list[bytes | None]) -> None:
         """Queue the draws of a launched step that waits for its masks (`StepBatch.late_masks`)."""
         if step.waiting is None:
             raise RuntimeError("the step was given grammar masks but does not wait for any")
-        (batch, logits), step.waiting = step.waiting, None
-        step.draws = self._draw(batch, logits, late_masks)
+        (batch, logits, drafts), step.waiting = step.waiting, None
+        step.draws = self._draw(batch, logits, late_masks, drafts)
 
-    def _draw(self, batch: StepBatch, logits: torch.Tensor, late_masks: list[bytes | None] | None) -> Draws:
+    def _drafts(self, batch: StepBatch, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The draft model's proposals for the batch's `draft` samples and their distributions (None without
+        any), written into `input_ids` [T] at the proposals' slots of their rows: the draft runs first."""
+        if self.draft is None:
+            return None
+        tokens, probs = self.draft.propose(batch, input_ids, self.block_tables[0])  # its K/V kept up every step
+        drafted = [s for s in batch.samples if s.draft]
+        if not drafted:
+            return None
+        cu = batch.cu_seqlens_q
+        slots = [cu[s.row + 1] - len(s.proposals) + j for s in drafted for j in range(len(s.proposals))]
+        input_ids[on_device(self.device, slots)] = tokens
+        return tokens, probs
+
+    def _draw(self, batch: StepBatch, logits: torch.Tensor, late_masks: list[bytes | None] | None,
+              drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> Draws:
         specs = batch.samples
         if late_masks is not None:
             specs = list(specs)
             for i, mask in zip(batch.late_masks, late_masks, strict=True):
                 specs[i] = replace(specs[i], token_bitmask=mask)
-        draws = self.sampler.draw(logits, specs, [batch.slots[s.row] for s in specs])
+        draws = self.sampler.draw(logits, specs, [batch.slots[s.row] for s in specs], drafts)
         self.last_tokens = self._shared_draws(draws.tokens) if self.share_draws else draws.tokens
         draws.to_host()
         return draws

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedserve.scheduler.batch import SampledTokens, SampleSpec
+from pagedserve.speculative.verify import verify_sampled
 from pagedserve.workers.draw import draw_uniform, inverse_transform
 from pagedserve.workers.penalties import PenaltyCounts
 from pagedserve.workers.tensors import fill_at, on_device, on_device_packed, to_device
@@ -85,10 +86,12 @@ class Sampler:
         """logits [len(specs), V] fp32, one row per spec; a spec with num_samples=k draws k tokens."""
         return self.draw(logits, specs).outputs()
 
-    def draw(self, logits: torch.Tensor, specs: list[SampleSpec], slots: list[int] | None = None) -> Draws:
+    def draw(self, logits: torch.Tensor, specs: list[SampleSpec], slots: list[int] | None = None,
+             drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> Draws:
         """`__call__` without reading the draws back: nothing here waits for the device. `slots`: each spec's
         block-table slot, which keys its penalty counts (default: its index in `specs`). `logits` [P, V] hold
-        each spec's `num_positions` rows in order: a speculative spec's proposals are verified against them."""
+        each spec's `num_positions` rows in order: a speculative spec's proposals are verified against them.
+        `drafts`: a draft model's proposals for the `draft` specs [Q] and their distributions [Q, V]."""
         dev = logits.device
         slots = list(range(len(specs))) if slots is None else slots
         rows: list[tuple[SampleSpec, int]] = []  # one per draw: (the spec as its position draws, sample i)
@@ -111,7 +114,9 @@ class Sampler:
         logits = self.penalties.apply(logits, rows, draw_slots, before)
         logits = _apply_bias_and_bans(logits, rows, self.rows_at_once)
         tokens = self._pick(logits, rows)  # [D]
-        emitted = self._verify(tokens, specs) if any(s.proposals for s in specs) else None
+        emitted = None
+        if any(s.proposals for s in specs):
+            tokens, emitted = self._verify(tokens, specs, logits, rows, drafts)
         self.penalties.record(rows, draw_slots, tokens, _counted(specs, emitted))
         draws = Draws([(s.num_tokens, s.params.logprobs) for s in specs], tokens, emitted=emitted)
         if raw_logprobs is not None:
@@ -131,7 +136,7 @@ class Sampler:
         if len(drawn) < len(rows):  # a mixed batch: the greedy rows' [V] rows go no further than argmax
             index = on_device(dev, drawn)
             logits, uniform, rows = logits[index], uniform[index], [rows[r] for r in drawn]  # [S, V], [S, 1]
-        probs = _distributions(logits, rows)
+        probs = distributions(logits, rows)
         seeded = [(r, draw_uniform(spec.params.seed, spec.sample_index + i, spec.output_len))
                   for r, (spec, i) in enumerate(rows) if spec.params.seed is not None]
         if seeded:  # made on the host: no generator or kernel per seeded draw
@@ -141,25 +146,86 @@ class Sampler:
             return sampled
         return greedy_tokens.index_put_((index,), sampled)
 
-    @staticmethod
-    def _verify(tokens: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
-        """How many tokens each spec emits [G]: a speculative spec its proposals up to the first that is not the
-        token its position draws, then that token. Each position's token is drawn as it would be one step at a time
-        (the argmax, or the draw by its place's uniform: a seed's, or the generator's), so the tokens it emits are
-        exactly those, greedy or seeded, whatever was proposed: the output with speculation is the output without.
-        A proposal is kept with the probability its position's distribution gives it, as rejection sampling
-        would keep a proposal that puts all its mass on one token (`speculative/verify.py`)."""
+    def _verify(self, tokens: torch.Tensor, specs: list[SampleSpec], logits: torch.Tensor,
+                rows: list[tuple[SampleSpec, int]], drafts: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each spec emits: the tokens [D] with a speculative spec's replaced where it emits others, and how
+        many of its tokens each emits [G].
+
+        Proposals without a distribution (n-gram lookup), and a draft model's for greedy rows: a spec emits its
+        proposals up to the first that is not the token its position draws, then that token. Each position's token
+        is drawn as it would be one step at a time (the argmax, or the draw by its place's uniform: a seed's, or the
+        generator's), so the tokens it emits are exactly those, greedy or seeded, whatever was proposed: the output
+        with speculation is the output without. A proposal is kept with the probability its position's
+        distribution gives it, as rejection sampling would keep a proposal that puts all its mass on one token.
+        A draft model's proposals for sampled rows, drawn from its distributions q: rejection sampling
+        (`speculative/verify.py`), whose output has the target's distribution (the tokens differ from those one
+        step at a time)."""
         dev = tokens.device
         emitted = on_device(dev, [0 if s.proposals else s.num_samples for s in specs], torch.long)  # [G]
         starts = list(itertools.accumulate((s.num_tokens for s in specs), initial=0))
-        group, place, proposed, length = (list(c) for c in zip(
-            *((g, j, t, len(s.proposals)) for g, s in enumerate(specs) if s.proposals
-              for j, t in enumerate(s.proposals)), strict=True))
-        group_t, place_t, proposed_t, length_t, at = on_device_packed(dev, [
-            group, place, proposed, length, [starts[g] + j for g, j in zip(group, place, strict=True)]])
-        first_miss = torch.where(tokens[at] == proposed_t, length_t, place_t)
-        kept = emitted.scatter_reduce(0, group_t, first_miss, "amin", include_self=False)  # [G]
-        return torch.where(emitted == 0, kept + 1, emitted)
+        proposed = self._proposals(specs, drafts, dev)  # [P], spec after spec
+        first = list(itertools.accumulate((len(s.proposals or ()) for s in specs), initial=0))
+        by_draw = [g for g, s in enumerate(specs) if s.proposals and not (s.draft and not s.params.greedy)]
+        if by_draw:
+            group, place, length = (list(c) for c in zip(
+                *((g, j, len(specs[g].proposals)) for g in by_draw for j in range(len(specs[g].proposals))),
+                strict=True))
+            group_t, place_t, length_t, at, flat = on_device_packed(dev, [
+                group, place, length, [starts[g] + j for g, j in zip(group, place, strict=True)],
+                [first[g] + j for g, j in zip(group, place, strict=True)]])
+            first_miss = torch.where(tokens[at] == proposed[flat], length_t, place_t)
+            kept = emitted.scatter_reduce(0, group_t, first_miss, "amin", include_self=False)  # [G]
+            emitted = torch.where(emitted == 0, kept + 1, emitted)
+        by_length: dict[int, list[int]] = {}
+        for g, s in enumerate(specs):
+            if s.proposals and s.draft and not s.params.greedy:
+                by_length.setdefault(len(s.proposals), []).append(g)
+        for k, groups in by_length.items():  # rejection sampling, the rows with k proposals together
+            rows_at = [starts[g] + j for g in groups for j in range(k + 1)]
+            index = on_device(dev, rows_at)
+            target = distributions(logits[index], [rows[r] for r in rows_at]).view(len(groups), k + 1, -1)
+            flat = on_device(dev, [first[g] + j for g in groups for j in range(k)])
+            draft_row = [sum(len(t.proposals) for t in specs[:g] if t.draft) for g in groups]
+            q_index = on_device(dev, [d + j for d in draft_row for j in range(k)])
+            positions = [[rows[r][0] for r in rows_at[b * (k + 1):(b + 1) * (k + 1)]] for b in range(len(groups))]
+            accept_u, draw_u = self._verification_uniforms(positions, target.dtype, dev)
+            proposals = proposed[flat].view(len(groups), k)
+            q = drafts[1][q_index].view(len(groups), k, -1).to(target.dtype)  # [B, k, V]
+            kept, following = verify_sampled(target, proposals, q, accept_u, draw_u)
+            out = torch.cat([proposals, proposals[:, :1]], dim=1).scatter(1, kept[:, None], following[:, None])
+            tokens = tokens.index_put((index,), out.flatten())
+            emitted = emitted.index_put((on_device(dev, groups),), kept + 1)
+        return tokens, emitted
+
+    @staticmethod
+    def _proposals(specs: list[SampleSpec], drafts: tuple[torch.Tensor, torch.Tensor] | None,
+                   dev: torch.device) -> torch.Tensor:
+        """Every spec's proposals in order [P]: the host's, and a draft model's in the `draft` specs' places."""
+        proposed = on_device(dev, [t for s in specs for t in (s.proposals or ())], torch.long)
+        drafted = [i for i, is_draft in enumerate(s.draft for s in specs for _ in (s.proposals or ())) if is_draft]
+        if drafted:
+            if drafts is None:
+                raise RuntimeError("the step has a draft model's proposal slots but no draft's proposals")
+            proposed[on_device(dev, drafted)] = drafts[0]
+        return proposed
+
+    def _verification_uniforms(self, positions: list[list[SampleSpec]], dtype: torch.dtype, dev: torch.device
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of B, the uniforms [B, k] that test its k proposals and [B, k + 1] that draw the token after
+        the last kept, from its positions' specs: a seeded row's from its seed and each position's place (the
+        draw the one a step without speculation makes there), others' from the generator."""
+        num_rows, width = len(positions), len(positions[0])
+        accept = torch.rand(num_rows, width - 1, generator=self.generator, device=dev, dtype=dtype)  # [B, k]
+        draw = torch.rand(num_rows, width, generator=self.generator, device=dev, dtype=dtype)  # [B, k + 1]
+        seeded = [b for b, specs in enumerate(positions) if specs[0].params.seed is not None]
+        if seeded:
+            index = on_device(dev, seeded)
+            accept[index] = on_device(dev, [draw_uniform(s.params.seed, s.sample_index, s.output_len, stream=1)
+                                            for b in seeded for s in positions[b][:-1]], dtype).view(-1, width - 1)
+            draw[index] = on_device(dev, [draw_uniform(s.params.seed, s.sample_index, s.output_len)
+                                          for b in seeded for s in positions[b]], dtype).view(-1, width)
+        return accept, draw
 
 
 def _at_position(spec: SampleSpec, j: int) -> SampleSpec:
@@ -182,7 +248,7 @@ def _counted(specs: list[SampleSpec], emitted: torch.Tensor | None) -> torch.Ten
     return place < torch.where(emitted[group] > 0, emitted[group], 1)
 
 
-def _distributions(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
+def distributions(logits: torch.Tensor, rows: list[tuple[SampleSpec, int]]) -> torch.Tensor:
     """What each row draws from [S, V]: temperature, top-k, top-p, then min-p (unnormalised where min-p cuts)."""
     dev = logits.device
     temperature = on_device(dev, [s.params.temperature for s, _ in rows], logits.dtype)

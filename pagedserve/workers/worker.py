@@ -16,10 +16,12 @@ from pagedserve.kernels.cpu import quant_linear
 from pagedserve.kernels.cpu.native_forward import attach_native_experts
 from pagedserve.kernels.cpu.packed_linear import can_pack, pack_linears
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
+from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, model_kv_groups, parse_memory
-from pagedserve.workers.loader import ModelSource, build_model
+from pagedserve.workers.loader import ModelSource, build_model, resolve_model
 from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
+from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout
 from pagedserve.workers.sampler import Sampler
@@ -54,34 +56,46 @@ class Worker:
         if world_size > 1:
             backend = _init_distributed(self.device, rank, world_size, dist_init_method, config.shares_gpus())
         self.tp = TPLayout.make(model_config, rank, world_size, host_collectives=backend == "gloo")
-        blocks = None if source.is_random else source.weights_dir / GGUF_BLOCKS_NAME
-        held_by = None
-        if config.gguf_linears and blocks is not None and blocks.is_file() and quant_linear.available(
-                self.device, self.dtype):
-            # The layers a GGUF holds as blocks are made from them before the checkpoint is read, so their fp32
-            # copies are never loaded: memory holds about the GGUF's bytes, not four bytes a weight.
-            held_by = functools.partial(quant_linear.load_gguf_linears, blocks_path=blocks)
-        self.model = build_model(source, model_config, self.dtype, self.device, max_model_len, config.seed, self.tp,
-                                 held_by)
-        if quant_linear.available(self.device, self.dtype):
-            # The other fp32 layers through the same kernel, unquantized: every row computed the same way in any
-            # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step. A 16-bit
-            # checkpoint's weights stay 16-bit there, exactly: half the bytes a decode step streams.
-            quant_linear.load_fp32_linears(self.model)
-            attach_native_experts(self.model)  # a MoE layer's experts on those layers: one native call
-            embedding = quant_linear.hold_embedding(self.model)
-            table, head = self.model.model.embed_tokens.table, getattr(self.model, "lm_head", None)
-            types = Counter(m.qtype for m in self.model.modules()
-                            if isinstance(m, quant_linear.QuantLinear) and (m is not table or m is head))
-            log.info("rank %d: linear layers on the CPU kernel, by weight type: %s; embedding table %s", rank,
-                     ", ".join(f"{t} {n}" for t, n in sorted(types.items())), embedding)
-        if can_pack(self.device, self.dtype):  # what is left: bf16, or a CPU without AVX2
-            pack_linears(self.model, PACK_BATCH_HINT)
+        self.model = self._load(source, model_config, self.tp)
+        self.draft_model: CausalLM | None = None
+        speculative = config.speculative()
+        if speculative is not None and speculative.method == "draft_model":
+            draft_source = resolve_model(speculative.model)
+            draft_config = ModelConfig.from_file(draft_source.config_path)
+            self.draft_model = self._load(draft_source, draft_config, TPLayout.make(draft_config, 0, 1))
         _return_freed_heap()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.available_blocks = self._count_blocks()
         self.runner: ModelRunner | None = None
+
+    def _load(self, source: ModelSource, model_config: ModelConfig, tp: TPLayout) -> CausalLM:
+        """A model (the target, or a draft) with its weights on this worker's device, its linear layers on the
+        kernels that serve them here."""
+        blocks = None if source.is_random else source.weights_dir / GGUF_BLOCKS_NAME
+        held_by = None
+        if self.config.gguf_linears and blocks is not None and blocks.is_file() and quant_linear.available(
+                self.device, self.dtype):
+            # The layers a GGUF holds as blocks are made from them before the checkpoint is read, so their fp32
+            # copies are never loaded: memory holds about the GGUF's bytes, not four bytes a weight.
+            held_by = functools.partial(quant_linear.load_gguf_linears, blocks_path=blocks)
+        model = build_model(source, model_config, self.dtype, self.device, self.max_model_len, self.config.seed,
+                            tp, held_by)
+        if quant_linear.available(self.device, self.dtype):
+            # The other fp32 layers through the same kernel, unquantized: every row computed the same way in any
+            # batch (oneDNN's GEMM blocks by the batch's rows), and the whole model in one call per step. A 16-bit
+            # checkpoint's weights stay 16-bit there, exactly: half the bytes a decode step streams.
+            quant_linear.load_fp32_linears(model)
+            attach_native_experts(model)  # a MoE layer's experts on those layers: one native call
+            embedding = quant_linear.hold_embedding(model)
+            table, head = model.model.embed_tokens.table, getattr(model, "lm_head", None)
+            types = Counter(m.qtype for m in model.modules()
+                            if isinstance(m, quant_linear.QuantLinear) and (m is not table or m is head))
+            log.info("rank %d: linear layers on the CPU kernel, by weight type: %s; embedding table %s", self.rank,
+                     ", ".join(f"{t} {n}" for t, n in sorted(types.items())), embedding)
+        if can_pack(self.device, self.dtype):  # what is left: bf16, or a CPU without AVX2
+            pack_linears(model, PACK_BATCH_HINT)
+        return model
 
     def init_kv_pool(self, num_blocks: int) -> None:
         """The pool of `num_blocks` blocks, shared by the KV-cache groups."""
@@ -91,6 +105,11 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
                                   self.sampler if self.rank == 0 else None,
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
+        if self.draft_model is not None:  # its pool indexed by the same block ids
+            draft_pool = allocate_kv_pool(self.draft_model.config, num_blocks, self.config.block_size, self.dtype,
+                                          self.device)
+            self.runner.draft = DraftRunner(self.draft_model, draft_pool, self.backend, self.config.block_size,
+                                            self.sampler.generator)
         if self.config.replays_graphs(self.device.type):
             if self.device.type == "cuda" and self.model_config.num_experts and self.backend.fused_experts is None:
                 # the loop over experts reads each expert's token count on the host: not capturable
@@ -123,6 +142,8 @@ class Worker:
         """How many blocks of the shared pool the KV budget holds."""
         sliding = any(group.window is not None for group in model_kv_groups(self.model_config))
         per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp.num_kv_heads)
+        if self.draft_model is not None:  # a draft's pool has as many blocks
+            per_block += bytes_per_block(self.draft_model.config, self.config.block_size, self.dtype)
         if self.config.kv_cache_memory is not None:
             budget = parse_memory(self.config.kv_cache_memory)
         elif self.device.type == "cuda":
@@ -164,12 +185,17 @@ class Worker:
         speculative = self.config.speculative()
         batch = profile_batch(self.config.batched_tokens(self.device.type), self.config.max_num_seqs,
                               self.config.block_size, num_groups,
-                              speculative.num_speculative_tokens if speculative else 0)
+                              speculative.num_speculative_tokens if speculative else 0, self.draft_model is not None)
         num_blocks = sum(len(ids) for _, _, ids in batch.table_updates[0])
         pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                 self.tp.num_kv_heads)
         runner = ModelRunner(self.model, pool, self.backend, self.config.block_size,
                              self.sampler if self.rank == 0 else None)
+        if self.draft_model is not None:  # its passes and its distributions count in the peak too
+            draft_pool = allocate_kv_pool(self.draft_model.config, num_blocks, self.config.block_size, self.dtype,
+                                          self.device)
+            runner.draft = DraftRunner(self.draft_model, draft_pool, self.backend, self.config.block_size,
+                                       self.sampler.generator)
         return runner.execute(batch)
 
 
@@ -183,16 +209,16 @@ def kv_budget(total: int, utilization: float, allocated: int, activation_peak: i
 
 
 def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_groups: int = 1,
-                  num_proposals: int = 0) -> StepBatch:
+                  num_proposals: int = 0, draft: bool = False) -> StepBatch:
     """The worst step the scheduler can send: `num_tokens` fresh tokens spread over as many rows as it
     allows, every row sampled with the costliest sampling path (penalties, top-k/top-p sort, min-p, 20
     logprobs), and with speculative decoding (`num_proposals` a row at most) verifying as many of its last tokens
-    as proposals as it may: the sampler's rows are then up to 1 + num_proposals a row. The penalties make the
-    sampler allocate its counts up to its rows' slots, memory that stays and is so counted in the profile: the rows
-    take the last slots, so that the counts cover all max_num_seqs slots the scheduler may hand out, even when a
-    step holds fewer rows than that. Its
-    sequence ids are negative: no real sequence's counts are these. Every KV-cache group gets the same tables (the
-    groups then write the same pages of the throwaway pool: its values are never read as anyone's)."""
+    as proposals as it may (`draft`: a draft model's): the sampler's rows are then up to 1 + num_proposals a row.
+    The penalties make the sampler allocate its counts up to its rows' slots, memory that stays and is so counted
+    in the profile: the rows take the last slots, so that the counts cover all max_num_seqs slots the scheduler may
+    hand out, even when a step holds fewer rows than that. Its sequence ids are negative: no real sequence's counts
+    are these. Every KV-cache group gets the same tables (the groups then write the same pages of the throwaway
+    pool: its values are never read as anyone's)."""
     from pagedserve.sampling_params import SamplingParams
 
     rows = max(1, min(max_num_seqs, num_tokens))
@@ -208,7 +234,8 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_group
                             repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
     samples = [SampleSpec(seq_id=-1 - r, row=r, num_samples=1, sample_index=0, output_len=0, params=costly,
                           prompt_token_ids=[0] * n, output_token_ids=[],
-                          proposals=[0] * min(num_proposals, n - 1) or None) for r, n in enumerate(row_len)]
+                          proposals=[0] * min(num_proposals, n - 1) or None, draft=draft and n > 1)
+               for r, n in enumerate(row_len)]
     return StepBatch(input_ids=[0] * num_tokens, cu_seqlens_q=cu, context_lens=row_len, slots=slots,
                      table_updates=[updates] * num_groups, block_copies=[],
                      samples=samples)
