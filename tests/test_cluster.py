@@ -512,9 +512,9 @@ def test_speculative_decoding_over_tensor_parallel_worker_actors(embedded_dir):
     from .test_speculative_engine import speculating, summary
 
     prompts = [f"Repeat exactly: {p} {p}" for p in PROMPTS[:5]]
-    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=5, max_tokens=24),
-              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.2, logprobs=2),
-              grammar_mix()[1], SamplingParams(temperature=0, max_tokens=24, n=2)]
+    params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0.8, seed=5, max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.2, logprobs=2),
+              grammar_mix()[1], SamplingParams(temperature=0, max_tokens=16, n=2)]
     engine = dict(executor="ray", tensor_parallel_size=3, async_scheduling=True)
     with LLM(str(embedded_dir), **engine) as llm:
         expected = [summary(o) for o in llm.generate(prompts, params)]

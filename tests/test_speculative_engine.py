@@ -80,7 +80,7 @@ prompt_strategy = st.tuples(st.booleans(), st.lists(st.sampled_from(ALPHABET), m
     lambda shared_body: (PREFIX if shared_body[0] else []) + shared_body[1])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=st.lists(st.tuples(prompt_strategy, params_strategy), min_size=1, max_size=8))
 def test_greedy_and_seeded_output_with_ngram_speculation_is_the_output_without(engines, workload):
     plain, speculative = engines
@@ -120,7 +120,7 @@ def drafting(tmp_path_factory, tiny_random):
         llm.shutdown()
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=st.lists(st.tuples(prompt_strategy, params_strategy), min_size=1, max_size=8))
 def test_greedy_output_with_a_draft_model_is_the_output_without(drafting, workload):
     """Greedy rows verify a draft's proposals as n-gram ones (the same tokens, logprobs to the bit); seeded rows

@@ -1,2 +1,3 @@
-"""Speculative decoding: proposals of the next tokens (`ngram.py`), and their verification against the target
-model's distributions, lossless (`verify.py`)."""
+"""Speculative decoding: its settings (`speculative_config.py`), n-gram proposals (`ngram.py`), how many proposals a
+step verifies (`policy.py`), and rejection sampling of a draft model's proposals (`verify.py`; the draft runs in
+`workers/draft.py`, the verification in `workers/sampler.py`)."""

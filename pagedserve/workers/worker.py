@@ -105,11 +105,7 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_pool, self.backend, self.config.block_size,
                                   self.sampler if self.rank == 0 else None,
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
-        if self.draft_model is not None:  # its pool indexed by the same block ids
-            draft_pool = allocate_kv_pool(self.draft_model.config, num_blocks, self.config.block_size, self.dtype,
-                                          self.device)
-            self.runner.draft = DraftRunner(self.draft_model, draft_pool, self.backend, self.config.block_size,
-                                            self.sampler.generator)
+        self.runner.draft = self._draft_runner(num_blocks)
         if self.config.replays_graphs(self.device.type):
             if self.device.type == "cuda" and self.model_config.num_experts and self.backend.fused_experts is None:
                 # the loop over experts reads each expert's token count on the host: not capturable
@@ -191,12 +187,16 @@ class Worker:
                                 self.tp.num_kv_heads)
         runner = ModelRunner(self.model, pool, self.backend, self.config.block_size,
                              self.sampler if self.rank == 0 else None)
-        if self.draft_model is not None:  # its passes and its distributions count in the peak too
-            draft_pool = allocate_kv_pool(self.draft_model.config, num_blocks, self.config.block_size, self.dtype,
-                                          self.device)
-            runner.draft = DraftRunner(self.draft_model, draft_pool, self.backend, self.config.block_size,
-                                       self.sampler.generator)
+        runner.draft = self._draft_runner(num_blocks)  # its passes and distributions count in the peak too
         return runner.execute(batch)
+
+    def _draft_runner(self, num_blocks: int) -> DraftRunner | None:
+        """The draft model's runner over a pool of its own of `num_blocks` (the model's block ids); None without
+        a draft."""
+        if self.draft_model is None:
+            return None
+        pool = allocate_kv_pool(self.draft_model.config, num_blocks, self.config.block_size, self.dtype, self.device)
+        return DraftRunner(self.draft_model, pool, self.backend, self.config.block_size, self.sampler.generator)
 
 
 def kv_budget(total: int, utilization: float, allocated: int, activation_peak: int, used_elsewhere: int,
