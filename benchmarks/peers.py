@@ -135,6 +135,24 @@ def llama_server(gguf: Path, *, parallel: int, context_per_slot: int, port: int 
         yield url
 
 
+def timed_completions(url: str, prompts: list[list[int]], outputs: list[int], sampling: dict) -> tuple[list[dict],
+                                                                                                   float]:
+    """All `prompts` (token ids) at once through llama-server's /completion at `url`, each for its `outputs` tokens
+    (ignore_eos, no prompt cache) with `sampling`'s fields, after a short warm-up request: the replies, in order,
+    and the seconds they took together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(prompt: list[int], n: int) -> dict:
+        body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "cache_prompt": False, **sampling}
+        return post_json(url + "/completion", body)
+
+    run(prompts[0][:8], 4)  # warm-up
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        start = time.perf_counter()
+        replies = list(pool.map(run, prompts, outputs))
+        return replies, time.perf_counter() - start
+
+
 def post_json(url: str, body: dict, timeout_s: float = 3600) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:

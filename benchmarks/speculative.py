@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,22 +106,14 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], speculative: di
 
 
 def run_llama_server(gguf: Path, prompts: list[list[int]], outputs: list[int], spec_args: list[str]) -> dict:
-    from peers import llama_server_cmd, post_json, server_process
+    from peers import llama_server_cmd, server_process, timed_completions
 
     slot = max(map(len, prompts)) + max(outputs) + 16
     cmd, url = llama_server_cmd(gguf, parallel=len(prompts), context_per_slot=slot, build="native")
     with server_process(cmd + spec_args, url + "/health", None):
-        def run(prompt: list[int], n: int) -> list[int]:
-            body = {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True,
-                    "cache_prompt": False, "return_tokens": True}
-            return post_json(url + "/completion", body)["tokens"]
-
-        run(prompts[0][:8], 4)  # warm-up
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            start = time.perf_counter()
-            tokens = list(pool.map(run, prompts, outputs))
-            seconds = time.perf_counter() - start
-    produced = sum(map(len, tokens))
+        replies, seconds = timed_completions(url, prompts, outputs, {"temperature": 0, "top_k": 1,
+                                                                     "return_tokens": True})
+    produced = sum(len(r["tokens"]) for r in replies)
     return {"seconds": seconds, "tokens": produced, "tokens_per_s": produced / seconds}
 
 

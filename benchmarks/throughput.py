@@ -393,9 +393,7 @@ def bench_llama_server(gguf: Path, prompts, outputs, args, build: str = "portabl
     """llama-server of llama.cpp `build` (peers.LLAMA_BUILDS) on all the requests at once. A server that dies
     (as a native build with ggml's AMX kernels did at load on an AMX-capable Xeon VM, and a native build on
     AMD EPYC machines) gives a result with its "error" in place of a figure."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from peers import LLAMA_BUILD_TITLES, llama_cpu_features, llama_server, post_json
+    from peers import LLAMA_BUILD_TITLES, llama_cpu_features, llama_server, timed_completions
 
     name = f"llama.cpp llama-server, {LLAMA_BUILD_TITLES[build]} (-np {len(prompts)}, {gguf.name})"
     slot = max(map(len, prompts)) + max(outputs) + 16
@@ -405,16 +403,9 @@ def bench_llama_server(gguf: Path, prompts, outputs, args, build: str = "portabl
     try:
         features = llama_cpu_features(build)
         with llama_server(gguf, parallel=len(prompts), context_per_slot=slot, log_path=log, build=build) as url:
-            def run(prompt: list[int], n: int) -> int:
-                body = {"prompt": prompt, "n_predict": n, "temperature": args.temperature, "top_p": args.top_p,
-                        "top_k": 0, "min_p": 0.0, "ignore_eos": True, "cache_prompt": False}
-                return post_json(url + "/completion", body)["tokens_predicted"]
-
-            run(prompts[0][:8], 4)  # warm-up
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                t0 = time.perf_counter()
-                produced = sum(pool.map(run, prompts, outputs))
-                elapsed = time.perf_counter() - t0
+            replies, elapsed = timed_completions(url, prompts, outputs, {
+                "temperature": args.temperature, "top_p": args.top_p, "top_k": 0, "min_p": 0.0})
+            produced = sum(r["tokens_predicted"] for r in replies)
     except Exception as e:  # reported in place of its figure; the caller decides whether the run fails
         lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
         last = [line for line in lines if line.strip()][-1:]

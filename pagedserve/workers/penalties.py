@@ -86,9 +86,7 @@ class PenaltyCounts:
     @staticmethod
     def _add(counts: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """One more of token t in row i of `counts` [rows, V] for each (i, t) (repeats add up)."""
-        rows, tokens = on_device_packed(counts.device, [[i for i, _ in pairs], [t for _, t in pairs]])
-        counts.index_put_((rows, tokens), torch.ones(len(pairs), dtype=counts.dtype, device=counts.device),
-                          accumulate=True)
+        _accumulate(counts, *on_device_packed(counts.device, [[i for i, _ in pairs], [t for _, t in pairs]]))
 
     @torch.inference_mode()
     def record(self, rows: list[tuple[SampleSpec, int]], slots: list[int], tokens: torch.Tensor,
@@ -111,9 +109,7 @@ class PenaltyCounts:
 
     def _count(self, slots: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """One more output of each `tokens`[i] in slot `slots`[i] (repeats add up), or `weights`[i] more."""
-        if weights is None:
-            weights = torch.ones(len(slots), dtype=self.output_counts.dtype, device=slots.device)
-        self.output_counts.index_put_((slots, tokens), weights, accumulate=True)
+        _accumulate(self.output_counts, slots, tokens, weights)
 
     def _rebuild(self, penalized: list[tuple[SampleSpec, int]], dev: torch.device) -> None:
         """Reset the counts of the slots whose sequence's history came with this step, from that history."""
@@ -131,3 +127,11 @@ class PenaltyCounts:
             self._count(*(on_device(dev, list(column)) for column in zip(*outputs, strict=True)))
         for slot, spec in fresh.items():
             self._owner[slot] = spec.seq_id
+
+
+def _accumulate(counts: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                weights: torch.Tensor | None = None) -> None:
+    """counts[rows[i], tokens[i]] += weights[i] (1 where None), repeats adding up."""
+    if weights is None:
+        weights = torch.ones(len(rows), dtype=counts.dtype, device=counts.device)
+    counts.index_put_((rows, tokens), weights, accumulate=True)
