@@ -8,16 +8,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 _EXPORTS = {"LLM": "pagedserve.llm", "LLMEngine": "pagedserve.engine.llm_engine",
             "SamplingParams": "pagedserve.sampling_params", "RequestOutput": "pagedserve.outputs",
-            "CompletionOutput": "pagedserve.outputs"}
+            "CompletionOutput": "pagedserve.outputs", "LoRARequest": "pagedserve.lora.request"}
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.llm import LLM
+    from pagedserve.lora.request import LoRARequest
     from pagedserve.outputs import CompletionOutput, RequestOutput
     from pagedserve.sampling_params import SamplingParams
 

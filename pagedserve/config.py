@@ -61,6 +61,13 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m} proposes up to k tokens a step copied from where the
     # sequence's last n..m tokens occurred before, all verified by one step (pagedserve/speculative/).
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (PEFT's format) over the model, chosen per request (vLLM's names): up to `max_loras` of them in
+    # one step, each in a slot of the workers' (swapped, least recently used first), of rank up to `max_lora_rank`;
+    # the workers keep `max_cpu_loras` read adapters in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -86,6 +93,7 @@ class EngineConfig:
         if not isinstance(self.gguf_linears, bool):
             raise ValueError(f"gguf_linears={self.gguf_linears!r} must be true or false")
         self._check_gpu_share()
+        self._check_lora()
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "worker_cpus"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -105,6 +113,18 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs=True with gpus_per_worker={share} and tensor_parallel_size="
                              f"{self.tensor_parallel_size}: ranks that share a GPU all-reduce over gloo, on the host, "
                              "which a CUDA graph cannot capture (leave cuda_graphs null or false)")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora={self.enable_lora!r} must be true or false")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+            if not self.enable_lora and value != _LORA_DEFAULTS[name]:
+                raise ValueError(f"{name}={value!r} needs enable_lora=True")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
 
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config`'s settings (None: no speculative decoding)."""
@@ -147,6 +167,7 @@ class EngineConfig:
         return value if value is not None else device_type == "cuda"
 
 
+_LORA_DEFAULTS = {"max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
 # Settings that are true, false or null: null turns them on where the workers run on CUDA.
 _ON_FOR_CUDA = ("async_scheduling", "cuda_graphs")
 

@@ -12,6 +12,7 @@ from pagedserve.chat.tool_calls import ToolCallStream
 from pagedserve.config import EngineConfig
 from pagedserve.engine.beam_search import BeamSearch
 from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
@@ -31,10 +32,12 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. Validates every prompt before
         starting any, so a bad one raises ValueError and leaves the engine as it was. Logprobs come in vLLM's
-        shape: per position a {token id: Logprob} dict (`PositionLogprobs`), prompt logprobs with None first."""
+        shape: per position a {token id: Logprob} dict (`PositionLogprobs`), prompt logprobs with None first.
+        `lora_request`: the LoRA adapter all prompts run with, or one per prompt (None: the base model's)."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -44,11 +47,14 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        adapters = list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"lora_request has {len(adapters)} entries for {len(prompts)} prompts")
         engine = self.llm_engine
         requests: list[Request | BeamSearch] = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+        for i, (prompt, params, adapter) in enumerate(zip(prompts, params_list, adapters, strict=True)):
             try:
-                requests.append(engine.inputs.make(prompt, params))
+                requests.append(engine.inputs.make(prompt, params, lora_request=adapter))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         running = {r.request_id: i for i, r in enumerate(requests)}
@@ -85,6 +91,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
         add_special_tokens: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
@@ -92,7 +99,7 @@ class LLM:
         holds the calls parsed from its text. With a `reasoning_parser`, each output's `reasoning` holds the
         thinking before its answer (its calls are parsed from the answer alone). `add_generation_prompt`,
         `continue_final_message`, `chat_template_kwargs`, `documents` and `add_special_tokens` as vLLM's (see
-        `ChatOptions`)."""
+        `ChatOptions`). `lora_request`: the LoRA adapter they run with."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = sampling_params if sampling_params is not None else SamplingParams()
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {}, documents,
@@ -104,7 +111,7 @@ class LLM:
                                                               options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
-        outputs = self.generate([p.prompt_token_ids for p in plans], [p.params for p in plans])
+        outputs = self.generate([p.prompt_token_ids for p in plans], [p.params for p in plans], lora_request)
         for plan, out in zip(plans, outputs, strict=True):
             for c in out.outputs:
                 answer = c.text

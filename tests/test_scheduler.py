@@ -22,6 +22,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.slots import AdapterSlots
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import SampledTokens, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
@@ -42,17 +44,24 @@ def prompt_score(context: list[int], target: int) -> float:
     return -(xxhash.xxh64_intdigest(data) % 1000) / 100
 
 
-def expected(prompt: list[int], max_tokens: int, sample: int) -> list[int]:
+def adapted_token(context: list[int], sample: int, adapter: int) -> int:
+    """The oracle's draw under LoRA adapter `adapter` (0: the base model): another function of the context."""
+    return next_token([*context, VOCAB + adapter] if adapter else context, sample)
+
+
+def expected(prompt: list[int], max_tokens: int, sample: int, adapter: int = 0) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens, sample))
+        tokens.append(adapted_token(tokens, sample, adapter))
     return tokens[len(prompt):]
 
 
 class SlotWorker:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)  # (position, token)
+        # (position, token, adapter): K/V depend on the adapter they were computed under
+        self.slots: list[tuple[int, int, int] | None] = [None] * (num_blocks * block_size)
+        self.adapters: dict[int, int] = {}  # adapter slot -> the adapter id it holds
         self.batches: list[StepBatch] = []
         self.last_draws: list[int] = []  # the first draw of each sample spec of the last step
         self.tables: dict[int, list[int]] = {}  # slot -> block table
@@ -71,27 +80,34 @@ class SlotWorker:
             assert start <= len(table), f"update of slot {slot} from {start} leaves a gap"
             table[start:] = ids  # what a freed slot held before is never read, so drop it here
         assert len(set(batch.slots)) == batch.num_rows, "two rows share a slot"
+        for slot, lora in batch.lora_loads:
+            self.adapters[slot] = lora.lora_int_id
         held = {b for slot in batch.slots for b in self.tables[slot]}
         assert all(dst in held for _, dst in batch.block_copies), "a copy into a block no row of the step holds"
         row_context: list[list[int]] = []
+        row_adapter: list[int] = []
         for r in range(batch.num_rows):
             q = input_ids[batch.cu_seqlens_q[r]:batch.cu_seqlens_q[r + 1]]
             length = batch.context_lens[r]
             table = self.tables[batch.slots[r]]
             assert len(table) == -(-length // bs), "block table must cover exactly the context"
+            adapter = self.adapters[batch.lora_slots[r]] if batch.lora_slots and batch.lora_slots[r] >= 0 else 0
+            row_adapter.append(adapter)
             for i, token in enumerate(q):
                 pos = length - len(q) + i
-                self.slots[table[pos // bs] * bs + pos % bs] = (pos, token)
+                self.slots[table[pos // bs] * bs + pos % bs] = (pos, token, adapter)
             context = []
             for pos in range(length):
                 entry = self.slots[table[pos // bs] * bs + pos % bs]
                 assert entry is not None and entry[0] == pos, f"slot for position {pos} holds {entry}"
+                assert entry[2] == adapter, f"position {pos}: K/V of adapter {entry[2]} read under {adapter}"
                 context.append(entry[1])
             row_context.append(context)
         samples = []
         for spec in batch.samples:
-            ctx = row_context[spec.row]
-            samples.append(SampledTokens([next_token(ctx, spec.sample_index + i) for i in range(spec.num_samples)]))
+            ctx, adapter = row_context[spec.row], row_adapter[spec.row]
+            samples.append(SampledTokens([adapted_token(ctx, spec.sample_index + i, adapter)
+                                          for i in range(spec.num_samples)]))
         scored = []
         for spec in batch.prompt_logprobs:
             ctx = row_context[spec.row]
@@ -104,9 +120,11 @@ class SlotWorker:
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
-         caching=True, policy="fcfs"):
+         caching=True, policy="fcfs", max_loras=0):
+    """`max_loras`: the workers' LoRA adapter slots (0: none)."""
     bm = BlockManager(num_blocks, block_size, caching)
-    return (Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, policy),
+    slots = AdapterSlots(max_loras) if max_loras else None
+    return (Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, policy, adapter_slots=slots),
             SlotWorker(num_blocks, block_size))
 
 
@@ -133,9 +151,11 @@ def run(sched: Scheduler, worker: SlotWorker, max_steps: int = 10_000, ahead: bo
     return steps
 
 
-def add(sched, rid, prompt, max_tokens, n=1, prompt_logprobs=None, stop_token_ids=None, priority=0):
+def add(sched, rid, prompt, max_tokens, n=1, prompt_logprobs=None, stop_token_ids=None, priority=0, adapter=0):
+    lora = LoRARequest(f"adapter{adapter}", adapter, f"/adapters/{adapter}") if adapter else None
     req = Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=0, priority=priority,
-                                              prompt_logprobs=prompt_logprobs, stop_token_ids=stop_token_ids or []))
+                                              prompt_logprobs=prompt_logprobs, stop_token_ids=stop_token_ids or []),
+                  lora=lora)
     sched.add_request(req)
     return req
 
@@ -387,11 +407,13 @@ def test_first_come_first_served_refuses_priorities():
     caching=st.booleans(),
     ahead=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
+    max_loras=st.sampled_from([0, 0, 1, 2]),
 )
 def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_blocks, block_size, budget,
-                                                                 max_num_seqs, caching, ahead, policy):
+                                                                 max_num_seqs, caching, ahead, policy, max_loras):
+    """`max_loras`: requests run with LoRA adapters (of four, and the base model) in that many slots."""
     check_random_workload(data.draw(st.integers(0, 2**16)), data.draw(st.integers(1, 8)), num_blocks, block_size,
-                          budget, max_num_seqs, caching, ahead, policy)
+                          budget, max_num_seqs, caching, ahead, policy, max_loras)
 
 
 def test_a_sequence_preempted_in_the_step_that_copied_its_last_block_recomputes_it():
@@ -403,9 +425,9 @@ def test_a_sequence_preempted_in_the_step_that_copied_its_last_block_recomputes_
 
 
 def check_random_workload(seed: int, num_requests: int, num_blocks: int, block_size: int, budget: int,
-                          max_num_seqs: int, caching: bool, ahead: bool, policy: str) -> None:
+                          max_num_seqs: int, caching: bool, ahead: bool, policy: str, max_loras: int = 0) -> None:
     sched, worker = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=num_blocks * block_size,
-                         caching=caching, policy=policy)
+                         caching=caching, policy=policy, max_loras=max_loras)
     rng = random.Random(seed)
     stem = [rng.randrange(VOCAB) for _ in range(3 * block_size)]
     reqs = []
@@ -418,7 +440,9 @@ def check_random_workload(seed: int, num_requests: int, num_blocks: int, block_s
         scored = rng.choice([None, None, 0])
         stop = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 3]))]  # ends some outputs early
         priority = rng.randrange(3) if policy == "priority" else 0
-        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n, scored, stop, priority), prompt, max_tokens))
+        adapter = rng.randrange(5) if max_loras else 0
+        reqs.append((add(sched, f"r{i}", prompt, max_tokens, n, scored, stop, priority, adapter), prompt,
+                     max_tokens))
         if rng.random() < 0.3:  # arrivals between steps
             if (b := sched.schedule()) is not None:
                 sched.update(b, worker.execute(b))
@@ -427,7 +451,7 @@ def check_random_workload(seed: int, num_requests: int, num_blocks: int, block_s
         outs = outputs(req)
         assert len(outs) == req.params.n
         for i, toks in outs.items():
-            want = expected(prompt, max_tokens, i)
+            want = expected(prompt, max_tokens, i, req.lora.lora_int_id if req.lora else 0)
             ends = [j for j, t in enumerate(want) if t in req.params.stop_token_ids]
             assert toks == (want[:ends[0] + 1] if ends else want)
         if req.params.prompt_logprobs is not None:  # every prompt token scored once, at its own position,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -70,6 +71,7 @@ class BeamSearch:
     step_outputs: list[RequestOutput | None] = field(default_factory=list)
     aborted: bool = False
     error: str | None = None  # why a failed step ended it
+    lora: LoRARequest | None = None  # the adapter its step requests run with
 
     final_output_only: ClassVar[bool] = True  # a search's callers see its answer alone
 

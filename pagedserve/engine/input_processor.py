@@ -17,6 +17,8 @@ from pagedserve.chat.template import ChatOptions, ChatPlan, ChatTemplate
 from pagedserve.chat.tool_calls import Tool, parse_tool_choice, parse_tools
 from pagedserve.chat.tool_calls import plan as plan_tool_calls
 from pagedserve.engine.beam_search import BeamSearch, check_width
+from pagedserve.lora.registry import AdapterRegistry
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.scheduler import Scheduler
@@ -51,8 +53,9 @@ class InputProcessor:
     """Makes requests (`make`) and chat prompts (`chat_plan`) for one model; `tokenize` / `detokenize` too."""
 
     def __init__(self, model_config: ModelConfig, tokenizer, eos_token_ids: tuple[int, ...],
-                 reasoning: ReasoningTags | None, scheduler: Scheduler) -> None:
+                 reasoning: ReasoningTags | None, scheduler: Scheduler, adapters: AdapterRegistry) -> None:
         self.model_config = model_config
+        self.adapters = adapters  # the LoRA adapters a request may name, checked before it is queued
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.scheduler = scheduler  # its limits: the room a prompt has, whether a request can ever run
@@ -62,15 +65,20 @@ class InputProcessor:
         self._template: ChatTemplate | None = None  # made on the first chat request
         self._ids = itertools.count()
 
-    def make(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request | BeamSearch:
-        """A request, or a beam search when `params.use_beam_search`: validated, nothing added."""
+    def make(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+             lora_request: LoRARequest | None = None) -> Request | BeamSearch:
+        """A request, or a beam search when `params.use_beam_search`: validated, nothing added. `lora_request`: the
+        adapter it runs with (None: the base model)."""
         make = self.make_beam_search if getattr(params, "use_beam_search", False) else self.make_request
-        return make(prompt, params, request_id)
+        return make(prompt, params, request_id, lora_request)
 
-    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the bad field. Adds nothing."""
         check_params(params)
         params.validate()
+        if lora_request is not None:
+            self.adapters.check(lora_request)
         if params.use_beam_search:
             raise ValueError("use_beam_search: a beam search runs as requests of its own (make_beam_search, or "
                              "make: the engine runs it)")
@@ -99,11 +107,12 @@ class InputProcessor:
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, token_ids, params, frozenset(self.eos_token_ids),
                           prompt=prompt if isinstance(prompt, str) else None, bad_words_token_ids=bad_words,
-                          grammar=grammar)
+                          grammar=grammar, lora=lora_request)
         self.scheduler.check_admissible(request)
         return request
 
-    def make_beam_search(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> BeamSearch:
+    def make_beam_search(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                         lora_request: LoRARequest | None = None) -> BeamSearch:
         """A beam search's start (`params.use_beam_search`), validated as `make_request` validates a request:
         the prompt tokenized and cut as truncate_prompt_tokens says, and checked to fit with max_tokens.
         ValueError naming the field."""
@@ -112,10 +121,11 @@ class InputProcessor:
         ends = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
         check_width(params.n, len(ends))
         first = self.make_request(prompt, dataclasses.replace(params, n=1, use_beam_search=False, length_penalty=1.0),
-                                  request_id)
+                                  request_id, lora_request)
         prompt_ids = first.prompt_token_ids
         room = self.scheduler.prompt_room(None) + 1 - len(prompt_ids)  # the context left for the output
-        return BeamSearch(first.request_id, first.prompt, prompt_ids, params, params.max_tokens or room, ends)
+        return BeamSearch(first.request_id, first.prompt, prompt_ids, params, params.max_tokens or room, ends,
+                          lora=lora_request)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the token sequences that spell it: alone, and after a space (mid-text, where a

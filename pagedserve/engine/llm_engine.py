@@ -21,6 +21,10 @@ from pagedserve.engine.beam_search import BeamSearch
 from pagedserve.engine.input_processor import InputProcessor, Prompt, reasoning_tags
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.executors import Executor, WorkerFailure, make_executor
+from pagedserve.lora.adapter import AdapterSpec, read_adapter
+from pagedserve.lora.registry import AdapterRegistry
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.slots import AdapterSlots
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import StepBatch, StepOutput
@@ -30,6 +34,7 @@ from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.speculative.speculative_config import SpeculativeConfig
 from pagedserve.workers.loader import ModelSource, resolve_model
+from pagedserve.workers.models.lora import projection_shapes
 from pagedserve.workers.models.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -64,9 +69,11 @@ class LLMEngine:
         device_type = self.executor.device_type
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
                                    self.max_model_len, config.scheduling_policy,
-                                   self.model_config.long_rope_after, speculative)
+                                   self.model_config.long_rope_after, speculative,
+                                   AdapterSlots(config.max_loras) if config.enable_lora else None)
+        self.adapters = AdapterRegistry(config.enable_lora, self._read_adapter)
         self.inputs = InputProcessor(self.model_config, self.tokenizer, self.eos_token_ids, reasoning,
-                                     self.scheduler)
+                                     self.scheduler, self.adapters)
         self.grammars = self.inputs.grammars  # None without a tokenizer
         if self.grammars is not None:
             self.scheduler.grammar_proposals = self.grammars.valid_proposals
@@ -93,8 +100,9 @@ class LLMEngine:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
         self.scheduler.add_request(request)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
-        request = self.inputs.make(prompt, params, request_id)
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        request = self.inputs.make(prompt, params, request_id, lora_request)
         self.enqueue(request)
         return request.request_id
 
@@ -132,7 +140,7 @@ class LLMEngine:
     def _start_beam_step(self, search: BeamSearch) -> None:
         """Queue one request per running beam, each one token long (see `engine/beam_search.py`)."""
         params = search.step_params()
-        step = [self.inputs.make_request(ids, params, f"{search.request_id}#{search.num_steps}.{b}")
+        step = [self.inputs.make_request(ids, params, f"{search.request_id}#{search.num_steps}.{b}", search.lora)
                 for b, ids in enumerate(search.step_prompts())]
         search.start_step([r.request_id for r in step])
         for request in step:
@@ -203,7 +211,7 @@ class LLMEngine:
             ended, restart = self._fail_step(e)
         if restart:
             self._restart_workers()
-            self.block_manager.reset()  # the new pools hold nothing: no cached prefix survives
+            self.scheduler.reset_worker_state()  # the new workers hold nothing: no cached prefix, no adapter
         return self._with_beam_searches(ended)
 
     async def advance_async(self) -> list[Request | BeamSearch]:
@@ -224,7 +232,7 @@ class LLMEngine:
         if restart:
             # Off the event loop: requests that arrive meanwhile wait in the queue, holding no blocks.
             await asyncio.to_thread(self._restart_workers)
-            self.block_manager.reset()
+            self.scheduler.reset_worker_state()
         return self._with_beam_searches(ended)
 
     def _launch(self) -> tuple[StepBatch, Any] | None:
@@ -293,8 +301,9 @@ class LLMEngine:
             ended.append(request)
         if not lost_workers:
             # Every request has ended. The prefix cache may name K/V the failed step (or one scheduled ahead
-            # of it) never wrote: forget it all, as new workers' empty pools would.
-            self.block_manager.reset()
+            # of it) never wrote: forget it all, as new workers' empty pools would (and the adapters its loads
+            # may have left half written).
+            self.scheduler.reset_worker_state()
         return ended, lost_workers
 
     def _restart_workers(self) -> None:
@@ -393,6 +402,12 @@ class LLMEngine:
         limit = draft.max_position_embeddings
         if limit < self.max_model_len:
             raise ValueError(f"{name} has {limit} positions, fewer than max_model_len={self.max_model_len}")
+
+    def _read_adapter(self, path: str) -> AdapterSpec:
+        """A LoRA adapter's directory checked against this model (ValueError naming what is wrong)."""
+        config = self.model_config
+        return read_adapter(path, projection_shapes(config), config.num_layers, config.moe_layers,
+                            self.config.max_lora_rank)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from pagedserve.kernels.lora import LoRAStep
+
 BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
@@ -113,6 +115,7 @@ class AttentionContext:
     # own over the shared pool): group g's slot mapping [T] and block tables [R, blocks] are more_tables[g - 1];
     # group 0's are above.
     more_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    lora: LoRAStep | None = None  # the rows of LoRA adapters, by slot; None: every row is the base model's
 
     def tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KV-cache group `group`'s slot mapping and block tables."""

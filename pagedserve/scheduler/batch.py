@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -107,6 +108,10 @@ class StepBatch:
     # A draft model's K/V behind the target's by one token (all of a row's last proposals were kept, the last of
     # which no draft pass computed): (row, that token), which the draft computes first (`workers/draft.py`).
     draft_catch_up: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA: each row's adapter slot (-1: the base model), empty where every row is the base model's; the adapters
+    # the workers load into their slots before the step, in order (`lora/slots.py`).
+    lora_slots: list[int] = field(default_factory=list)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

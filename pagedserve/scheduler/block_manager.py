@@ -32,27 +32,36 @@ def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
     return xxhash.xxh64_intdigest(prefix + array("q", token_ids).tobytes())
 
 
-def chain_root(cache_salt: str | None, long_rope: bool = False) -> int | None:
+def chain_root(cache_salt: str | None, long_rope: bool = False, adapter: int | None = None) -> int | None:
     """The parent of a sequence's first block: None, or one derived from the request's `cache_salt`. A salted
     prompt's blocks then hash (and are found) only under the same salt, so requests of other tenants can
     neither reuse them nor tell from their speed that a prompt was seen. `long_rope`: a sequence whose K/V are
     computed under LongRoPE's long factors (a `Sequence`'s `rope_long`), other K/V than the same tokens' under the
-    short ones, so filed apart from them."""
+    short ones, so filed apart from them. `adapter`: the LoRA adapter's id (`lora_int_id`) the K/V are computed
+    under: the same tokens' K/V under another adapter, or the base model, are others."""
     root = None if cache_salt is None else xxhash.xxh64_intdigest(b"pagedserve-salt\x00" + cache_salt.encode())
     if long_rope:
-        salt = b"" if root is None else root.to_bytes(8, "little")
-        root = xxhash.xxh64_intdigest(b"pagedserve-long-rope\x00" + salt)
+        root = _derived(b"pagedserve-long-rope\x00", root)
+    if adapter is not None:
+        root = _derived(b"pagedserve-lora\x00" + adapter.to_bytes(8, "little"), root)
     return root
 
 
+def _derived(tag: bytes, root: int | None) -> int:
+    return xxhash.xxh64_intdigest(tag + (b"" if root is None else root.to_bytes(8, "little")))
+
+
 def _root(seq: Sequence) -> int | None:
-    return chain_root(seq.request.params.cache_salt, seq.rope_long)
+    lora = seq.request.lora
+    return chain_root(seq.request.params.cache_salt, seq.rope_long, None if lora is None else lora.lora_int_id)
 
 
-def prefix_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None = None) -> list[int]:
-    """The chained hashes of every full block of `token_ids`, as the prefix cache files them."""
+def prefix_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None = None,
+                  adapter: int | None = None) -> list[int]:
+    """The chained hashes of every full block of `token_ids`, as the prefix cache files them (`adapter`: the LoRA
+    adapter's id)."""
     hashes: list[int] = []
-    parent = chain_root(cache_salt)
+    parent = chain_root(cache_salt, adapter=adapter)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start:start + block_size])
         hashes.append(parent)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.speculative.ngram import NgramIndex
@@ -43,6 +44,7 @@ class Request:
     num_cached_tokens: int | None = None
     # params.structured_outputs compiled (`LLMEngine.make_request`), so that no step waits for a compile
     grammar: object | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:

@@ -13,6 +13,8 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.slots import AdapterSlots
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
@@ -32,9 +34,11 @@ class Scheduler:
         policy: str = "fcfs",
         long_rope_after: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        adapter_slots: AdapterSlots | None = None,
     ) -> None:
         """`long_rope_after`: a LongRoPE model's original_max_position_embeddings (see `_rope_switch`).
-        `speculative`: propose tokens for decoding sequences, which a step verifies (`_propose`)."""
+        `speculative`: propose tokens for decoding sequences, which a step verifies (`_propose`).
+        `adapter_slots`: the workers' LoRA adapter slots (None: requests run the base model alone)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy={policy!r} must be one of {POLICIES}")
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -48,6 +52,9 @@ class Scheduler:
         self.by_priority = policy == "priority"
         self.long_rope_after = long_rope_after
         self.speculative = speculative
+        self.adapter_slots = adapter_slots
+        # (slot, adapter) loads the next step sends the workers: a slot taken for a sequence not yet scheduled
+        self._adapter_loads: list = []
         # Speculative decoding with a grammar: the prefix of a constrained sequence's proposals its grammar accepts
         # (`GrammarManager.valid_proposals`); None: such sequences get no proposals
         self.grammar_proposals: Callable[[Sequence, list[int]], list[int]] | None = None
@@ -199,10 +206,19 @@ class Scheduler:
         # so that the running sequences, and the block-table slots and penalty counts they hold on the
         # workers (sized for max_num_seqs by the profiled step), never outnumber max_num_seqs.
         num_seqs = sum(_seqs_to_come(s) for s in self.running) if self.waiting else 0
+        adapters_in_use: set[int] | None = None  # the adapters of running sequences, when first needed
+        skipped: list[Sequence] = []  # sequences whose adapter has no slot this step: the others go on
         while self.waiting and not preempted and budget > 0:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break  # preempted while its last token was in flight: it waits for that token
+            lora = seq.request.lora
+            if lora is not None:
+                if adapters_in_use is None:
+                    adapters_in_use = {s.request.lora.lora_int_id for s in self.running if s.request.lora}
+                if not self._take_adapter_slot(lora, adapters_in_use):
+                    skipped.append(self.waiting.popleft())
+                    continue
             seq_copies = None
             if len(scheduled) < self.max_num_seqs and num_seqs + _seqs_to_come(seq) <= self.max_num_seqs:
                 seq.rope_long = seq.rope_long or self._rope_switch(seq)  # before its prefix is looked up
@@ -236,15 +252,41 @@ class Scheduler:
             copies += seq_copies
             scheduled.append((seq, num_new, []))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         if not scheduled:
             return None
         return self._make_batch(scheduled, copies)
 
+    def _take_adapter_slot(self, lora: LoRARequest, in_use: set[int]) -> bool:
+        """Whether a slot holds (or now takes) the adapter: it then counts as in use. A slot newly taken is loaded
+        by the next step the workers get."""
+        taken = self.adapter_slots.acquire(lora, in_use)
+        if taken is None:
+            return False
+        slot, load = taken
+        if load:
+            self._adapter_loads.append((slot, lora))
+        in_use.add(lora.lora_int_id)
+        return True
+
+    def reset_worker_state(self) -> None:
+        """The workers hold none of what the scheduler records of them (new workers, or a failed step that may
+        have written some of it): the prefix cache and the adapters in their slots are forgotten."""
+        self.block_manager.reset()
+        if self.adapter_slots is not None:
+            self.adapter_slots.reset()
+        self._adapter_loads = []
+
     def _make_batch(self, scheduled: list[tuple[Sequence, int, list[int]]],
                     copies: list[tuple[int, int]]) -> StepBatch:
         batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies,
                           table_updates=[[] for _ in range(self.block_manager.num_groups)])
+        if self.adapter_slots is not None:
+            batch.lora_loads, self._adapter_loads = self._adapter_loads, []
+            if any(seq.request.lora is not None for seq, _, _ in scheduled):
+                batch.lora_slots = [-1 if seq.request.lora is None else self.adapter_slots.slot_of(seq.request.lora)
+                                    for seq, _, _ in scheduled]
         for row, (seq, num_new, proposals) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + num_new

@@ -59,8 +59,9 @@ class DecodeGraphs:
         self._warm_up_and_capture()
 
     def can_run(self, ctx: AttentionContext) -> bool:
-        """Decode-only steps (every row one new token) of at most the largest captured size."""
-        return ctx.max_query_len == 1 and ctx.context_lens.shape[0] <= self.sizes[-1]
+        """Decode-only steps (every row one new token) of at most the largest captured size, without adapter rows
+        (their grouping by adapter is the step's own)."""
+        return ctx.max_query_len == 1 and ctx.context_lens.shape[0] <= self.sizes[-1] and ctx.lora is None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """The model's hidden states [R, H] for a decode-only step (ctx: the step's own tensors)."""

@@ -9,11 +9,13 @@ import torch
 
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.kernels.cpu.native_forward import native_forward
+from pagedserve.kernels.lora import LoRAStep
 from pagedserve.scheduler.batch import StepBatch, StepOutput
 from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.kv_pool import layer_caches, model_kv_groups
+from pagedserve.workers.lora import AdapterLoader
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.parallel import broadcast
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
@@ -69,6 +71,7 @@ class ModelRunner:
         # None: the modules run the layers (always for a model with windows, which the native one leaves them)
         self.native_forward = native_forward(model, kv_pool, backend) if self.num_groups == 1 else None
         self.draft: DraftRunner | None = None  # speculative decoding's draft model (`Worker.init_kv_pool`)
+        self.adapters: AdapterLoader | None = None  # the model's LoRA adapter slots, where LoRA is on
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -87,6 +90,8 @@ class ModelRunner:
         """Queue the step's work on the device without waiting for it, so that the host can go on while it
         runs, and queue the next step behind it. A batch with `late_masks` draws with `late_masks` (the
         masks of those samples) when given, else it stops before drawing until `sample` gives them."""
+        for slot, adapter in batch.lora_loads:  # before the step that first uses them (queued after the one before)
+            self.adapters.load(slot, adapter)
         inputs = self.prepare(batch)
         if batch.block_copies:
             src, dst = inputs.copies
@@ -97,7 +102,7 @@ class ModelRunner:
         ctx = inputs.ctx
         if self.decode_graphs is not None and self.decode_graphs.can_run(ctx):
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
-        elif self.native_forward is not None:
+        elif self.native_forward is not None and ctx.lora is None:  # the native decoder adds no adapters
             hidden = self.native_forward(inputs.input_ids, inputs.positions, ctx)  # [T, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, ctx)  # [T, H]
@@ -186,6 +191,18 @@ class ModelRunner:
                                                  for p in zip(*parts, strict=True))
         return Draws([(len(spec.target_token_ids), spec.k) for spec in specs], tokens, logprobs, top_ids, top_values)
 
+    def _lora_step(self, batch: StepBatch) -> LoRAStep:
+        """The step's tokens grouped by their rows' adapter slots (the base model's rows in none)."""
+        cu = batch.cu_seqlens_q
+        tokens: dict[int, list[int]] = {}
+        for row, slot in enumerate(batch.lora_slots):
+            if slot >= 0:
+                tokens.setdefault(slot, []).extend(range(cu[row], cu[row + 1]))
+        if len(tokens) == 1 and len(next(iter(tokens.values()))) == batch.num_tokens:
+            return LoRAStep(((next(iter(tokens)), None),))  # one adapter's rows alone: no gather
+        indices = on_device(self.device, [i for ids in tokens.values() for i in ids])  # [adapter tokens]
+        return LoRAStep(tuple(zip(tokens, indices.split([len(ids) for ids in tokens.values()]), strict=True)))
+
     def prepare(self, batch: StepBatch) -> StepInputs:
         """The step's tensors on the device, sent in one copy of what the batch brings (the block tables stay
         on the device); positions and slot mapping are derived, vectorised, not sent per token."""
@@ -235,6 +252,7 @@ class ModelRunner:
             max_context_len=max_context_len,
             token_seq_lens=seq_lens[row_of_token] if self.seq_len_rope else None,
             more_tables=tuple(tables[1:]),
+            lora=self._lora_step(batch) if batch.lora_slots else None,
         )
         if batch.deferred_inputs:
             if self.last_tokens is None:

@@ -20,6 +20,7 @@ from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, model_kv_groups, parse_memory
 from pagedserve.workers.loader import ModelSource, build_model, resolve_model
+from pagedserve.workers.lora import AdapterLoader
 from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
@@ -63,6 +64,10 @@ class Worker:
             draft_source = resolve_model(speculative.model)
             draft_config = ModelConfig.from_file(draft_source.config_path)
             self.draft_model = self._load(draft_source, draft_config, TPLayout.make(draft_config, 0, 1))
+        self.adapters = None  # the model's LoRA adapter slots (before the KV budget is measured: they count in it)
+        if config.enable_lora:
+            self.adapters = AdapterLoader(self.model, config.max_loras, config.max_lora_rank,
+                                          config.max_cpu_loras or config.max_loras)
         _return_freed_heap()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
@@ -106,6 +111,7 @@ class Worker:
                                   self.sampler if self.rank == 0 else None,
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
         self.runner.draft = self._draft_runner(num_blocks)
+        self.runner.adapters = self.adapters
         if self.config.replays_graphs(self.device.type):
             if self.device.type == "cuda" and self.model_config.num_experts and self.backend.fused_experts is None:
                 # the loop over experts reads each expert's token count on the host: not capturable
@@ -188,6 +194,9 @@ class Worker:
         runner = ModelRunner(self.model, pool, self.backend, self.config.block_size,
                              self.sampler if self.rank == 0 else None)
         runner.draft = self._draft_runner(num_blocks)  # its passes and distributions count in the peak too
+        if self.adapters is not None:  # every row through an adapter slot (holding zeros): its products count too
+            runner.adapters = self.adapters
+            batch.lora_slots = [0] * batch.num_rows
         return runner.execute(batch)
 
     def _draft_runner(self, num_blocks: int) -> DraftRunner | None:

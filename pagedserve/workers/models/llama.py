@@ -17,7 +17,9 @@ from torch import nn
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext, RMSNormHeads, RMSNormRows
+from pagedserve.kernels.lora import LoRAStep
 from pagedserve.scheduler.kv_groups import kv_groups, layer_group_slots
+from pagedserve.workers.models.lora import LoRAProjection
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.moe import SparseMoeBlock
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce
@@ -85,12 +87,23 @@ def linear_product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, linear.weight) if isinstance(linear, nn.Linear) else linear.product(x)
 
 
-def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
-    """A projection whose input dim is split: partial products summed across ranks, bias added once."""
+def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPLayout, lora: LoRAProjection | None = None,
+                 step: LoRAStep | None = None) -> torch.Tensor:
+    """A projection whose input dim is split: partial products summed across ranks, bias added once. With a
+    step's adapter rows (`lora`, `step`), each rank adds its partial LoRA products before the sum."""
+    adapted = lora is not None and step is not None
     if tp.size == 1:
-        return linear(x)
-    out = all_reduce(linear_product(linear, x), tp)
+        return lora.add(x, linear(x), step) if adapted else linear(x)
+    partial = linear_product(linear, x)
+    out = all_reduce(lora.add(x, partial, step) if adapted else partial, tp)
     return out if linear.bias is None else out + linear.bias
+
+
+def column_parallel(linear: nn.Module, x: torch.Tensor, lora: LoRAProjection | None,
+                    step: LoRAStep | None) -> torch.Tensor:
+    """A projection whose output dim is split (each rank its columns), plus its adapter rows' LoRA products."""
+    out = linear(x)
+    return lora.add(x, out, step) if lora is not None and step is not None else out
 
 
 class Attention(nn.Module):
@@ -124,10 +137,13 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # gpt-oss's sink logits, this rank's heads' (kept in the model's dtype, as transformers holds them)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.family.attention_sinks else None
+        self.qkv_lora: LoRAProjection | None = None  # adapter slots (`attach_lora`), where LoRA is on
+        self.o_lora: LoRAProjection | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = column_parallel(self.qkv_proj, x, self.qkv_lora, ctx.lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_across_heads:  # before the view into heads: one norm over them all
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -147,7 +163,7 @@ class Attention(nn.Module):
                                         self.scale, max_query_len=ctx.max_query_len,
                                         max_context_len=ctx.max_context_len, window=self.window,
                                         softcap=self.softcap, sinks=None if self.sinks is None else self.sinks.float())
-        return row_parallel(self.o_proj, o.reshape(-1, self.q_size), self.tp)
+        return row_parallel(self.o_proj, o.reshape(-1, self.q_size), self.tp, self.o_lora, ctx.lora)
 
 
 class MLP(nn.Module):
@@ -159,19 +175,24 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
+        self.gate_up_lora: LoRAProjection | None = None  # adapter slots (`attach_lora`), where LoRA is on
+        self.down_lora: LoRAProjection | None = None
 
-    def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None, reduce: bool = True,
+                lora: LoRAStep | None = None) -> torch.Tensor:
         """The backend's one-call SiLU gate (`silu_mul`) where it has one and the projection's output is rows it
         takes. `reduce=False`: this rank's partial sums of the down projection, without its bias (a MoE block adds them
-        to its experts' before its one all-reduce)."""
-        gate_up = self.gate_up_proj(x)
+        to its experts' before its one all-reduce). `lora`: the step's adapter rows."""
+        gate_up = column_parallel(self.gate_up_proj, x, self.gate_up_lora, lora)
         silu_mul = backend.silu_mul if backend is not None else None
         if silu_mul is not None and not self.gelu and gate_up.dim() == 2:
             act = silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)
-        return row_parallel(self.down_proj, act, self.tp) if reduce else linear_product(self.down_proj, act)
+        if reduce:
+            return row_parallel(self.down_proj, act, self.tp, self.down_lora, lora)
+        return linear_product(self.down_proj, act)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -232,9 +253,9 @@ class DecoderLayer(nn.Module):
         if self.norms == "sandwich":
             h, residual = self.pre_feedforward_layernorm.add_forward(
                 self.post_attention_layernorm(attn, norm), residual, norm)
-            return self.post_feedforward_layernorm(self.mlp(h, ctx.backend), norm), residual
+            return self.post_feedforward_layernorm(self._mlp(h, ctx), norm), residual
         h, residual = self.post_attention_layernorm.add_forward(self._scaled(attn), residual, norm)
-        return self._scaled(self.mlp(h, ctx.backend)), residual
+        return self._scaled(self._mlp(h, ctx)), residual
 
     def _post_norms(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     kv_cache: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +265,13 @@ class DecoderLayer(nn.Module):
         stream = x if residual is None else residual + x
         attn = self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, ctx), norm)
         stream = stream + self._scaled(attn)
-        return self._scaled(self.post_feedforward_layernorm(self.mlp(stream, ctx.backend), norm)), stream
+        return self._scaled(self.post_feedforward_layernorm(self._mlp(stream, ctx), norm)), stream
+
+    def _mlp(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The MLP (with the step's adapter rows), or the sparse MoE block (which adapters do not reach)."""
+        if isinstance(self.mlp, MLP):
+            return self.mlp(x, ctx.backend, lora=ctx.lora)
+        return self.mlp(x, ctx.backend)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
