@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                      help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+    gen.add_argument("--lora", default=None, metavar="DIR",
+                     help="a LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)")
+    gen.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (with --lora)")
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr afterwards")
     register_client(sub)
     return parser
@@ -63,21 +66,23 @@ def main(argv: list[str] | None = None) -> int:
         return run_client(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import LLM, LoRARequest, SamplingParams
 
     try:
+        adapter = None if args.lora is None else LoRARequest("adapter", 1, args.lora)
+        lora = {} if adapter is None else {"enable_lora": True, "max_lora_rank": args.max_lora_rank}
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
                   executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
                   gpus_per_worker=args.gpus_per_worker, cuda_graphs=args.cuda_graphs,
-                  speculative_config=args.speculative_config)
+                  speculative_config=args.speculative_config, **lora)
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": args.prompt})
-            out = llm.chat(messages, params)[0]
+            out = llm.chat(messages, params, lora_request=adapter)[0]
         else:
-            out = llm.generate([args.prompt], params)[0]
+            out = llm.generate([args.prompt], params, lora_request=adapter)[0]
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -48,3 +48,28 @@ def test_speculative_decoding_from_the_command_line(embedded_dir):
     assert bad.returncode == 2 and "speculative_config.num_speculative_tokens=None" in bad.stderr
     bad = run_cli("generate", "hi", "--speculative-config", "ngram")
     assert bad.returncode == 2 and "--speculative-config: not JSON" in bad.stderr
+
+
+def test_a_lora_adapter_from_the_command_line(embedded_dir, tmp_path):
+    """--lora runs the prompt with a PEFT adapter of the embedded model: PEFT's greedy text; a broken one is refused
+    by name."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from .test_lora import make_adapter
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
+    make_adapter(base, tmp_path / "adapter", 4, 8, False, ["q_proj", "v_proj", "down_proj"], seed=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(embedded_dir)
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        out = peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    proc = run_cli("generate", prompt, "--max-tokens", "8", "--lora", str(tmp_path / "adapter"),
+                   "--max-lora-rank", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+    bad = run_cli("generate", prompt, "--lora", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "missing' is not a directory" in bad.stderr

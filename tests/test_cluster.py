@@ -551,3 +551,33 @@ def test_a_draft_model_on_a_worker_actor(tiny_random, tmp_path):
         assert stats["spec_num_accepted_tokens"] == stats["spec_num_proposed_tokens"] > 0
     finally:
         llm.shutdown()
+
+
+def test_lora_adapters_over_tensor_parallel_worker_actors(tmp_path):
+    """Adapters of every target mixed with the base model on two ranks, one KV head held by both (each rank's
+    share of q/k/v and gate/up's B, of o and down's A), two slots for three adapters, steps scheduled ahead of
+    the loads they follow: each request's tokens are PEFT's."""
+    import transformers
+
+    from pagedserve import LoRARequest
+
+    from .test_lora import ADAPTERS, make_adapter, peft_greedy
+    from .test_lora import GREEDY as ADAPTER_GREEDY
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    base.save_pretrained(tmp_path / "base")
+    names = ["all", "attn", "mlp"]
+    for seed, name in enumerate(names):
+        make_adapter(base, tmp_path / name, *ADAPTERS[name], seed=seed)
+    adapters = [None] + [LoRARequest(name, i + 1, str(tmp_path / name)) for i, name in enumerate(names)]
+    gen = torch.Generator().manual_seed(5)
+    work = [(torch.randint(0, 300, (n,), generator=gen).tolist(), adapter) for n in (6, 21) for adapter in adapters]
+    with LLM(str(tmp_path / "base"), executor="ray", tensor_parallel_size=2, block_size=4, enable_lora=True,
+             max_loras=2, max_lora_rank=8, async_scheduling=True) as llm:
+        outs = llm.generate([p for p, _ in work], ADAPTER_GREEDY, lora_request=[a for _, a in work])
+    for (prompt, adapter), out in zip(work, outs, strict=True):
+        name = adapter and adapter.lora_name
+        assert out.outputs[0].token_ids == peft_greedy(tmp_path, name, prompt), name
