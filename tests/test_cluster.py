@@ -505,8 +505,8 @@ def test_a_bad_stream_interval_fails_the_deploy_by_name(bad):
         build_app({"stream_interval_ms": bad})
 
 
-def test_speculative_decoding_over_tensor_parallel_worker_actors(embedded_dir):
-    """Rows that verify proposals on 3 ranks (their draws shared with the others under async scheduling): greedy,
+def test_speculative_decoding_over_tensor_parallel_worker_actors(tiny_random):
+    """Rows that verify proposals on 2 ranks (their draws shared with the others under async scheduling): greedy,
     seeded, penalized, constrained and scored requests give the tokens of the same ranks without speculation, and
     their logprobs to 1e-4 (gloo's all-reduce rounds a sum by the size of the whole step's tensor)."""
     from .test_speculative_engine import speculating, summary
@@ -515,10 +515,10 @@ def test_speculative_decoding_over_tensor_parallel_worker_actors(embedded_dir):
     params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0.8, seed=5, max_tokens=16),
               SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.2, logprobs=2),
               grammar_mix()[1], SamplingParams(temperature=0, max_tokens=16, n=2)]
-    engine = dict(executor="ray", tensor_parallel_size=3, async_scheduling=True)
-    with LLM(str(embedded_dir), **engine) as llm:
+    engine = dict(executor="ray", tensor_parallel_size=2, async_scheduling=True)
+    with LLM(tiny_random, **engine) as llm:
         expected = [summary(o) for o in llm.generate(prompts, params)]
-    llm = speculating(LLM(str(embedded_dir), **engine,
+    llm = speculating(LLM(tiny_random, **engine,
                           speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
     try:
         got = [summary(o) for o in llm.generate(prompts, params)]

@@ -108,6 +108,8 @@ def test_adapters_mixed_with_the_base_model_match_peft_while_slots_swap(checkpoi
             assert got[tuple(p), name] != got[tuple(p), None], f"adapter {name} changed nothing"
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[::-1]]
     assert llm.stats()["num_preemptions"] > 0
+    in_slots = llm.stats()["adapters"]  # the ids of the adapters the two slots hold now
+    assert len(in_slots) == 2 and set(in_slots) < {a.lora_int_id for a in adapters.values() if a is not None}
     assert max(len({s for s in b.lora_slots if s >= 0}) for b in batches) == 2
     loads = [lora.lora_name for b in batches for _, lora in b.lora_loads]
     assert len(loads) > len(ADAPTERS) and set(loads) == set(ADAPTERS), loads

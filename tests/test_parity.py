@@ -371,13 +371,13 @@ def test_phi3_longrope_and_partial_rotary_match_transformers_logprobs(tmp_path):
     prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (5, 30, 50, 64, 90, 130)]
     prompts += prompts[2:4]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    references = [hf_logprobs(model, prompt) for prompt in prompts]
     for llm_kwargs in ({}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False},
                        {"async_scheduling": True}):
         llm = LLM(str(tmp_path), block_size=BS, **llm_kwargs)
         outs = llm.generate(prompts[:6], params) + llm.generate(prompts[6:], params)
         assert llm.stats()["num_preemptions"] >= 4  # each sequence that grew past 64, recomputed
-        for prompt, out in zip(prompts, outs, strict=True):
-            ref_tokens, ref_lp = hf_logprobs(model, prompt)
+        for (ref_tokens, ref_lp), out in zip(references, outs, strict=True):
             assert out.outputs[0].token_ids == ref_tokens
             got_lp = [e.logprob for e in out.outputs[0].logprobs]
             assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4
@@ -440,11 +440,11 @@ def test_moe_logprobs_match_transformers(tmp_path, family):
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    references = [hf_logprobs(model, prompt) for prompt in prompts]
     for layout, llm_kwargs in (("original", {}), ("original", {"max_num_batched_tokens": 24,
                                                                 "enable_prefix_caching": False}), ("stacked", {})):
         outs = LLM(str(tmp_path / layout), block_size=BS, **llm_kwargs).generate(prompts, params)
-        for prompt, out in zip(prompts, outs, strict=True):
-            ref_tokens, ref_lp = hf_logprobs(model, prompt)
+        for (ref_tokens, ref_lp), out in zip(references, outs, strict=True):
             assert out.outputs[0].token_ids == ref_tokens
             got_lp = [e.logprob for e in out.outputs[0].logprobs]
             assert max(abs(a - b) for a, b in zip(got_lp, ref_lp, strict=True)) < 1e-4

@@ -96,3 +96,39 @@ def test_prefix_routing_settings():
         PrefixRouting.parse({"memory_s": "30"})
     with pytest.raises(ValueError, match="prefix_routing='yes' must be true, false or a mapping"):
         PrefixRouting.parse("yes")
+
+
+def test_a_request_with_an_adapter_prefers_a_replica_holding_it_within_the_imbalance_rule():
+    """Among replicas holding as much of its prefix, an adapter's request goes to one whose workers hold the
+    adapter (published, or sent there lately), unless its queue is too much longer than the least loaded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedserve.lora.request import LoRARequest
+    from pagedserve.serving.prefix_router import ROUTED_METHOD, PrefixAwareRouter
+
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.block_size, router.imbalance_threshold, router.memory_s = BS, 2, 30.0
+    router._remembered, router._in_flight, router._adapters_sent = {}, {}, {}
+    sql = LoRARequest("sql", 7, "/adapters/sql")
+
+    def replica(name: str, adapters: list[int]):
+        return SimpleNamespace(replica_id=name, max_ongoing_requests=100, routing_stats={"adapters": adapters})
+
+    def choose(replicas, queues: dict[str, int], lora) -> str:
+        async def probe(candidates, _):
+            return [(r, queues[r.replica_id]) for r in candidates]
+        router._probe_queue_lens = probe
+        request = SimpleNamespace(metadata=SimpleNamespace(call_method=ROUTED_METHOD),
+                                  args=[[1, 2], SamplingParams(), "rid", False, lora],
+                                  routing_context=SimpleNamespace(should_backoff=False))
+        return asyncio.run(router.choose_replicas(replicas, request))[0][0].replica_id
+
+    a, b = replica("a", []), replica("b", [7])
+    assert choose([a, b], {"a": 0, "b": 2}, sql) == "b"  # within the threshold: the one holding it
+    assert choose([a, b], {"a": 0, "b": 3}, sql) == "a"  # too busy: the adapter is loaded elsewhere
+    assert choose([a, b], {"a": 1, "b": 0}, None) == "b"  # no adapter: the shorter queue
+    # a replica the adapter was just sent to counts as holding it before its stats say so
+    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(call_method=ROUTED_METHOD),
+                                             args=[[1], SamplingParams(), "r2", False, sql]), "a", None)
+    assert choose([a, replica("c", [])], {"a": 2, "c": 0}, sql) == "a"

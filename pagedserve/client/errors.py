@@ -69,7 +69,8 @@ class Cancelled(PagedServeError):
 
 
 class NotFound(PagedServeError):
-    """Usually an unknown application name: the proxy has no app by that name."""
+    """An unknown application name (the proxy has no app by that name), or a LoRA adapter the server does not
+    serve."""
 
     code = grpc.StatusCode.NOT_FOUND
 

@@ -219,12 +219,12 @@ def _to_chunk(response: pb.GenerateResponse, sampling: pb.SamplingParams) -> Str
 
 
 def _prompt_request(prompt: str | Sequence[int], request_id: str, sampling: pb.SamplingParams,
-                    return_prompt_token_ids: bool) -> pb.GenerateRequest:
+                    return_prompt_token_ids: bool, adapter: str | None) -> pb.GenerateRequest:
     if isinstance(prompt, bytes):
         raise TypeError("prompt must be a str or a list of token ids, not bytes")
     given = {"text": prompt} if isinstance(prompt, str) else {"token_ids": pb.TokenIds(ids=list(prompt))}
     return pb.GenerateRequest(request_id=request_id, **given, sampling=sampling,
-                              return_prompt_token_ids=return_prompt_token_ids)
+                              return_prompt_token_ids=return_prompt_token_ids, adapter=adapter or "")
 
 
 def _template_options(keywords: dict[str, Any]) -> pb.ChatTemplateOptions:
@@ -235,11 +235,13 @@ def _template_options(keywords: dict[str, Any]) -> pb.ChatTemplateOptions:
 def _chat_request(messages: Sequence[dict[str, Any]], request_id: str, sampling: pb.SamplingParams,
                   tools: Sequence[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
                   parallel_tool_calls: bool | None, template: pb.ChatTemplateOptions,
-                  include_reasoning: bool | None, return_prompt_token_ids: bool) -> pb.ChatRequest:
+                  include_reasoning: bool | None, return_prompt_token_ids: bool,
+                  adapter: str | None) -> pb.ChatRequest:
     return pb.ChatRequest(request_id=request_id, messages=messages_to_proto(messages), sampling=sampling,
                           tools=tools_to_proto(tools), tool_choice=tool_choice_to_proto(tool_choice),
                           parallel_tool_calls=parallel_tool_calls, template=template,
-                          include_reasoning=include_reasoning, return_prompt_token_ids=return_prompt_token_ids)
+                          include_reasoning=include_reasoning, return_prompt_token_ids=return_prompt_token_ids,
+                          adapter=adapter or "")
 
 
 def _tokenize_request(text: str | None, messages: Sequence[dict[str, Any]] | None, add_special_tokens: bool | None,
@@ -426,11 +428,11 @@ class Client(_Base):
             attempt += 1
 
     def stream(self, prompt: str | Sequence[int], *, return_prompt_token_ids: bool = False,
-               **sampling: Any) -> ResponseStream:
+               adapter: str | None = None, **sampling: Any) -> ResponseStream:
         """Stream a completion of `prompt` (text or token ids) chunk by chunk; `return_prompt_token_ids`: the
-        prompt as the model ran it on the first chunk."""
+        prompt as the model ran it on the first chunk; `adapter`: the served LoRA adapter it runs with."""
         params, request_id, timeout = self._split(sampling)
-        request = _prompt_request(prompt, request_id, params, return_prompt_token_ids)
+        request = _prompt_request(prompt, request_id, params, return_prompt_token_ids, adapter)
         return ResponseStream(self, self._stub.Generate, request, timeout, params)
 
     def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
@@ -440,17 +442,17 @@ class Client(_Base):
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
                     include_reasoning: bool | None = None, return_prompt_token_ids: bool = False,
-                    **sampling: Any) -> ResponseStream:
+                    adapter: str | None = None, **sampling: Any) -> ResponseStream:
         """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]). `tools`,
         `tool_choice` and `parallel_tool_calls` and the messages take OpenAI's shapes; the chat template
         options (`add_generation_prompt`, default true, `continue_final_message`, `chat_template_kwargs`,
         `documents`, `add_special_tokens`) vLLM's; `include_reasoning=False` leaves the reasoning out (where
-        the server parses it); `return_prompt_token_ids`: the template's prompt on the first chunk; the other
-        keywords are sampling parameters."""
+        the server parses it); `return_prompt_token_ids`: the template's prompt on the first chunk; `adapter`: the
+        served LoRA adapter it runs with; the other keywords are sampling parameters."""
         template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
         request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template,
-                                include_reasoning, return_prompt_token_ids)
+                                include_reasoning, return_prompt_token_ids, adapter)
         return ResponseStream(self, self._stub.Chat, request, timeout, params)
 
     def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:
@@ -599,10 +601,10 @@ class AsyncClient(_Base):
             attempt += 1
 
     def stream(self, prompt: str | Sequence[int], *, return_prompt_token_ids: bool = False,
-               **sampling: Any) -> AsyncResponseStream:
+               adapter: str | None = None, **sampling: Any) -> AsyncResponseStream:
         """Stream a completion of `prompt` (text or token ids): `async for chunk in client.stream(...)`."""
         params, request_id, timeout = self._split(sampling)
-        request = _prompt_request(prompt, request_id, params, return_prompt_token_ids)
+        request = _prompt_request(prompt, request_id, params, return_prompt_token_ids, adapter)
         return AsyncResponseStream(self, self._stub.Generate, request, timeout, params)
 
     async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
@@ -611,11 +613,11 @@ class AsyncClient(_Base):
     def stream_chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                     tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
                     include_reasoning: bool | None = None, return_prompt_token_ids: bool = False,
-                    **sampling: Any) -> AsyncResponseStream:
+                    adapter: str | None = None, **sampling: Any) -> AsyncResponseStream:
         template = _template_options(sampling)
         params, request_id, timeout = self._split(sampling)
         request = _chat_request(messages, request_id, params, tools, tool_choice, parallel_tool_calls, template,
-                                include_reasoning, return_prompt_token_ids)
+                                include_reasoning, return_prompt_token_ids, adapter)
         return AsyncResponseStream(self, self._stub.Chat, request, timeout, params)
 
     async def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Completion:

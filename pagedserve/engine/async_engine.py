@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 from pagedserve.config import EngineConfig
 from pagedserve.engine.beam_search import BeamSearch
 from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
@@ -127,12 +128,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._preparing, functools.partial(fn, *args, **kwargs))
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError naming the field), queue, and yield outputs until the request ends: each the
         request's whole output so far, so a caller that reads slower than the engine steps gets the newest
         and misses nothing. RequestFailed if a failed step ended it. A beam search (`use_beam_search`) yields
-        once, its answer."""
+        once, its answer. `lora_request`: the LoRA adapter it runs with."""
         if self.max_waiting_requests is not None:
             # Requests still being prepared are waiting too: they are queued the moment they are ready.
             waiting = self.llm_engine.num_waiting_requests() + self._num_preparing
@@ -142,7 +143,7 @@ class AsyncEngine:
         arrival = time.monotonic()
         self._num_preparing += 1
         try:
-            made = await self.prepare(self.llm_engine.inputs.make, prompt, params, request_id)
+            made = await self.prepare(self.llm_engine.inputs.make, prompt, params, request_id, lora_request)
         finally:
             self._num_preparing -= 1
         # Closed with this generator (a caller that stops reading), not when the collector finds it.

@@ -333,7 +333,13 @@ class LLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "num_worker_failures": self.num_failures,
             **self._speculation_stats(),
+            **self._adapter_stats(),
         }
+
+    def _adapter_stats(self) -> dict[str, Any]:
+        """With LoRA on: the ids of the adapters in the workers' slots (what a router prefers a replica for)."""
+        slots = self.scheduler.adapter_slots
+        return {} if slots is None else {"adapters": [a.lora_int_id for a in slots.loaded()]}
 
     def _speculation_stats(self) -> dict[str, Any]:
         """Speculative decoding's counts: rows that verified proposals, tokens proposed and kept, the share kept,

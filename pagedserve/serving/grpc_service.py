@@ -59,8 +59,9 @@ class GrpcService:
                 raise ValueError("prompt is empty (set text or token_ids)")
             prompt = request.text if which == "text" else list(request.token_ids.ids)
             params = SamplingParams(**sampling_from_proto(request.sampling))  # ValueError names the field
+            adapter = await self.client.resolve_model(request.adapter, "adapter")
             async for d in self.client.deltas(prompt, params, request.request_id or None,
-                                              request.return_prompt_token_ids):
+                                              request.return_prompt_token_ids, adapter):
                 yield _delta_to_proto(d)
         except Exception as e:
             yield _error(grpc_context, e, pb.GenerateResponse())
@@ -68,6 +69,7 @@ class GrpcService:
     async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._accept(request, grpc_context)
+            adapter = await self.client.resolve_model(request.adapter, "adapter")
             messages = messages_from_proto(request.messages)
             # A chat answer runs until the model stops or the context is full, unless max_tokens says otherwise.
             params = SamplingParams(**{"max_tokens": None, **sampling_from_proto(request.sampling)})
@@ -77,7 +79,7 @@ class GrpcService:
                                                       chat_options_from_proto(request.template))
             include = request.include_reasoning if request.HasField("include_reasoning") else True
             async for d in self.client.chat_deltas(plan, request.request_id or None, include,
-                                            request.return_prompt_token_ids):
+                                                   request.return_prompt_token_ids, adapter):
                 yield _delta_to_proto(d)
         except Exception as e:
             yield _error(grpc_context, e, pb.GenerateResponse())
@@ -102,7 +104,8 @@ class GrpcService:
                 model=info["model"], max_model_len=info["max_model_len"], block_size=info["block_size"],
                 tensor_parallel_size=info["tensor_parallel_size"], num_kv_blocks=info["num_kv_blocks"],
                 kv_capacity_tokens=info["num_kv_blocks"] * info["block_size"], vocab_size=info["vocab_size"],
-                num_replicas=await self.client.replicas_running(), eos_token_ids=info["eos_token_ids"])
+                num_replicas=await self.client.replicas_running(), eos_token_ids=info["eos_token_ids"],
+                adapters=[a.lora_name for a in await self.client.adapters()])
         except Exception as e:
             return _error(grpc_context, e, pb.ModelInfoResponse())
 

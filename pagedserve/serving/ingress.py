@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP on `Ingress`, the application's ingress deployment: `/v1/completions`,
 `/v1/chat/completions`, `/v1/responses` (each streamed as server-sent events with `"stream": true`),
-`/v1/models`, `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/health`. Bodies are parsed by `openai_protocol`'s typed
-models; with API keys configured every route but `/health` needs `Authorization: Bearer <key>`.
+`/v1/models`, `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/health`, and vLLM's `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter`. A request's `model` names the base model or a LoRA adapter served beside it. Bodies are
+parsed by `openai_protocol`'s typed models; with API keys configured every route but `/health` needs
+`Authorization: Bearer <key>`.
 
 No `from __future__ import annotations` here: FastAPI must see real types (Request) on the route methods.
 """
@@ -16,12 +18,13 @@ from typing import Any, TypeVar
 import anyio
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.chat.template import ChatPlan
+from pagedserve.lora.request import LoRARequest
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.auth import ApiKeys
@@ -34,7 +37,9 @@ from pagedserve.serving.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     as_sent,
     parse,
 )
@@ -105,8 +110,9 @@ class Ingress:
     the ingress's methods by name, so each gRPC method is one here, handing the call to the service."""
 
     def __init__(self, server: DeploymentHandle, api_keys: ApiKeys | None = None,
-                 routes_on_token_ids: bool = False) -> None:
-        self.client = ModelClient(server, api_keys, routes_on_token_ids)
+                 routes_on_token_ids: bool = False, catalog: DeploymentHandle | None = None) -> None:
+        """`catalog`: the application's `AdapterCatalog`, where it serves LoRA adapters."""
+        self.client = ModelClient(server, api_keys, routes_on_token_ids, catalog)
         self.server = server
         self.grpc = GrpcService(self.client)
 
@@ -146,25 +152,22 @@ class Ingress:
     def _authorize_request(self, request: Request) -> None:
         self.client.authorize(request.headers.get("authorization"), "the header 'Authorization: Bearer <key>'")
 
-    async def _read(self, request: Request, body_type: type[BodyT]) -> tuple[BodyT, str]:
-        """The request's body as `body_type` and the served model's name: the key checked first, then the
-        body, then the model it names."""
+    async def _read(self, request: Request, body_type: type[BodyT]) -> tuple[BodyT, str, LoRARequest | None]:
+        """The request's body as `body_type`, the name of the model it runs on and the LoRA adapter that is (None:
+        the base model): the key checked first, then the body, then the model it names."""
         self._authorize_request(request)
         body = parse(body_type, await request.body())
-        return body, await self._check_model(body.model)
+        adapter = await self.client.resolve_model(body.model)
+        return body, adapter.lora_name if adapter else (await self.client.model_info_dict())["model"], adapter
 
-    async def _check_model(self, asked: str | None) -> str:
-        name = (await self.client.model_info_dict())["model"]
-        if asked not in (None, "", name):
-            raise ClientError(grpc.StatusCode.NOT_FOUND, 404, f"model={asked!r} is not served here (serving {name!r})",
-                              "model")
-        return name
-
-    async def _model_card(self) -> dict[str, Any]:
+    async def _model_card(self, adapter: LoRARequest | None = None) -> dict[str, Any]:
+        """The base model's card, or an adapter's (vLLM's: root its directory, parent the base model)."""
         info = await self.client.model_info_dict()
-        # root: the model the card's weights are (vLLM's); parent: the base model of an adapter, none here
-        return {"id": info["model"], "object": "model", "created": 0, "owned_by": "pagedserve",
+        card = {"id": info["model"], "object": "model", "created": 0, "owned_by": "pagedserve",
                 "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
+        if adapter is not None:
+            card.update(id=adapter.lora_name, root=adapter.lora_path, parent=info["model"])
+        return card
 
     @api.get("/health")
     @_answers_errors
@@ -176,19 +179,49 @@ class Ingress:
     @_answers_errors
     async def models(self, request: Request) -> JSONResponse:
         self._authorize_request(request)
-        return JSONResponse({"object": "list", "data": [await self._model_card()]})
+        cards = [await self._model_card()] + [await self._model_card(a) for a in await self.client.adapters()]
+        return JSONResponse({"object": "list", "data": cards})
 
     @api.get("/v1/models/{model_id:path}")
     @_answers_errors
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self._authorize_request(request)
-        await self._check_model(model_id)
-        return JSONResponse(await self._model_card())
+        return JSONResponse(await self._model_card(await self.client.resolve_model(model_id)))
+
+    @api.post("/v1/load_lora_adapter")
+    @_answers_errors
+    async def load_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's: serve the adapter at `lora_path` as `lora_name`, checked against the model first (400 naming
+        the problem)."""
+        self._authorize_request(request)
+        body = parse(LoadLoRAAdapterRequest, await request.body())
+        catalog = self._catalog()
+        if await catalog.get.remote(body.lora_name) is not None:
+            raise ValueError(f"lora_name={body.lora_name!r}: an adapter of that name is already loaded")
+        await self.server.check_adapter.remote(body.lora_path)
+        await catalog.add.remote(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    @_answers_errors
+    async def unload_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's: stop serving adapter `lora_name` (requests running with it finish)."""
+        self._authorize_request(request)
+        body = parse(UnloadLoRAAdapterRequest, await request.body())
+        if await self._catalog().remove.remote(body.lora_name) is None:
+            raise ClientError(grpc.StatusCode.NOT_FOUND, 404,
+                              f"lora_name={body.lora_name!r}: no adapter of that name is loaded", "lora_name")
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    def _catalog(self) -> DeploymentHandle:
+        if self.client.catalog is None:
+            raise ValueError("lora_name: this server runs no LoRA adapters (start it with enable_lora: true)")
+        return self.client.catalog
 
     @api.post("/tokenize")
     @_answers_errors
     async def tokenize_route(self, request: Request) -> JSONResponse:
-        body, _ = await self._read(request, TokenizeRequest)
+        body, _, _ = await self._read(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("prompt: give exactly one of prompt and messages")
         messages = [m.as_dict() for m in body.messages] if body.messages is not None else None
@@ -201,13 +234,13 @@ class Ingress:
     @api.post("/detokenize")
     @_answers_errors
     async def detokenize_route(self, request: Request) -> JSONResponse:
-        body, _ = await self._read(request, DetokenizeRequest)
+        body, _, _ = await self._read(request, DetokenizeRequest)
         return JSONResponse({"prompt": await self.server.detokenize.remote(body.tokens)})
 
     @api.post("/v1/completions")
     @_answers_errors
     async def completions(self, request: Request):
-        body, model = await self._read(request, CompletionRequest)
+        body, model, adapter = await self._read(request, CompletionRequest)
         prompts = body.prompts()
         params = body.to_sampling_params()
         echoed = None
@@ -220,26 +253,26 @@ class Ingress:
             encoded = await asyncio.gather(*(self.server.tokenize.remote(prompts[i], None, False) for i in texts))
             for i, (ids, _) in zip(texts, encoded, strict=True):
                 prompts[i] = ids
-        return await self._respond(prompts, params, body, model, chat=False, echoed=echoed)
+        return await self._respond(prompts, params, body, model, adapter, chat=False, echoed=echoed)
 
     @api.post("/v1/chat/completions")
     @_answers_errors
     async def chat_completions(self, request: Request):
-        body, model = await self._read(request, ChatCompletionRequest)
+        body, model, adapter = await self._read(request, ChatCompletionRequest)
         plan = await self._chat_plan(body, [m.as_dict() for m in body.messages], body.to_sampling_params(),
                                      body.tools, body.tool_choice)
         echoed = body.echoed()
-        return await self._respond(plan, plan.params, body, model, chat=True,
+        return await self._respond(plan, plan.params, body, model, adapter, chat=True,
                                    echoed=None if echoed is None else [echoed])
 
     @api.post("/v1/responses")
     @_answers_errors
     async def responses(self, request: Request):
-        body, model = await self._read(request, ResponsesRequest)
+        body, model, adapter = await self._read(request, ResponsesRequest)
         plan = await self._chat_plan(body, body.messages(), body.sampling_params(), body.chat_tools(),
                                      body.chat_tool_choice())
         rid = body.request_id or "resp_" + uuid.uuid4().hex
-        deltas = self.client.chat_deltas(plan, rid)
+        deltas = self.client.chat_deltas(plan, rid, lora=adapter)
         first = await _first(deltas, body.engine_names())
         build = ResponseBuilder(rid, int(time.time()), model, body, plan.reasoning, plan.reasoning_end_id)
         if body.stream:
@@ -256,14 +289,15 @@ class Ingress:
         except Exception as e:
             raise _as_sent(e, body.engine_names()) from None
 
-    async def _respond(self, prompt, params, body, model: str, chat: bool, echoed: list[str] | None = None):
-        """`prompt`: a completion's prompts (texts or ids), or a chat's `ChatPlan`; `echoed`: the text each
-        prompt's choices start with."""
+    async def _respond(self, prompt, params, body, model: str, adapter: LoRARequest | None, chat: bool,
+                       echoed: list[str] | None = None):
+        """`prompt`: a completion's prompts (texts or ids), or a chat's `ChatPlan`; `adapter`: the LoRA adapter
+        they run with; `echoed`: the text each prompt's choices start with."""
         rid = body.request_id or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         created = int(time.time())
         prompt_ids = bool(body.return_token_ids)
-        deltas = self.client.chat_deltas(prompt, rid, body.include_reasoning, prompt_ids) if chat else \
-            self.client.batch_deltas(prompt, params, rid, prompt_ids)
+        deltas = self.client.chat_deltas(prompt, rid, body.include_reasoning, prompt_ids, adapter) if chat else \
+            self.client.batch_deltas(prompt, params, rid, prompt_ids, adapter)
         if not chat and body.scores_only():
             deltas = prompt_only(deltas)
         first = await _first(deltas, body.engine_names())

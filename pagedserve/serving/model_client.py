@@ -16,6 +16,7 @@ from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.chat.template import ChatPlan
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.auth import ApiKeys
 from pagedserve.serving.deltas import Delta, merge_prompts, with_reasoning, with_tool_calls
@@ -43,8 +44,10 @@ class ModelClient:
     API keys, and the requests this ingress is streaming, by id."""
 
     def __init__(self, server: DeploymentHandle, api_keys: ApiKeys | None = None,
-                 routes_on_token_ids: bool = False) -> None:
+                 routes_on_token_ids: bool = False, catalog: DeploymentHandle | None = None) -> None:
+        """`catalog`: the application's `AdapterCatalog` (None: it serves no LoRA adapters)."""
         self.server = server
+        self.catalog = catalog
         # the prefix-aware router hashes token ids: a text prompt is tokenized (once) before it is routed
         self.routes_on_token_ids = routes_on_token_ids
         self.api_keys = api_keys or ApiKeys()
@@ -61,6 +64,23 @@ class ModelClient:
         if self._info is None:
             self._info = await self.server.model_info.remote()
         return self._info
+
+    async def resolve_model(self, asked: str | None, field: str = "model") -> LoRARequest | None:
+        """The adapter a request's model name names (None: the base model, named or not); NOT_FOUND naming it
+        when this application serves no such model."""
+        base = (await self.model_info_dict())["model"]
+        if asked in (None, "", base):
+            return None
+        adapter = None if self.catalog is None else await self.catalog.get.remote(asked)
+        if adapter is None:
+            served = [base] + [a.lora_name for a in await self.adapters()]
+            raise ClientError(grpc.StatusCode.NOT_FOUND, 404, f"{field}={asked!r} is not served here (serving "
+                              f"{', '.join(map(repr, served))})", field)
+        return adapter
+
+    async def adapters(self) -> list[LoRARequest]:
+        """The LoRA adapters served now."""
+        return [] if self.catalog is None else await self.catalog.list.remote()
 
     async def replicas_running(self) -> int:
         """The model replicas running now, as Serve counts them: autoscaling changes the count, and a replica
@@ -80,30 +100,31 @@ class ModelClient:
         return True
 
     def chat_deltas(self, plan: ChatPlan, request_id: str | None, include_reasoning: bool = True,
-                    prompt_ids: bool = False) -> AsyncIterator[Delta]:
+                    prompt_ids: bool = False, lora: LoRARequest | None = None) -> AsyncIterator[Delta]:
         """A chat request's deltas: its reasoning parsed out with a reasoning parser (and left out without
-        `include_reasoning`), and then its tool calls when tools are in play; `prompt_ids` as `deltas`."""
+        `include_reasoning`), and then its tool calls when tools are in play; `prompt_ids` and `lora` as
+        `deltas`."""
         if plan.reasoning is None and not include_reasoning:
             raise ValueError("include_reasoning=false is not supported: this server parses no reasoning out "
                              "of the answer (the engine's reasoning_parser is not set), so it cannot be left out")
-        deltas = self.deltas(plan.prompt_token_ids, plan.params, request_id, prompt_ids)
+        deltas = self.deltas(plan.prompt_token_ids, plan.params, request_id, prompt_ids, lora)
         if plan.reasoning is not None:
             deltas = with_reasoning(deltas, plan.reasoning, include_reasoning)
         return deltas if plan.tool_parsing is None else with_tool_calls(deltas, plan.tool_parsing)
 
     def batch_deltas(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
-                     prompt_ids: bool = False) -> AsyncIterator[Delta]:
+                     prompt_ids: bool = False, lora: LoRARequest | None = None) -> AsyncIterator[Delta]:
         """The deltas of a batch of prompts (a completions request may send several): one request each,
         `<request_id>-<i>`, run side by side, prompt i's samples numbered from i*n (`merge_prompts`)."""
         if len(prompts) == 1:
-            return self.deltas(prompts[0], params, request_id, prompt_ids)
-        return merge_prompts([self.deltas(p, params, f"{request_id}-{i}", prompt_ids)
+            return self.deltas(prompts[0], params, request_id, prompt_ids, lora)
+        return merge_prompts([self.deltas(p, params, f"{request_id}-{i}", prompt_ids, lora)
                               for i, p in enumerate(prompts)], params.n, request_id)
 
     async def deltas(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
-                     prompt_ids: bool = False) -> AsyncIterator[Delta]:
+                     prompt_ids: bool = False, lora: LoRARequest | None = None) -> AsyncIterator[Delta]:
         """The request's deltas (see `stream_deltas`; `prompt_ids`: the first carries the prompt's token ids)
-        from whichever engine replica the router picks.
+        from whichever engine replica the router picks, run with the LoRA adapter `lora` (None: the base model).
 
         A request id that is still streaming here is a retry of it (a client that lost the first attempt's
         connection): the earlier attempt is aborted first, so the request never runs twice. A request whose
@@ -125,7 +146,7 @@ class ModelClient:
         try:
             for attempt in range(_RUNS_PER_REQUEST):
                 running.stream = self.server.options(stream=True).generate_deltas.remote(prompt, params, rid,
-                                                                                         prompt_ids)
+                                                                                         prompt_ids, lora)
                 if running.aborted:  # aborted while the call was being made
                     running.stream.cancel()
                 started = False

@@ -12,7 +12,9 @@ from ray import serve
 from pagedserve.chat.template import ChatOptions, ChatPlan
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.adapter_catalog import LoRAModule
 from pagedserve.serving.deltas import Delta, stream_deltas
 from pagedserve.serving.prefix_router import PrefixAwareRouter, PrefixRouting, summarize
 
@@ -22,20 +24,35 @@ log = logging.getLogger(__name__)
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, health_check_period_s=10)
 class ModelServer:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
-                 publish_cached_blocks: bool = False, stream_interval_ms: float = 0) -> None:
+                 publish_cached_blocks: bool = False, stream_interval_ms: float = 0,
+                 lora_modules: tuple[LoRAModule, ...] = ()) -> None:
+        """`lora_modules`: the adapters the application serves from the start, checked here against the model (a
+        broken one fails the deployment, by name)."""
         from pagedserve.serving.metrics import ServerMetrics
 
         self.engine = AsyncEngine(ray_hosted_config(config), max_waiting_requests,
                                   stream_interval_ms=stream_interval_ms)
+        try:
+            for module in lora_modules:
+                self.engine.llm_engine.adapters.read(module.path)
+        except ValueError as e:
+            self.engine.shutdown()
+            raise ValueError(f"lora_modules {module.name!r}: {e}") from None
         self.engine.metrics = ServerMetrics(self.engine.model_info()["model"])
         self.inputs = self.engine.llm_engine.inputs  # tokenizing, chat templates: run by `AsyncEngine.prepare`
         self.publish_cached_blocks = publish_cached_blocks
 
     async def generate_deltas(self, prompt: str | list[int], params: SamplingParams,
-                              request_id: str | None = None, prompt_ids: bool = False) -> AsyncIterator[Delta]:
+                              request_id: str | None = None, prompt_ids: bool = False,
+                              lora: LoRARequest | None = None) -> AsyncIterator[Delta]:
+        """`lora`: the LoRA adapter the request runs with (None: the base model)."""
         # Deltas are cut here, on the engine side: only what is new crosses between processes each step.
-        async for d in stream_deltas(self.engine.generate(prompt, params, request_id), params, prompt_ids):
+        async for d in stream_deltas(self.engine.generate(prompt, params, request_id, lora), params, prompt_ids):
             yield d
+
+    async def check_adapter(self, path: str) -> None:
+        """ValueError naming the problem where the adapter at `path` cannot run on this model."""
+        await self.engine.prepare(self.engine.llm_engine.adapters.read, path)
 
     async def chat_plan(self, messages: list[dict[str, Any]], params: SamplingParams,
                         tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,

@@ -10,7 +10,12 @@ within the threshold, so a flood of one prefix still spreads.
 
 Published summaries lag by up to Serve's stats period, so the router also remembers, for `memory_s`, the
 blocks of the prompts it sent to each replica: a conversation's next turn finds its replica at once. The
-settings are `PrefixRouting`'s (`prefix_routing` in deploy/config.yaml)."""
+settings are `PrefixRouting`'s (`prefix_routing` in deploy/config.yaml).
+
+A request with a LoRA adapter hashes its blocks under the adapter (the block manager files them so), and among
+replicas holding as long a prefix of it prefers those whose workers hold the adapter in a slot (published as
+`adapters`, or sent the adapter lately): a replica that must load it first comes after, under the same imbalance
+rule."""
 
 from __future__ import annotations
 
@@ -49,6 +54,14 @@ def cached_mask(summary: bytes, hashes: list[int]) -> np.ndarray:
     wanted = _low32(hashes)  # (num_blocks,)
     at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
     return keys[at] == wanted
+
+
+def request_adapter(request: PendingRequest | None) -> int | None:
+    """The id of the LoRA adapter a routed request runs with (`generate_deltas`' fifth argument), or None."""
+    if request is None or request.metadata.call_method != ROUTED_METHOD or len(request.args) < 5:
+        return None
+    lora = request.args[4]
+    return None if lora is None else lora.lora_int_id
 
 
 def leading(mask: Iterable[bool]) -> int:
@@ -103,6 +116,7 @@ class PrefixAwareRouter(RequestRouter):
         self.memory_s = memory_s
         self._remembered: dict[ReplicaID, OrderedDict[int, float]] = {}  # block hash -> when sent
         self._in_flight: dict[ReplicaID, set[str]] = {}  # this handle's requests on each replica
+        self._adapters_sent: dict[ReplicaID, dict[int, float]] = {}  # LoRA adapter id -> when sent
 
     def prompt_hashes(self, request: PendingRequest | None) -> list[int]:
         if request is None or request.metadata.call_method != ROUTED_METHOD or not request.args:
@@ -110,7 +124,14 @@ class PrefixAwareRouter(RequestRouter):
         prompt = request.args[0]
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return []  # text: the engine tokenizes it; the ingress sends token ids when this router is on
-        return prefix_hashes(prompt, self.block_size, request.args[1].cache_salt)
+        return prefix_hashes(prompt, self.block_size, request.args[1].cache_salt, request_adapter(request))
+
+    def holds_adapter(self, replica: RunningReplica, adapter: int | None, now: float) -> bool:
+        """Whether `replica`'s workers hold `adapter` (published, or sent there lately by us)."""
+        if adapter is None:
+            return True
+        sent = self._adapters_sent.get(replica.replica_id, {}).get(adapter, now - self.memory_s)
+        return adapter in replica.routing_stats.get("adapters", ()) or sent > now - self.memory_s
 
     def cached_blocks(self, replica: RunningReplica, hashes: list[int], now: float) -> int:
         """Leading blocks of the prompt that `replica` holds: published, or sent there lately by us."""
@@ -126,7 +147,8 @@ class PrefixAwareRouter(RequestRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # one call weighs every replica
         hashes = self.prompt_hashes(pending_request)
-        if not hashes or len(candidate_replicas) == 1:
+        adapter = request_adapter(pending_request)
+        if (not hashes and adapter is None) or len(candidate_replicas) == 1:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         queue: dict[ReplicaID, int] = {}
         for replica, length in await self._probe_queue_lens(candidate_replicas, 0):
@@ -139,12 +161,16 @@ class PrefixAwareRouter(RequestRouter):
         least = min(queue.values())
         now = time.monotonic()
         balanced = [r for r in replicas if queue[r.replica_id] - least <= self.imbalance_threshold]
-        ranked = sorted(balanced, key=lambda r: (-self.cached_blocks(r, hashes, now), queue[r.replica_id],
+        ranked = sorted(balanced, key=lambda r: (-self.cached_blocks(r, hashes, now),
+                                                 not self.holds_adapter(r, adapter, now), queue[r.replica_id],
                                                  random.random()))
         rest = sorted((r for r in replicas if r not in balanced), key=lambda r: queue[r.replica_id])
         return [[ranked[0]], ranked[1:] + rest]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        adapter = request_adapter(pending_request)
+        if adapter is not None:
+            self._adapters_sent.setdefault(replica_id, {})[adapter] = time.monotonic()
         hashes = self.prompt_hashes(pending_request)
         if not hashes:
             return
@@ -162,11 +188,15 @@ class PrefixAwareRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        for gone in (set(self._remembered) | set(self._in_flight)) - set(self.curr_replicas):
-            self._remembered.pop(gone, None)
-            self._in_flight.pop(gone, None)
+        for gone in (set(self._remembered) | set(self._in_flight) | set(self._adapters_sent)) - set(
+                self.curr_replicas):
+            self._forget(gone)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
         self._remembered.pop(replica_id, None)
         self._in_flight.pop(replica_id, None)
+        self._adapters_sent.pop(replica_id, None)

@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedserve.config import ray_hosted_config
 from pagedserve.engine.async_engine import stream_interval_seconds
+from pagedserve.serving.adapter_catalog import AdapterCatalog, LoRAModule
 from pagedserve.serving.auth import ApiKeys
 from pagedserve.serving.ingress import Ingress
 from pagedserve.serving.model_server import ModelServer, model_server_options
@@ -26,7 +27,8 @@ def build_app(args: dict[str, Any] | None = None):
     `PrefixRouting`'s settings; used with more than one replica or autoscaling), `max_waiting_requests`
     (queue bound before RESOURCE_EXHAUSTED), `stream_interval_ms` (a stream's outputs merged into at most
     one message per interval: `AsyncEngine`) and `api_keys` (a key or a list; null: the PAGEDSERVE_API_KEY
-    environment variable, else no key). Bad settings fail here, at deploy time, by name."""
+    environment variable, else no key) and `lora_modules` (the LoRA adapters served from the start, each
+    `{name: ..., path: ...}`, with `enable_lora`). Bad settings fail here, at deploy time, by name."""
     args = dict(args or {})
     num_replicas = args.pop("num_replicas", None)
     autoscaling = args.pop("autoscaling_config", None)
@@ -38,8 +40,11 @@ def build_app(args: dict[str, Any] | None = None):
     stream_interval_ms = args.pop("stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS)
     stream_interval_seconds(stream_interval_ms)  # a bad value fails the deployment now, not in each replica
     api_keys = ApiKeys.resolve(args.pop("api_keys", None))
+    lora_modules = args.pop("lora_modules", None)
     config = ray_hosted_config(args)
+    lora_modules = tuple(LoRAModule.parse_all(lora_modules, config.enable_lora))
     server = ModelServer.options(**model_server_options(config, num_replicas, autoscaling, actor_options,
                                                          routing))
-    return Ingress.bind(server.bind(config, max_waiting, routing is not None, stream_interval_ms), api_keys,
-                        routing is not None)
+    catalog = AdapterCatalog.bind(list(lora_modules)) if config.enable_lora else None
+    return Ingress.bind(server.bind(config, max_waiting, routing is not None, stream_interval_ms, lora_modules),
+                        api_keys, routing is not None, catalog)

@@ -72,11 +72,16 @@ def test_model_info_counts_the_replicas_running(two_replicas):
 
 def test_check_health_fails_when_a_worker_is_gone_and_serve_replaces_the_replica(app, tiny_random):
     from pagedserve.client import Client
-    from pagedserve.serving.serve_app import build_app
+    from pagedserve.config import ray_hosted_config
+    from pagedserve.serving.ingress import Ingress
+    from pagedserve.serving.model_server import ModelServer, model_server_options
     from tests.serving.app import GRPC
 
-    serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN,
-                         "kv_cache_memory": POOL_BLOCKS * BLOCK_BYTES}), name="healing", route_prefix="/healing")
+    config = ray_hosted_config({"model": tiny_random, "max_model_len": MAX_MODEL_LEN,
+                                "kv_cache_memory": POOL_BLOCKS * BLOCK_BYTES})
+    # build_app's deployments, Serve checking the replica every second (not every 10): it finds it unhealthy sooner
+    server = ModelServer.options(**model_server_options(config), health_check_period_s=1).bind(config)
+    serve.run(Ingress.bind(server), name="healing", route_prefix="/healing")
     try:
         handle = serve.get_deployment_handle("ModelServer", "healing")
         handle.check_health.remote().result()

@@ -383,6 +383,20 @@ class DetokenizeRequest(StrictBody):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(StrictBody):
+    """vLLM's body of `/v1/load_lora_adapter`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(StrictBody):
+    """vLLM's body of `/v1/unload_lora_adapter` (its lora_int_id is accepted and not needed: names are unique)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 def parse(model: type[BaseModel], body: bytes) -> Any:
     """The body as `model`; ValueError naming the first wrong field."""
     try:
