@@ -13,12 +13,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {"LLM": "pagedserve.llm", "LLMEngine": "pagedserve.engine.llm_engine",
             "SamplingParams": "pagedserve.sampling_params", "RequestOutput": "pagedserve.outputs",
-            "CompletionOutput": "pagedserve.outputs", "LoRARequest": "pagedserve.lora.request"}
+            "CompletionOutput": "pagedserve.outputs", "LoRARequest": "pagedserve.lora.lora_request"}
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.llm import LLM
-    from pagedserve.lora.request import LoRARequest
+    from pagedserve.lora.lora_request import LoRARequest
     from pagedserve.outputs import CompletionOutput, RequestOutput
     from pagedserve.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.lora.slots import AdapterSlots
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import SampledTokens, StepBatch, StepOutput

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 from pagedserve.config import EngineConfig
 from pagedserve.engine.beam_search import BeamSearch
 from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 

@@ -17,8 +17,8 @@ from pagedserve.chat.template import ChatOptions, ChatPlan, ChatTemplate
 from pagedserve.chat.tool_calls import Tool, parse_tool_choice, parse_tools
 from pagedserve.chat.tool_calls import plan as plan_tool_calls
 from pagedserve.engine.beam_search import BeamSearch, check_width
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.lora.registry import AdapterRegistry
-from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.scheduler import Scheduler

@@ -22,8 +22,8 @@ from pagedserve.engine.input_processor import InputProcessor, Prompt, reasoning_
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.executors import Executor, WorkerFailure, make_executor
 from pagedserve.lora.adapter import AdapterSpec, read_adapter
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.lora.registry import AdapterRegistry
-from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.slots import AdapterSlots
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.speculative.speculative_config import SpeculativeConfig
 from pagedserve.workers.loader import ModelSource, resolve_model
-from pagedserve.workers.models.lora import projection_shapes
+from pagedserve.workers.models.lora_layers import projection_shapes
 from pagedserve.workers.models.model_config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.kernels.lora import LoRAStep
+from pagedserve.kernels.lora_products import LoRAStep
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
 

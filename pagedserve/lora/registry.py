@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagedserve.lora.adapter import AdapterSpec
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 
 
 class AdapterRegistry:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 
 
 class AdapterSlots:

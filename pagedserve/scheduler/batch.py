@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 

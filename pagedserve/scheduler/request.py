@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.speculative.ngram import NgramIndex

@@ -13,7 +13,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.lora.slots import AdapterSlots
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput

@@ -14,7 +14,7 @@ from typing import Any
 
 from ray import serve
 
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 
 
 @dataclass(frozen=True)

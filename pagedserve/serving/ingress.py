@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.chat.template import ChatPlan
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.protos import pagedserve_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.auth import ApiKeys

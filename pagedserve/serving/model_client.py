@@ -16,7 +16,7 @@ from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.chat.template import ChatPlan
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.auth import ApiKeys
 from pagedserve.serving.deltas import Delta, merge_prompts, with_reasoning, with_tool_calls

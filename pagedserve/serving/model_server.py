@@ -12,7 +12,7 @@ from ray import serve
 from pagedserve.chat.template import ChatOptions, ChatPlan
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.adapter_catalog import LoRAModule
 from pagedserve.serving.deltas import Delta, stream_deltas

@@ -9,13 +9,13 @@ import torch
 
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext
 from pagedserve.kernels.cpu.native_forward import native_forward
-from pagedserve.kernels.lora import LoRAStep
+from pagedserve.kernels.lora_products import LoRAStep
 from pagedserve.scheduler.batch import StepBatch, StepOutput
+from pagedserve.workers.adapter_loader import AdapterLoader
 from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.kv_pool import layer_caches, model_kv_groups
-from pagedserve.workers.lora import AdapterLoader
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.parallel import broadcast
 from pagedserve.workers.sampler import Draws, Sampler, token_scores

@@ -16,11 +16,11 @@ from pagedserve.kernels.cpu import quant_linear
 from pagedserve.kernels.cpu.native_forward import attach_native_experts
 from pagedserve.kernels.cpu.packed_linear import can_pack, pack_linears
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
+from pagedserve.workers.adapter_loader import AdapterLoader
 from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, model_kv_groups, parse_memory
 from pagedserve.workers.loader import ModelSource, build_model, resolve_model
-from pagedserve.workers.lora import AdapterLoader
 from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
-import httpx
 import openai
 import pytest
 import torch
@@ -83,8 +84,15 @@ def completion_tokens(oai, model: str) -> list[int]:
     return out.choices[0].model_extra["token_ids"]
 
 
-def post(lora_app, route: str, body: dict, headers: dict | None = KEY) -> httpx.Response:
-    return httpx.post(f"{HTTP}/{lora_app}/v1/{route}", json=body, headers=headers or {}, timeout=60)
+def post(lora_app, route: str, body: dict, headers: dict | None = KEY) -> tuple[int, str]:
+    """The status and body text of a POST of `body` as JSON."""
+    request = urllib.request.Request(f"{HTTP}/{lora_app}/v1/{route}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def test_served_adapters_answer_as_peft_over_http_and_grpc(oai, lora_app, checkpoint):
@@ -110,11 +118,10 @@ def test_adapters_load_and_unload_at_run_time_behind_the_keys(oai, lora_app, che
     from pagedserve.client import Client, NotFound
 
     body = {"lora_name": "chat", "lora_path": str(checkpoint / "chat")}
-    assert post(lora_app, "load_lora_adapter", body, headers=None).status_code == 401
-    loaded = post(lora_app, "load_lora_adapter", body)
-    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'chat' added successfully."
-    again = post(lora_app, "load_lora_adapter", body)
-    assert again.status_code == 400 and "lora_name='chat': an adapter of that name is already loaded" in again.text
+    assert post(lora_app, "load_lora_adapter", body, headers=None)[0] == 401
+    assert post(lora_app, "load_lora_adapter", body) == (200, "Success: LoRA adapter 'chat' added successfully.")
+    status, text = post(lora_app, "load_lora_adapter", body)
+    assert status == 400 and "lora_name='chat': an adapter of that name is already loaded" in text
     assert {m.id for m in oai.models.list().data} >= {"sql", "chat"}
     assert completion_tokens(oai, "chat") == peft_tokens(checkpoint, "chat")
     assert completion_tokens(oai, "sql") == peft_tokens(checkpoint, "sql")
@@ -123,14 +130,14 @@ def test_adapters_load_and_unload_at_run_time_behind_the_keys(oai, lora_app, che
     shutil.copytree(checkpoint / "chat", broken)
     config = json.loads((broken / "adapter_config.json").read_text())
     (broken / "adapter_config.json").write_text(json.dumps(config | {"r": 32}))
-    refused = post(lora_app, "load_lora_adapter", {"lora_name": "broken", "lora_path": str(broken)})
-    assert refused.status_code == 400 and "rank r=32 is over max_lora_rank=8" in refused.text
+    status, text = post(lora_app, "load_lora_adapter", {"lora_name": "broken", "lora_path": str(broken)})
+    assert status == 400 and "rank r=32 is over max_lora_rank=8" in text
     assert completion_tokens(oai, "chat") == peft_tokens(checkpoint, "chat")
 
-    unloaded = post(lora_app, "unload_lora_adapter", {"lora_name": "chat"})
-    assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'chat' removed successfully."
-    gone = post(lora_app, "unload_lora_adapter", {"lora_name": "chat"})
-    assert gone.status_code == 404 and "lora_name='chat': no adapter of that name is loaded" in gone.text
+    assert post(lora_app, "unload_lora_adapter", {"lora_name": "chat"}) == (
+        200, "Success: LoRA adapter 'chat' removed successfully.")
+    status, text = post(lora_app, "unload_lora_adapter", {"lora_name": "chat"})
+    assert status == 404 and "lora_name='chat': no adapter of that name is loaded" in text
     with pytest.raises(openai.NotFoundError, match="model='chat' is not served here"):
         oai.completions.create(model="chat", prompt=PROMPT, max_tokens=2)
     with Client(GRPC, application=lora_app, api_key=API_KEYS[0], timeout=60) as client:

@@ -17,9 +17,9 @@ from torch import nn
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.backend import AttentionBackend, AttentionContext, RMSNormHeads, RMSNormRows
-from pagedserve.kernels.lora import LoRAStep
+from pagedserve.kernels.lora_products import LoRAStep
 from pagedserve.scheduler.kv_groups import kv_groups, layer_group_slots
-from pagedserve.workers.models.lora import LoRAProjection
+from pagedserve.workers.models.lora_layers import LoRAProjection
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.moe import SparseMoeBlock
 from pagedserve.workers.models.parallel import TPLayout, all_gather_last_dim, all_reduce

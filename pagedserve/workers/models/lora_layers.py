@@ -1,13 +1,13 @@
 """The adapter slots of the decoder's projections: each adaptable projection gets a `LoRAProjection` holding every
-slot's A and B (`kernels/lora.py` says how they are laid out), which its module adds after the base product where
-the step has rows of an adapter (`AttentionContext.lora`). The base layer (nn.Linear, packed, GGUF blocks) is left
-as it is."""
+slot's A and B (laid out as `kernels/lora_products.py` says), which its module adds after the base product where the
+step has rows of an adapter (`AttentionContext.lora`). The base layer (nn.Linear, packed, GGUF blocks) is left as it
+is."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.lora import LoRAStep, add_lora
+from pagedserve.kernels.lora_products import LoRAStep, add_lora
 from pagedserve.lora.adapter import ProjectionShape
 from pagedserve.workers.models.model_config import ModelConfig
 

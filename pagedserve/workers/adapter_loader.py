@@ -9,8 +9,8 @@ from collections import OrderedDict
 import torch
 
 from pagedserve.lora.adapter import read_adapter
-from pagedserve.lora.request import LoRARequest
-from pagedserve.workers.models.lora import attach_lora, projection_shapes
+from pagedserve.lora.lora_request import LoRARequest
+from pagedserve.workers.models.lora_layers import attach_lora, projection_shapes
 from pagedserve.workers.models.parallel import shard_range
 
 # Each adapted projection's name in the model's checkpoint, whose tensor-parallel split its A or B follows
