@@ -46,7 +46,7 @@ GPU_VERSIONS := triton==3.6.0 numpy==2.2.6 transformers==5.17.0 huggingface_hub=
 test-gpu-versions: install
 	$(PIP) install -q --no-deps --target .gpu-versions $(GPU_VERSIONS)
 	PYTHONPATH=.gpu-versions TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py tests/test_norm_kernel.py \
-		tests/test_rope_kernel.py tests/test_engine_triton.py tests/test_cuda_graph.py
+		tests/test_rope_kernel.py tests/test_lora_kernel.py tests/test_engine_triton.py tests/test_cuda_graph.py
 	PYTHONPATH=.gpu-versions:. $(PY) benchmarks/gpu_parity.py --smoke
 	PYTHONPATH=.gpu-versions:. $(PY) benchmarks/throughput.py --random qwen2-tiny --dtype float32 --device cpu \
 		--num-requests 8 --prompt-len 10 40 --output-len 8 8 --hf-batch-size 4 --hf-generate-batch

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.kernels.lora_products import LoRAStep
+from pagedserve.kernels.lora_products import LoRAKernel, LoRAStep
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
 
@@ -97,6 +97,7 @@ class AttentionBackend:
     rms_norm_heads: RMSNormHeads | None = None  # the per-head q/k norms (Qwen3)
     fused_experts: FusedExperts | None = None  # None: the loop over experts (workers/models/moe.py)
     route_topk: RouteTopK | None = None  # None: torch's ops (the CPU's own: its one-call decoder routes the same)
+    lora_add: LoRAKernel | None = None  # LoRA's products per token's slot; None: grouped by adapter with torch
 
 
 @dataclass
@@ -147,10 +148,10 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return AttentionBackend("reference", reference.write_kv_cache, reference.paged_attention)
     if not _triton_available():
         raise ValueError("attention_backend='triton' needs the triton package and its kernels")
-    from pagedserve.kernels.gpu import attention, cache, fused_moe, norm, rotary
+    from pagedserve.kernels.gpu import attention, cache, fused_moe, lora, norm, rotary
 
     return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention, norm.rms_norm,
-                            rotary.rotate_qk, fused_experts=fused_moe.fused_experts)
+                            rotary.rotate_qk, fused_experts=fused_moe.fused_experts, lora_add=lora.add_lora)
 
 
 def _triton_available() -> bool:

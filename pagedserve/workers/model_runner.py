@@ -192,8 +192,13 @@ class ModelRunner:
         return Draws([(len(spec.target_token_ids), spec.k) for spec in specs], tokens, logprobs, top_ids, top_values)
 
     def _lora_step(self, batch: StepBatch) -> LoRAStep:
-        """The step's tokens grouped by their rows' adapter slots (the base model's rows in none)."""
+        """The step's tokens grouped by their rows' adapter slots (the base model's rows in none), or each token's
+        slot where the backend has its own kernel."""
         cu = batch.cu_seqlens_q
+        kernel = self.backend.lora_add
+        if kernel is not None:
+            token_slots = [slot for row, slot in enumerate(batch.lora_slots) for _ in range(cu[row], cu[row + 1])]
+            return LoRAStep(token_slots=on_device(self.device, token_slots, torch.int32), kernel=kernel)  # [T]
         tokens: dict[int, list[int]] = {}
         for row, slot in enumerate(batch.lora_slots):
             if slot >= 0:
