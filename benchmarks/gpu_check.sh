@@ -77,7 +77,7 @@ correctness)
     # shellcheck disable=SC2086
     background tests python3 -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
         tests/test_norm_kernel.py tests/test_rope_kernel.py tests/test_cuda_graph.py tests/test_kv_window.py \
-        tests/test_moe.py
+        tests/test_moe.py tests/test_lora_kernel.py
     background engine_tests python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py
     background parity python3 benchmarks/gpu_parity.py --kv-cache-memory 16GiB
     background parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs --kv-cache-memory 16GiB

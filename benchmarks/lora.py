@@ -1,6 +1,6 @@
 """LoRA adapters mixed in one batch, beside the base model alone, in the same run, on the embedded SmolLM2.
 
-  python benchmarks/lora.py [--adapters 1 4 16] [--requests 32] [--output-tokens 64] [--json out.json]
+  python benchmarks/lora.py [--adapters 1 4 16] [--requests 32] [--output-tokens 64] [--device cuda] [--json F]
 
 Adapters of rank 16 over all seven projections, made by PEFT from random initialization (its own format, written
 to a temporary directory). The same prompts (chat questions, greedy, every output as long as the others) run on
@@ -50,12 +50,12 @@ def make_adapters(weights_dir: Path, out: Path, count: int) -> list[Path]:
     return paths
 
 
-def run(adapters: list[Path], slots: int, prompts: list[list[dict]], output_tokens: int) -> dict:
+def run(adapters: list[Path], slots: int, prompts: list[list[dict]], output_tokens: int, device: str) -> dict:
     """Output tokens/s of `prompts` (all at once), request i with adapter i % len(adapters) (none: the base)."""
     from pagedserve import LLM, LoRARequest, SamplingParams
 
     lora = {"enable_lora": True, "max_loras": slots, "max_lora_rank": RANK} if adapters else {}
-    llm = LLM(max_num_seqs=len(prompts), **lora)
+    llm = LLM(max_num_seqs=len(prompts), device=device, **lora)
     requests = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     chosen = [requests[i % len(requests)] if requests else None for i in range(len(prompts))]
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
@@ -77,6 +77,7 @@ def main() -> None:
                    help="a run with more adapters than slots")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--device", default="auto")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     env = announce()
@@ -86,9 +87,9 @@ def main() -> None:
                for i in range(args.requests)]
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(resolve_model(None).weights_dir, Path(tmp), max(*args.adapters, args.swapped[0]))
-        rows = [run([], 1, prompts, args.output_tokens)]
-        rows += [run(paths[:n], n, prompts, args.output_tokens) for n in args.adapters]
-        rows.append(run(paths[:args.swapped[0]], args.swapped[1], prompts, args.output_tokens))
+        rows = [run([], 1, prompts, args.output_tokens, args.device)]
+        rows += [run(paths[:n], n, prompts, args.output_tokens, args.device) for n in args.adapters]
+        rows.append(run(paths[:args.swapped[0]], args.swapped[1], prompts, args.output_tokens, args.device))
     base = rows[0]["tokens_per_s"]
     print(f"\n{args.requests} requests, {args.output_tokens} output tokens each, greedy, rank {RANK} everywhere")
     print("| adapters | slots | output tokens/s | vs the base model alone |")

@@ -37,6 +37,7 @@ def test_each_tokens_slot_through_the_kernel_equals_the_grouped_products(parts, 
 
 
 def test_the_engine_on_the_triton_backend_gives_pefts_tokens(tmp_path):
+    pytest.importorskip("peft")  # a GPU node's image may lack it: the kernel's own test above runs there anyway
     import transformers
 
     from .test_lora import llama_config
