@@ -54,7 +54,7 @@ class Scheduler:
         self.speculative = speculative
         self.adapter_slots = adapter_slots
         # (slot, adapter) loads the next step sends the workers: a slot taken for a sequence not yet scheduled
-        self._adapter_loads: list = []
+        self._adapter_loads: list[tuple[int, LoRARequest]] = []
         # Speculative decoding with a grammar: the prefix of a constrained sequence's proposals its grammar accepts
         # (`GrammarManager.valid_proposals`); None: such sequences get no proposals
         self.grammar_proposals: Callable[[Sequence, list[int]], list[int]] | None = None
