@@ -572,9 +572,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_generate_prints_text_and_invalid_argument_exits_1(server):
     servicer, target = server
     proc = run_cli("client", "generate", "hi", "--target", target, "--max-tokens", "8", "--temperature", "0",
-                   "--stop", "x", "y", "--application", "myapp")
+                   "--adapter", "sql", "--stop", "x", "y", "--application", "myapp")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected_text(0) + "\n"
+    assert servicer.requests[0].adapter == "sql"
     s = servicer.requests[0].sampling
     assert s.max_tokens == 8 and s.HasField("temperature") and list(s.stop) == ["x", "y"]
     assert not s.HasField("top_p") and not s.HasField("seed")

@@ -39,6 +39,7 @@ def register(subparsers: Any) -> None:
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--stop", nargs="+", action="extend", default=None, metavar="STR",
                           help="stop string(s), not included in the output; give it after the prompt")
+    sampling.add_argument("--adapter", default=None, help="a LoRA adapter the server serves, by name")
 
     client = subparsers.add_parser("client", help="talk to a running pagedserve server over gRPC",
                                    description="Talk to a running pagedserve server (Ray Serve gRPC proxy).")
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+            "top_k": args.top_k, "seed": args.seed, "stop": args.stop, "adapter": args.adapter}
 
 
 def _system(args: argparse.Namespace) -> list[dict[str, str]]:
