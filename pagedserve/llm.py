@@ -130,6 +130,14 @@ class LLM:
         """Stop the worker actors (executor="ray") and release the engine. Idempotent."""
         self.llm_engine.shutdown()
 
+    def __del__(self) -> None:
+        # An LLM dropped without shutdown() lets go of its workers, model and KV pool all the same: the engine keeps
+        # its start-up heap out of the garbage collector's sight while it runs (`gc.freeze`), so a reference cycle
+        # through the engine would otherwise hold them until the process ends.
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
     def __enter__(self) -> LLM:
         return self
 

@@ -484,3 +484,18 @@ def test_requests_being_prepared_count_toward_the_waiting_bound(tiny_random):
     assert len(refused) == 4 and "max_waiting_requests=2" in str(refused[0])
     assert all(r.finished for r in results if not isinstance(r, QueueFull))
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_an_llm_dropped_without_shutdown_frees_its_model_and_kv_pool(tiny_random):
+    """The engine keeps its start-up heap frozen out of the collector's sight while it runs: an LLM dropped without
+    shutdown() must still let go of its KV pool and model, or each one left behind holds them until exit."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_random, kv_cache_memory="8MiB")
+    llm.generate([[1, 2, 3]], greedy(2))
+    worker = llm.llm_engine.executor.worker
+    pool, model = weakref.ref(worker.runner.kv_pool), weakref.ref(worker.model)
+    del llm, worker
+    gc.collect()
+    assert pool() is None and model() is None
