@@ -406,11 +406,11 @@ def test_a_request_is_prepared_off_the_event_loop_while_the_streams_go_on(tiny_r
             make_request = core.llm_engine.inputs.make
             prepared: list[str] = []
 
-            def slow_make_request(prompt, params, request_id=None):
+            def slow_make_request(prompt, params, request_id=None, lora_request=None):
                 if request_id == "slow":
                     assert moved.wait(timeout=30), "the running stream stood still while a request was prepared"
                 prepared.append(request_id)
-                return make_request(prompt, params, request_id)
+                return make_request(prompt, params, request_id, lora_request)
 
             core.llm_engine.inputs.make = slow_make_request
 

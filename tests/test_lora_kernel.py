@@ -1,4 +1,4 @@
-"""The Triton kernel of LoRA's products (kernels/gpu/lora.py), in Triton's interpreter off-GPU: each token through
+"""The Triton kernel of LoRA's products (kernels/gpu/lora_bgmv.py), in Triton's interpreter off-GPU: each token through
 its own slot equals the products grouped by adapter with torch (kernels/lora_products.py); and the engine on the
 Triton backend gives PEFT's tokens."""
 
@@ -17,7 +17,7 @@ from .test_lora import GREEDY, make_adapter, peft_greedy
 @pytest.mark.parametrize(("parts", "rank", "dtype"), [((48, 16, 16), 8, torch.float32), ((40, 40), 4, torch.float32),
                                                       ((64,), 16, torch.float32), ((48, 16, 16), 8, torch.bfloat16)])
 def test_each_tokens_slot_through_the_kernel_equals_the_grouped_products(parts, rank, dtype):
-    from pagedserve.kernels.gpu.lora import add_lora
+    from pagedserve.kernels.gpu.lora_bgmv import add_lora
 
     gen = torch.Generator().manual_seed(0)
     slots, k, tokens = 3, 72, 11

@@ -47,7 +47,7 @@ class _Replicas:
     def generate_deltas(self) -> _Replicas:
         return self
 
-    def remote(self, prompt, params, request_id, prompt_ids=False) -> _Stream:
+    def remote(self, prompt, params, request_id, prompt_ids=False, lora=None) -> _Stream:
         self.calls += 1
         return _Stream(self.runs[self.calls - 1])
 

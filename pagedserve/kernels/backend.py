@@ -148,10 +148,10 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return AttentionBackend("reference", reference.write_kv_cache, reference.paged_attention)
     if not _triton_available():
         raise ValueError("attention_backend='triton' needs the triton package and its kernels")
-    from pagedserve.kernels.gpu import attention, cache, fused_moe, lora, norm, rotary
+    from pagedserve.kernels.gpu import attention, cache, fused_moe, lora_bgmv, norm, rotary
 
     return AttentionBackend("triton", cache.write_kv_cache, attention.paged_attention, norm.rms_norm,
-                            rotary.rotate_qk, fused_experts=fused_moe.fused_experts, lora_add=lora.add_lora)
+                            rotary.rotate_qk, fused_experts=fused_moe.fused_experts, lora_add=lora_bgmv.add_lora)
 
 
 def _triton_available() -> bool:
