@@ -62,7 +62,8 @@ def checkpoint(tmp_path_factory) -> Path:
     return root
 
 
-def peft_greedy(root: Path, adapter: str | None, prompt: list[int]) -> list[int]:
+def peft_greedy(root: Path, adapter: str | None, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """PEFT's greedy tokens over transformers in fp32 (`adapter`: its directory under `root`; None: the base)."""
     import transformers
     from peft import PeftModel
 
@@ -71,7 +72,7 @@ def peft_greedy(root: Path, adapter: str | None, prompt: list[int]) -> list[int]
         model = PeftModel.from_pretrained(model, root / adapter).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

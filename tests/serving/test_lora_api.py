@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.serving.app import API_KEYS, BLOCK_BYTES, GRPC, HTTP, MAX_MODEL_LEN, POOL_BLOCKS
-from tests.test_lora import make_adapter
+from tests.test_lora import make_adapter, peft_greedy
 
 KEY = {"Authorization": f"Bearer {API_KEYS[0]}"}
 PROMPT = [5, 77, 1234, 9, 401, 17]
@@ -44,17 +44,7 @@ def checkpoint(tmp_path_factory, tiny_random):
 
 
 def peft_tokens(root, adapter: str | None) -> list[int]:
-    import transformers
-    from peft import PeftModel
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32).eval()
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, root / adapter).eval()
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return peft_greedy(root, adapter, PROMPT, TOKENS)
 
 
 @pytest.fixture(scope="module")
