@@ -43,13 +43,8 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = (list(sampling_params) if isinstance(sampling_params, list | tuple)
-                       else [sampling_params] * len(prompts))
-        if len(params_list) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
-        adapters = list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
-        if len(adapters) != len(prompts):
-            raise ValueError(f"lora_request has {len(adapters)} entries for {len(prompts)} prompts")
+        params_list = _per_prompt("sampling_params", sampling_params, len(prompts))
+        adapters = _per_prompt("lora_request", lora_request, len(prompts))
         engine = self.llm_engine
         requests: list[Request | BeamSearch] = []
         for i, (prompt, params, adapter) in enumerate(zip(prompts, params_list, adapters, strict=True)):
@@ -146,3 +141,12 @@ class LLM:
 
     def config(self) -> dict[str, Any]:
         return asdict(self.llm_engine.config)
+
+
+def _per_prompt(name: str, value: Any, count: int) -> list:
+    """`value` for each of `count` prompts: a list or tuple gives one each (ValueError naming `name` when its length
+    is not `count`), anything else stands for all."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * count
+    if len(values) != count:
+        raise ValueError(f"{name} has {len(values)} entries for {count} prompts")
+    return values

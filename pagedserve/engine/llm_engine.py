@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import gc
 import json
 import logging
@@ -21,7 +22,6 @@ from pagedserve.engine.beam_search import BeamSearch
 from pagedserve.engine.input_processor import InputProcessor, Prompt, reasoning_tags
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.executors import Executor, WorkerFailure, make_executor
-from pagedserve.lora.adapter import AdapterSpec, read_adapter
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.lora.registry import AdapterRegistry
 from pagedserve.lora.slots import AdapterSlots
@@ -34,7 +34,7 @@ from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.speculative.speculative_config import SpeculativeConfig
 from pagedserve.workers.loader import ModelSource, resolve_model
-from pagedserve.workers.models.lora_layers import projection_shapes
+from pagedserve.workers.models.lora_layers import read_model_adapter
 from pagedserve.workers.models.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ class LLMEngine:
                                    self.max_model_len, config.scheduling_policy,
                                    self.model_config.long_rope_after, speculative,
                                    AdapterSlots(config.max_loras) if config.enable_lora else None)
-        self.adapters = AdapterRegistry(config.enable_lora, self._read_adapter)
+        self.adapters = AdapterRegistry(config.enable_lora, functools.partial(
+            read_model_adapter, config=self.model_config, max_rank=config.max_lora_rank))
         self.inputs = InputProcessor(self.model_config, self.tokenizer, self.eos_token_ids, reasoning,
                                      self.scheduler, self.adapters)
         self.grammars = self.inputs.grammars  # None without a tokenizer
@@ -408,12 +409,6 @@ class LLMEngine:
         limit = draft.max_position_embeddings
         if limit < self.max_model_len:
             raise ValueError(f"{name} has {limit} positions, fewer than max_model_len={self.max_model_len}")
-
-    def _read_adapter(self, path: str) -> AdapterSpec:
-        """A LoRA adapter's directory checked against this model (ValueError naming what is wrong)."""
-        config = self.model_config
-        return read_adapter(path, projection_shapes(config), config.num_layers, config.moe_layers,
-                            self.config.max_lora_rank)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

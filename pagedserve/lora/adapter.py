@@ -41,12 +41,10 @@ class ProjectionShape:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """What was checked of an adapter: its rank, scaling and which (layer, projection) it adapts."""
+    """An adapter checked against the model: where it is, and the scaling its B is loaded with."""
 
     path: Path
-    rank: int
     scaling: float
-    modules: frozenset[tuple[int, str]]
 
     def load(self, dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """Each adapted (layer, projection)'s A [r, in] and B [out, r] * scaling, in `dtype`, on the CPU."""
@@ -98,7 +96,7 @@ def read_adapter(path: str | Path, shapes: dict[str, ProjectionShape], num_layer
         raise ValueError(f"lora adapter {path}: {WEIGHTS_NAME} holds no LoRA weights")
     for (layer, name), pair in sorted(pairs.items()):
         _check_pair(path, layer, name, pair, rank, shapes[name])
-    return AdapterSpec(path, rank, scaling, frozenset(pairs))
+    return AdapterSpec(path, scaling)
 
 
 def _read_config(path: Path) -> dict:

@@ -8,14 +8,10 @@ from collections import OrderedDict
 
 import torch
 
-from pagedserve.lora.adapter import read_adapter
+from pagedserve.lora.adapter import ATTENTION_TARGETS
 from pagedserve.lora.lora_request import LoRARequest
-from pagedserve.workers.models.lora_layers import attach_lora, projection_shapes
+from pagedserve.workers.models.lora_layers import attach_lora, read_model_adapter
 from pagedserve.workers.models.parallel import shard_range
-
-# Each adapted projection's name in the model's checkpoint, whose tensor-parallel split its A or B follows
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, projection) -> (A, B)
 
@@ -38,9 +34,7 @@ class AdapterLoader:
     def _weights(self, adapter: LoRARequest) -> AdapterWeights:
         weights = self.in_host_memory.pop(adapter.lora_int_id, None)
         if weights is None:
-            config = self.model.config
-            spec = read_adapter(adapter.lora_path, projection_shapes(config), config.num_layers, config.moe_layers,
-                                self.max_rank)
+            spec = read_model_adapter(adapter.lora_path, self.model.config, self.max_rank)
             weights = {module: self._shard(module, a, b)
                        for module, (a, b) in spec.load(self.model.model.norm.weight.dtype).items()}
         self.in_host_memory[adapter.lora_int_id] = weights
@@ -53,7 +47,8 @@ class AdapterLoader:
         """This rank's part of an adapted projection's A [r, in] and B [out, r]: B's rows where the projection's
         output is split (q/k/v, gate/up), A's columns where its input is (o, down)."""
         layer, name = module
-        split = shard_range(f"model.layers.{layer}.{_BLOCK[name]}.{name}.weight", self.model.tp, self.model.config)
+        block = "self_attn" if name in ATTENTION_TARGETS else "mlp"  # the checkpoint's name its split follows
+        split = shard_range(f"model.layers.{layer}.{block}.{name}.weight", self.model.tp, self.model.config)
         if split is None or self.model.tp.size == 1:
             return a, b
         dim, start, length = split

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.lora_products import LoRAStep, add_lora
-from pagedserve.lora.adapter import ProjectionShape
+from pagedserve.lora.adapter import AdapterSpec, ProjectionShape, read_adapter
 from pagedserve.workers.models.model_config import ModelConfig
 
 
@@ -49,6 +49,11 @@ def projection_shapes(config: ModelConfig) -> dict[str, ProjectionShape]:
             "v_proj": ProjectionShape(hidden, kv), "o_proj": ProjectionShape(q, hidden),
             "gate_proj": ProjectionShape(hidden, inter), "up_proj": ProjectionShape(hidden, inter),
             "down_proj": ProjectionShape(inter, hidden)}
+
+
+def read_model_adapter(path: str, config: ModelConfig, max_rank: int) -> AdapterSpec:
+    """The adapter directory at `path` checked against `config`'s model (ValueError naming what is wrong)."""
+    return read_adapter(path, projection_shapes(config), config.num_layers, config.moe_layers, max_rank)
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> list[tuple[int, LoRAProjection]]:
