@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import ray  # noqa: F401
 
+from tests.processes import own_pid_namespace
+
 BIN = Path(sys.executable).parent
 
 
@@ -28,21 +30,25 @@ def _netns_available() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _netns_available(), reason="needs root and `ip netns` for a loopback-only namespace")
+@pytest.mark.skipif(not own_pid_namespace(), reason="needs util-linux's unshare for a PID namespace")
 def test_cli_on_an_existing_ray_cluster(tiny_random):
     ns = f"pagedserve-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        # `ray stop` in a PID namespace of its own sees only this cluster (it stops every Ray it can see), and
+        # its temp dir is its own: `ray start` records the cluster there, where a `ray.init()` would find it.
         script = f"""
 set -e
-trap '{BIN}/ray stop --force >/dev/null 2>&1' EXIT
+export RAY_TMPDIR=$(mktemp -d)
+trap '{BIN}/ray stop --force >/dev/null 2>&1; rm -rf "$RAY_TMPDIR"' EXIT
 {BIN}/ray start --head --port=6391 --num-cpus=4 --include-dashboard=false --disable-usage-stats >/dev/null
 RAY_AUTH_MODE=token RAY_ADDRESS=127.0.0.1:6391 {sys.executable} -m pagedserve.cli generate "Hello there" \\
     --model '{tiny_random}' --executor ray --tp 2 --max-tokens 5 --stats
 """
         env = dict(os.environ, HF_HUB_OFFLINE="1")
-        proc = subprocess.run(["ip", "netns", "exec", ns, "bash", "-c", script], capture_output=True, text=True,
-                              timeout=300, env=env)
+        proc = subprocess.run(["ip", "netns", "exec", ns, *own_pid_namespace(), "bash", "-c", script],
+                              capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "'tensor_parallel_size': 2" in proc.stderr
         assert "'num_free_blocks'" in proc.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,8 +30,10 @@ def find_python312() -> str | None:
 
 
 PYTHON312 = find_python312()
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # also run as a script (--prepare)
 from offline_bundle import IMAGE_HAS  # noqa: E402
+
+from tests.processes import stop_process_group  # noqa: E402
 
 # The image's packages that the bundle leaves to it, less the large ones serving without a model never imports,
 # at versions older than the bundle's where it matters.
@@ -144,12 +145,7 @@ def test_offline_bundle_installs_and_serves_without_an_index(tmp_path):
         out = subprocess.run([python, "-c", grpc_call], env=env, capture_output=True, text=True, timeout=60)
         assert "'Check' that does not exist" in out.stdout, out.stdout + out.stderr
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C stops `serve run`: Serve and its local cluster go
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--prepare"]:

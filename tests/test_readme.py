@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import ray  # noqa: F401
+
+from tests.processes import stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(sys.prefix)  # the virtualenv running the tests
@@ -47,11 +48,5 @@ def test_make_run_then_the_readme_first_call(tmp_path):
             time.sleep(3)
         assert call.stdout.strip() == "The capital of France is Paris."
     finally:
-        os.killpg(server.pid, signal.SIGINT)  # serve run shuts Serve and its local Ray down on Ctrl-C
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        subprocess.run([str(VENV / "bin" / "ray"), "stop", "--force"], capture_output=True)
+        stop_process_group(server)
         log.close()
