@@ -31,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 1GiB (CPU default 1GiB)")
+    gen.add_argument("--kv-offload-disk", default=None, metavar="SIZE",
+                     help="a second tier for the prefix cache: blocks evicted from the pool kept in a file on local "
+                          "disk of this size (e.g. 8GiB), copied back on a hit")
+    gen.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                     help="a second tier in pinned host memory beside a GPU's pool (e.g. 16GiB)")
+    gen.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                     help="where --kv-offload-disk's file goes (default: the cache directory)")
     gen.add_argument("--executor", choices=["local", "ray"], default="local",
                      help="ray: worker actors on the Ray cluster of RAY_ADDRESS (else a local one)")
     gen.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
@@ -74,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                  executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
-                  gpus_per_worker=args.gpus_per_worker, cuda_graphs=args.cuda_graphs,
+                  kv_offload_disk=args.kv_offload_disk, kv_offload_memory=args.kv_offload_memory,
+                  kv_offload_dir=args.kv_offload_dir, executor=args.executor,
+                  tensor_parallel_size=args.tensor_parallel_size, gpus_per_worker=args.gpus_per_worker,
+                  cuda_graphs=args.cuda_graphs,
                   speculative_config=args.speculative_config, **lora)
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []

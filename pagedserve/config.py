@@ -10,6 +10,7 @@ import torch
 from pagedserve.chat.reasoning import check_reasoning_parser
 from pagedserve.scheduler.scheduler import POLICIES
 from pagedserve.speculative.speculative_config import SpeculativeConfig
+from pagedserve.workers.kv_pool import parse_memory
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -68,6 +69,14 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # The prefix cache's second tier: full blocks evicted from the KV pool are kept (least recently used go first)
+    # and copied back on a hit instead of recomputed: `kv_offload_memory` bytes of pinned host memory beside a CUDA
+    # pool, or `kv_offload_disk` bytes of a file on local disk, in `kv_offload_dir` (default: the cache directory's
+    # kv-offload). Per worker: a tensor-parallel rank keeps its own heads. On a CPU, where the pool is host memory
+    # already, the tier is a disk's.
+    kv_offload_memory: int | str | None = None
+    kv_offload_disk: int | str | None = None
+    kv_offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -94,6 +103,7 @@ class EngineConfig:
             raise ValueError(f"gguf_linears={self.gguf_linears!r} must be true or false")
         self._check_gpu_share()
         self._check_lora()
+        self._check_offload()
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "worker_cpus"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -125,6 +135,30 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} needs enable_lora=True")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
+
+    def _check_offload(self) -> None:
+        sizes = {name: getattr(self, name) for name in ("kv_offload_memory", "kv_offload_disk")
+                 if getattr(self, name) is not None}
+        for name, value in sizes.items():
+            if parse_memory(value, name) < 1:
+                raise ValueError(f"{name}={value!r} must be a size above 0 (e.g. 8GiB), or null for no tier")
+        if len(sizes) > 1:
+            raise ValueError("kv_offload_memory and kv_offload_disk are both set: the second tier is one of them")
+        if sizes and not self.enable_prefix_caching:
+            raise ValueError(f"{next(iter(sizes))} keeps the prefix cache's blocks: it needs enable_prefix_caching")
+        if "kv_offload_memory" in sizes and self.device == "cpu":
+            raise ValueError("kv_offload_memory is host memory beside a GPU's pool; on device='cpu' the pool is host "
+                             "memory already: raise kv_cache_memory, or set kv_offload_disk")
+        if self.kv_offload_dir is not None and "kv_offload_disk" not in sizes:
+            raise ValueError(f"kv_offload_dir={self.kv_offload_dir!r} needs kv_offload_disk")
+
+    def offload_tier(self) -> tuple[str, int] | None:
+        """The second tier's medium ("memory" or "disk") and bytes per worker; None without one."""
+        if self.kv_offload_memory is not None:
+            return "memory", parse_memory(self.kv_offload_memory, "kv_offload_memory")
+        if self.kv_offload_disk is not None:
+            return "disk", parse_memory(self.kv_offload_disk, "kv_offload_disk")
+        return None
 
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config`'s settings (None: no speculative decoding)."""

@@ -199,20 +199,38 @@ def test_allocate_slots_changes_nothing_when_short():
     assert a.block_table == [] and bm.num_free_blocks == 2 and bm.prefix_cache_queries == 0
 
 
+class OffloadWorker:
+    """What a worker's second tier holds: each slot's copy of a block, and the hash it was saved under."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.slots: list[tuple[list, int] | None] = [None] * num_slots
+
+    def copy(self, kv: list[list], saves: list[tuple[int, int, int]], loads: list[tuple[int, int, int]]) -> None:
+        for block, slot, block_hash in saves:
+            self.slots[slot] = (list(kv[block]), block_hash)
+        for slot, block, block_hash in loads:
+            assert self.slots[slot] is not None and self.slots[slot][1] == block_hash, "restored another block"
+            kv[block] = list(self.slots[slot][0])
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random admissions, steps, forks, writes and frees; the pool stays consistent throughout, and every
     sequence reads what was written for its tokens."""
 
-    @initialize(num_blocks=st.integers(4, 24), caching=st.booleans())
-    def setup(self, num_blocks, caching):
-        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    @initialize(num_blocks=st.integers(4, 16), caching=st.booleans(), offload=st.sampled_from([0, 0, 1, 3, 8]))
+    def setup(self, num_blocks, caching, offload):
+        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching, offload_blocks=offload * caching)
         self.seqs: list[Sequence] = []
         self.next_id = 0
         # What each block's slots hold, as a worker would have written them: (position, token) per slot.
         self.kv: list[list[tuple[int, int] | None]] = [[None] * BS for _ in range(num_blocks)]
+        self.tier = OffloadWorker(offload)
+        self.history: list[list[int]] = []  # the tokens of every sequence admitted
 
     def run(self, seq: Sequence, copies: list[tuple[int, int]], num_tokens: int) -> None:
-        """A worker's step: the block copies, then the K/V of `num_tokens` more tokens into their slots."""
+        """A worker's step: the second tier's copies, the block copies, then the K/V of `num_tokens` more tokens
+        into their slots."""
+        self.tier.copy(self.kv, *self.bm.take_offload_copies())
         for src, dst in copies:
             self.kv[dst] = list(self.kv[src])
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_tokens):
@@ -228,6 +246,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if copies is not None:
             self.run(seq, copies, seq.num_tokens - seq.num_computed_tokens)
             self.seqs.append(seq)
+            self.history.append(list(tokens))
+
+    @precondition(lambda self: self.history)
+    @rule(i=st.integers(0, 100), extra=st.lists(st.integers(0, 2), max_size=3))
+    def admit_again(self, i, extra):
+        """A prompt seen before, perhaps going on: its blocks are in the pool, the second tier, or gone."""
+        self.admit(self.history[i % len(self.history)] + extra)
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100), token=st.integers(0, 2))
@@ -259,6 +284,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         self.bm.pool.check_invariants()
+        if self.bm.tier is not None:
+            self.bm.tier.check_invariants()
         # Every reference is held by some live sequence's block table.
         held: dict[int, int] = {}
         for seq in self.seqs:

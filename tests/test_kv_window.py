@@ -22,6 +22,7 @@ from pagedserve.scheduler.block_manager import NULL_BLOCK, BlockManager
 from pagedserve.scheduler.kv_groups import blocks_held_at_most, kv_groups, layer_group_slots, layers_per_group
 from pagedserve.scheduler.request import Request, Sequence
 from pagedserve.scheduler.scheduler import Scheduler
+from tests.test_block_manager import OffloadWorker
 from tests.test_scheduler import add, next_token, outputs, run
 
 BS = 4
@@ -244,15 +245,17 @@ class WindowedBlockManagerMachine(RuleBasedStateMachine):
     the group that wrote it: two groups holding one block at once would overwrite each other's tokens."""
 
     @initialize(num_blocks=st.integers(8, 40), window=st.integers(1, 10), more=st.sampled_from([(), (None,), (3,)]),
-                caching=st.booleans())
-    def setup(self, num_blocks, window, more, caching):
+                caching=st.booleans(), offload=st.sampled_from([0, 0, 2, 12]))
+    def setup(self, num_blocks, window, more, caching, offload):
         self.windows = (None, window, *more)
-        self.bm = BlockManager(num_blocks, BS, caching, windows=self.windows)
+        self.bm = BlockManager(num_blocks, BS, caching, windows=self.windows, offload_blocks=offload * caching)
         self.seqs: list[Sequence] = []
         self.next_id = 0
         self.kv = [[None] * BS for _ in range(num_blocks)]  # [block][offset]: (group, position, token)
+        self.tier = OffloadWorker(offload)
 
     def run(self, seq: Sequence, copies: list[tuple[int, int]], num_tokens: int) -> None:
+        self.tier.copy(self.kv, *self.bm.take_offload_copies())
         pages = {src: list(self.kv[src]) for src, _ in copies}  # every source read before any is written
         for src, dst in copies:
             self.kv[dst] = list(pages[src])
@@ -362,6 +365,7 @@ class GroupSlotWorker:
         self.batches: list[StepBatch] = []
         self.last_draws: list[int] = []
         self.most_held = 0  # the most blocks a sequence held in a sliding group
+        self.offloaded: dict[int, tuple[list, int]] = {}  # the second tier's slot -> (its block's slots, hash)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self.batches.append(batch)
@@ -370,6 +374,11 @@ class GroupSlotWorker:
         input_ids = list(batch.input_ids)
         for index, sample in batch.deferred_inputs:
             input_ids[index] = self.last_draws[sample]
+        for block, slot, block_hash in batch.kv_saves:
+            self.offloaded[slot] = (self.slots[block * bs:(block + 1) * bs], block_hash)
+        for slot, block, block_hash in batch.kv_loads:
+            assert self.offloaded[slot][1] == block_hash, f"slot {slot} restored as another block"
+            self.slots[block * bs:(block + 1) * bs] = self.offloaded[slot][0]
         pages = {src: self.slots[src * bs:(src + 1) * bs] for src, _ in batch.block_copies}
         for src, dst in batch.block_copies:
             self.slots[dst * bs:(dst + 1) * bs] = pages[src]
@@ -425,8 +434,8 @@ def expected(prompt: list[int], max_tokens: int, sample: int, window: int | None
     return tokens[len(prompt):]
 
 
-def make(windows, num_blocks, max_num_seqs=8, max_num_batched_tokens=32, caching=True, policy="fcfs"):
-    bm = BlockManager(num_blocks, BS, caching, windows=windows)
+def make(windows, num_blocks, max_num_seqs=8, max_num_batched_tokens=32, caching=True, policy="fcfs", offload=0):
+    bm = BlockManager(num_blocks, BS, caching, windows=windows, offload_blocks=offload)
     sched = Scheduler(bm, max_num_seqs, max_num_batched_tokens, 512, policy)
     return sched, GroupSlotWorker(sched)
 
@@ -454,8 +463,10 @@ def test_long_sequences_hold_their_windows_and_match(windows, num_blocks, ahead)
 
 @pytest.mark.parametrize("windows,num_blocks", WINDOWED, ids=["hybrid", "all-sliding"])
 @pytest.mark.parametrize("ahead", [False, True])
-def test_preemption_and_n_samples_with_windows(windows, num_blocks, ahead):
-    sched, worker = make(windows, num_blocks, max_num_batched_tokens=64)
+@pytest.mark.parametrize("offload", [0, 16])
+def test_preemption_and_n_samples_with_windows(windows, num_blocks, ahead, offload):
+    """`offload`: a second tier keeps the blocks preemption leaves, and the recompute restores them."""
+    sched, worker = make(windows, num_blocks, max_num_batched_tokens=64, offload=offload)
     full_window = None if windows[0] is None else windows[-1]
     prompts = {f"r{i}": [i] * (5 + 3 * i) for i in range(4)}
     reqs = {rid: add(sched, rid, p, max_tokens=14) for rid, p in prompts.items()}
@@ -467,6 +478,9 @@ def test_preemption_and_n_samples_with_windows(windows, num_blocks, ahead):
     assert outputs(forked) == {i: expected([7, 8, 9, 10, 11, 12], 9, i, full_window) for i in range(3)}
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
     sched.block_manager.pool.check_invariants()
+    if offload:
+        assert sched.block_manager.tier.restored_blocks > 0
+        sched.block_manager.tier.check_invariants()
 
 
 @pytest.mark.parametrize("windows", [(None, 6), (6,)], ids=["hybrid", "all-sliding"])

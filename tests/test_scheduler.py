@@ -65,6 +65,7 @@ class SlotWorker:
         self.batches: list[StepBatch] = []
         self.last_draws: list[int] = []  # the first draw of each sample spec of the last step
         self.tables: dict[int, list[int]] = {}  # slot -> block table
+        self.offloaded: dict[int, tuple[list, int]] = {}  # the second tier's slot -> (its block's slots, hash)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self.batches.append(batch)
@@ -73,6 +74,11 @@ class SlotWorker:
         for index, sample in batch.deferred_inputs:
             input_ids[index] = self.last_draws[sample]
         bs = self.block_size
+        for block, slot, block_hash in batch.kv_saves:
+            self.offloaded[slot] = (self.slots[block * bs:(block + 1) * bs], block_hash)
+        for slot, block, block_hash in batch.kv_loads:
+            assert self.offloaded[slot][1] == block_hash, f"slot {slot} restored as another block"
+            self.slots[block * bs:(block + 1) * bs] = self.offloaded[slot][0]
         for src, dst in batch.block_copies:
             self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
         for slot, start, ids in batch.table_updates[0]:
@@ -120,9 +126,9 @@ class SlotWorker:
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
-         caching=True, policy="fcfs", max_loras=0):
-    """`max_loras`: the workers' LoRA adapter slots (0: none)."""
-    bm = BlockManager(num_blocks, block_size, caching)
+         caching=True, policy="fcfs", max_loras=0, offload=0):
+    """`max_loras`: the workers' LoRA adapter slots (0: none); `offload`: the prefix cache's second tier's blocks."""
+    bm = BlockManager(num_blocks, block_size, caching, offload_blocks=offload)
     slots = AdapterSlots(max_loras) if max_loras else None
     return (Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, policy, adapter_slots=slots),
             SlotWorker(num_blocks, block_size))
@@ -408,12 +414,15 @@ def test_first_come_first_served_refuses_priorities():
     ahead=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
     max_loras=st.sampled_from([0, 0, 1, 2]),
+    offload=st.sampled_from([0, 0, 2, 16]),
 )
 def test_random_workloads_finish_correctly_and_return_all_blocks(data, num_blocks, block_size, budget,
-                                                                 max_num_seqs, caching, ahead, policy, max_loras):
-    """`max_loras`: requests run with LoRA adapters (of four, and the base model) in that many slots."""
+                                                                 max_num_seqs, caching, ahead, policy, max_loras,
+                                                                 offload):
+    """`max_loras`: requests run with LoRA adapters (of four, and the base model) in that many slots; `offload`:
+    blocks of the prefix cache's second tier."""
     check_random_workload(data.draw(st.integers(0, 2**16)), data.draw(st.integers(1, 8)), num_blocks, block_size,
-                          budget, max_num_seqs, caching, ahead, policy, max_loras)
+                          budget, max_num_seqs, caching, ahead, policy, max_loras, offload * caching)
 
 
 def test_a_sequence_preempted_in_the_step_that_copied_its_last_block_recomputes_it():
@@ -425,9 +434,10 @@ def test_a_sequence_preempted_in_the_step_that_copied_its_last_block_recomputes_
 
 
 def check_random_workload(seed: int, num_requests: int, num_blocks: int, block_size: int, budget: int,
-                          max_num_seqs: int, caching: bool, ahead: bool, policy: str, max_loras: int = 0) -> None:
+                          max_num_seqs: int, caching: bool, ahead: bool, policy: str, max_loras: int = 0,
+                          offload: int = 0) -> None:
     sched, worker = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=num_blocks * block_size,
-                         caching=caching, policy=policy, max_loras=max_loras)
+                         caching=caching, policy=policy, max_loras=max_loras, offload=offload)
     rng = random.Random(seed)
     stem = [rng.randrange(VOCAB) for _ in range(3 * block_size)]
     reqs = []
@@ -462,3 +472,5 @@ def check_random_workload(seed: int, num_requests: int, num_blocks: int, block_s
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
     bm.pool.check_invariants()
+    if bm.tier is not None:
+        bm.tier.check_invariants()

@@ -64,7 +64,8 @@ class LLMEngine:
         self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
         self.num_failures = 0
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          [group.window for group in kv_groups(self.model_config.layer_windows)])
+                                          [group.window for group in kv_groups(self.model_config.layer_windows)],
+                                          offload_blocks=self.executor.num_offload_blocks)
         # The workers' device, not this process's: a served engine's actor holds no GPU.
         device_type = self.executor.device_type
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(device_type),
@@ -335,7 +336,17 @@ class LLMEngine:
             "num_worker_failures": self.num_failures,
             **self._speculation_stats(),
             **self._adapter_stats(),
+            **self._offload_stats(),
         }
+
+    def _offload_stats(self) -> dict[str, Any]:
+        """With a second tier: its blocks, those in use, the prefix-cache tokens found there, and its copies."""
+        tier = self.block_manager.tier
+        if tier is None:
+            return {}
+        return {"offload_total_blocks": tier.num_slots, "offload_used_blocks": tier.num_used_slots,
+                "offload_hits": self.block_manager.offload_hits, "offload_saved_blocks": tier.saved_blocks,
+                "offload_restored_blocks": tier.restored_blocks}
 
     def _adapter_stats(self) -> dict[str, Any]:
         """With LoRA on: the ids of the adapters in the workers' slots (what a router prefers a replica for)."""

@@ -15,6 +15,7 @@ class WorkerFailure(RuntimeError):
 
 class Executor(Protocol):
     num_blocks: int  # the blocks of the pool the KV-cache groups share, on every rank (the minimum over ranks)
+    num_offload_blocks: int  # the blocks of the prefix cache's second tier, on every rank (0: none)
     device_type: str  # where the workers compute: "cuda" or "cpu"
     takes_late_masks: bool  # whether `sample` can give a launched step its grammar masks
 
@@ -33,7 +34,7 @@ class Executor(Protocol):
         """`collect` without blocking the event loop."""
 
     def restart(self) -> None:
-        """Replace the workers after a failure: same pool size, empty pools."""
+        """Replace the workers after a failure: same pool and second tier sizes, both empty."""
 
     def shutdown(self) -> None: ...
 

@@ -37,7 +37,8 @@ class LocalExecutor:
 
         self.worker = Worker(config, source, model_config, max_model_len)
         self.num_blocks = self.worker.available_blocks
-        self.worker.init_kv_pool(self.num_blocks)
+        self.num_offload_blocks = self.worker.available_offload_blocks
+        self.worker.init_kv_pool(self.num_blocks, self.num_offload_blocks)
         self.device_type = self.worker.device.type
 
     def launch(self, batch: StepBatch) -> LaunchedStep | _UnrunStep:
@@ -58,7 +59,8 @@ class LocalExecutor:
         return await asyncio.to_thread(self.collect, handle)
 
     def restart(self) -> None:
-        self.worker.init_kv_pool(self.num_blocks)  # a fresh pool: nothing cached survives a failure
+        # a fresh pool and second tier: nothing cached survives a failure
+        self.worker.init_kv_pool(self.num_blocks, self.num_offload_blocks)
 
     def shutdown(self) -> None:
         self.worker = None  # the model and the KV pool go now

@@ -112,16 +112,16 @@ class WorkerActor:
             return s.getsockname()[1]
 
     def setup(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, max_model_len: int,
-              dist_init_method: str | None) -> tuple[int, str]:
-        """(KV blocks that fit in the shared pool, the device type the worker computes on)."""
+              dist_init_method: str | None) -> tuple[int, int, str]:
+        """(KV blocks that fit in the shared pool, in the second tier, the device type the worker computes on)."""
         from pagedserve.workers.worker import Worker
 
         self.worker = Worker(config, source, model_config, max_model_len, self.rank, self.world_size,
                              dist_init_method)
-        return self.worker.available_blocks, self.worker.device.type
+        return self.worker.available_blocks, self.worker.available_offload_blocks, self.worker.device.type
 
-    def init_kv_pool(self, num_blocks: int) -> None:
-        self.worker.init_kv_pool(num_blocks)
+    def init_kv_pool(self, num_blocks: int, offload_blocks: int) -> None:
+        self.worker.init_kv_pool(num_blocks, offload_blocks)
 
     @ray.method(concurrency_group="steps")
     def execute(self, step: int, batch: StepBatch) -> StepOutput | None:
@@ -203,6 +203,7 @@ class RayExecutor:
         self.placement_group = None  # one this executor made (and removes); never the Serve replica's
         self.compiled = None
         self.num_blocks = 0
+        self.num_offload_blocks = 0
         self.device_type = "cpu"
         self._start()
 
@@ -238,13 +239,14 @@ class RayExecutor:
             # STRICT_PACK puts every rank on one node, so the rendezvous stays on loopback.
             init_method = f"tcp://127.0.0.1:{ray.get(self.workers[0].free_port.remote())}"
         try:
-            capacities, devices = zip(*ray.get([w.setup.remote(self.config, self.source, self.model_config,
-                                                               self.max_model_len, init_method)
-                                                for w in self.workers]), strict=True)
-            # Every rank must hold every block the scheduler hands out: the smallest pool wins.
+            capacities, offload_capacities, devices = zip(*ray.get([
+                w.setup.remote(self.config, self.source, self.model_config, self.max_model_len, init_method)
+                for w in self.workers]), strict=True)
+            # Every rank must hold every block the scheduler hands out: the smallest pool (and tier) wins.
             self.num_blocks = self.num_blocks or min(capacities)
+            self.num_offload_blocks = self.num_offload_blocks or min(offload_capacities)
             self.device_type = devices[0]
-            ray.get([w.init_kv_pool.remote(self.num_blocks) for w in self.workers])
+            ray.get([w.init_kv_pool.remote(self.num_blocks, self.num_offload_blocks) for w in self.workers])
         except RayError as e:
             self.shutdown()
             raise RuntimeError(f"starting the worker actors failed: {_cause(e)}") from e

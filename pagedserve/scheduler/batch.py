@@ -97,6 +97,11 @@ class StepBatch:
     # destination (a block a tail was copied from may be a later copy's destination). The groups share one block
     # id space, so a copy moves a block's pages in every layer.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The prefix cache's second tier (`scheduler/offload_tier.py`), before the block copies: first (block, slot,
+    # hash), cached blocks the scheduler's allocations evicted from the pool, kept in the tier's slots; then (slot,
+    # block, hash), blocks restored from it. The workers check that a slot holds the hash it is restored for.
+    kv_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int, int]] = field(default_factory=list)
     samples: list[SampleSpec] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     deferred_inputs: list[tuple[int, int]] = field(default_factory=list)

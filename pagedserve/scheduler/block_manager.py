@@ -16,6 +16,7 @@ import xxhash
 
 from pagedserve.scheduler.block_pool import BlockPool
 from pagedserve.scheduler.kv_groups import blocks_held_at_most
+from pagedserve.scheduler.offload_tier import OffloadTier
 from pagedserve.scheduler.request import Sequence
 
 _ROOT = b"pagedserve-root\x00"  # stands in for the parent hash of a sequence's first block
@@ -23,6 +24,9 @@ _ROOT = b"pagedserve-root\x00"  # stands in for the parent hash of a sequence's 
 # block go. Never allocated; a kernel may read it (masked) in a tile that starts before the window, so it must be a
 # valid id.
 NULL_BLOCK = 0
+# A cached prefix's entry for a block the second tier holds (`CachedPrefix.restores`): allocated and copied back
+# when the prefix is taken.
+TO_RESTORE = -1
 UNBOUNDED = 1 << 62  # a sequence length no pool limits
 
 
@@ -80,6 +84,14 @@ class CachedPrefix:
     hashes: list[int] = field(default_factory=list)
     tail: tuple[list[int], int] | None = None  # (each group's block id, its tokens taken)
     block_size: int = 1
+    # [groups] {index into blocks: the second tier's slot}: blocks evicted from the pool that the tier holds
+    # (`TO_RESTORE` in `blocks`), copied back into blocks of their own when the prefix is taken
+    restores: list[dict[int, int]] = field(default_factory=list)
+
+    @property
+    def num_restored_tokens(self) -> int:
+        """The tokens of the blocks some group restores from the second tier."""
+        return len(set().union(*self.restores)) * self.block_size
 
     @property
     def num_tokens(self) -> int:
@@ -92,21 +104,27 @@ class BlockManager:
     serves any other."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Seq[int | None] = (None,)) -> None:
+                 windows: Seq[int | None] = (None,), offload_blocks: int = 0) -> None:
+        """`offload_blocks`: the second tier's slots (`offload_tier.py`), 0 for none."""
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         if not isinstance(num_blocks, int):
             raise ValueError(f"num_blocks={num_blocks!r} must be one int: the groups share one pool")
+        if offload_blocks and not enable_prefix_caching:
+            raise ValueError("a KV offload tier keeps the prefix cache's blocks: it needs enable_prefix_caching")
         self.windows = tuple(windows)
+        self.tier = OffloadTier(offload_blocks) if offload_blocks else None
         self.pool = self._new_pool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found, in the pool or the second tier
+        self.offload_hits = 0  # tokens found in the second tier
 
     def _new_pool(self, num_blocks: int) -> BlockPool:
         sliding = any(w is not None for w in self.windows)
-        return BlockPool(num_blocks, reserved=1 if sliding else 0)  # NULL_BLOCK where a group slides
+        return BlockPool(num_blocks, reserved=1 if sliding else 0,  # NULL_BLOCK where a group slides
+                         on_evict=self.tier.keep if self.tier else None)
 
     def reset(self) -> None:
         """Forget every block and cached prefix (the workers' pools were rebuilt empty). No sequence may
@@ -114,6 +132,13 @@ class BlockManager:
         if self.num_free_blocks != self.num_total_blocks:
             raise RuntimeError(f"reset with {self.num_total_blocks - self.num_free_blocks} KV blocks still held")
         self.pool = self._new_pool(self.pool.num_blocks)
+        if self.tier is not None:
+            self.tier.reset()
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """The copies the next step does first (`StepBatch.kv_saves`, `kv_loads`): blocks into the second tier,
+        then blocks out of it."""
+        return self.tier.take_copies() if self.tier is not None else ([], [])
 
     @property
     def num_groups(self) -> int:
@@ -162,17 +187,19 @@ class BlockManager:
         token: that token must be computed for its logits (and a full cached block is never written again, so
         the block holding it is never shared whole).
         """
-        cached = CachedPrefix([[] for _ in self.windows], block_size=self.block_size)
+        cached = CachedPrefix([[] for _ in self.windows], block_size=self.block_size,
+                              restores=[{} for _ in self.windows])
         if not self.enable_prefix_caching:
             return cached
         bs = self.block_size
         parent = _root(seq)
-        found: list[list[int | None]] = [[] for _ in self.windows]  # [groups][blocks]: the cached block or None
+        # [groups][blocks]: the cached block, -1 - the second tier's slot that holds it, or None
+        found: list[list[int | None]] = [[] for _ in self.windows]
         full = [g for g, w in enumerate(self.windows) if w is None]
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
-            hits = [self.pool.lookup(h, parent, tokens, g) for g in range(self.num_groups)]
+            hits = [self._lookup(h, parent, tokens, g) for g in range(self.num_groups)]
             if any(hits[g] is None for g in full):
                 break  # a sliding group's miss may lie before a later prefix's window: go on
             for g, hit in enumerate(hits):
@@ -191,7 +218,20 @@ class BlockManager:
         for g, w in enumerate(self.windows):
             lo = min(self._window_start(w, first_new), num_blocks)
             cached.blocks[g] = [NULL_BLOCK] * lo + found[g][lo:num_blocks]
+            for k in range(lo, num_blocks):
+                if cached.blocks[g][k] < 0:
+                    cached.restores[g][k] = -1 - cached.blocks[g][k]
+                    cached.blocks[g][k] = TO_RESTORE
         return cached
+
+    def _lookup(self, block_hash: int, parent: int | None, tokens: Seq[int], group: int) -> int | None:
+        """The pool's block that holds these tokens after `parent` in `group`, else -1 - the second tier's slot
+        that does, else None."""
+        block = self.pool.lookup(block_hash, parent, tokens, group)
+        if block is not None or self.tier is None:
+            return block
+        slot = self.tier.lookup(block_hash, parent, tokens, group)
+        return None if slot is None else -1 - slot
 
     def _serves(self, runs: list[list[int]], num_blocks: int) -> bool:
         """Whether every group holds what a prefix of `num_blocks` whole blocks needs cached: the blocks from the
@@ -240,13 +280,16 @@ class BlockManager:
         if not any(seq.block_tables) and seq.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += cached.num_tokens if cached else 0
+            self.offload_hits += cached.num_restored_tokens if cached else 0
         if cached is not None:
             seq.block_hashes.extend(cached.hashes)
             # Every group's hits are held before any group allocates, so that no group's allocation takes a free
-            # block another group is about to share (or copy, for a tail).
+            # block another group is about to share (or copy, for a tail), nor the tier a slot it restores.
             for g in range(self.num_groups):
                 self.pool.touch(b for b in cached.blocks[g] if _held(self.pool, b))
                 seq.block_tables[g].extend(cached.blocks[g])
+                if cached.restores[g]:
+                    self.tier.hold(cached.restores[g].values())
             if cached.tail is not None:
                 self.pool.touch(cached.tail[0])
         seq.num_computed_tokens = num_computed
@@ -295,13 +338,21 @@ class BlockManager:
         cow = write_idx < len(table) and _held(pool, table[write_idx]) and pool.ref_count(table[write_idx]) > 1
         revived = sum(1 for b in computed_blocks if _held(pool, b) and pool.ref_count(b) == 0)
         held = tail is not None and tail not in computed_blocks and pool.ref_count(tail) == 0
-        return needed, cow, max(needed, 0) + cow + revived + held
+        restored = len(cached.restores[g]) if cached else 0
+        return needed, cow, max(needed, 0) + cow + revived + held + restored
 
     def _apply(self, seq: Sequence, g: int, cached: CachedPrefix | None, needed: int,
                cow: bool) -> list[tuple[int, int]]:
         """Group g's new blocks and copies; the cached blocks are already in its table, the tail's source held."""
         pool, table = self.pool, seq.block_tables[g]
         copies = []
+        if cached is not None:
+            start = len(table) - len(cached.blocks[g])
+            for k, slot in cached.restores[g].items():
+                block = pool.allocate().block_id
+                entry = self.tier.restore(slot, block)  # copied back before the step's forward
+                pool.cache(block, entry.block_hash, entry.parent_hash, entry.token_ids, g)
+                table[start + k] = block
         if cached is not None and cached.tail is not None:
             dst = pool.allocate().block_id
             table.append(dst)

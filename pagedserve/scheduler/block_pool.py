@@ -8,7 +8,7 @@ group's layers.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -33,12 +33,15 @@ class BlockPool:
     The first `reserved` blocks are never handed out nor referenced: with sliding-window groups, block 0 is the
     placeholder their block tables hold where the window has let a block go (`BlockManager`)."""
 
-    def __init__(self, num_blocks: int, reserved: int = 0) -> None:
+    def __init__(self, num_blocks: int, reserved: int = 0, on_evict: Callable[[Block], None] | None = None) -> None:
         if num_blocks - reserved < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= {reserved + 1}"
                              + (f" ({reserved} reserved)" if reserved else ""))
         self.num_blocks = num_blocks
         self.reserved = reserved
+        # Told of each cached block as allocation evicts it, while it still holds its hash and K/V (the
+        # second tier keeps them: `offload_tier.py`).
+        self.on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Unreferenced blocks, least recently freed first. An OrderedDict gives O(1)
         # removal from the middle when a cached free block is hit.
@@ -146,6 +149,8 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self._cached[block.group, block.block_hash]
             block.block_hash = None
             block.parent_hash = None

@@ -282,6 +282,7 @@ class Scheduler:
                     copies: list[tuple[int, int]]) -> StepBatch:
         batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies,
                           table_updates=[[] for _ in range(self.block_manager.num_groups)])
+        batch.kv_saves, batch.kv_loads = self.block_manager.take_offload_copies()
         if self.adapter_slots is not None:
             batch.lora_loads, self._adapter_loads = self._adapter_loads, []
             if any(seq.request.lora is not None for seq, _, _ in scheduled):

@@ -43,6 +43,16 @@ class ServerMetrics:
                                "those proposed, since the start.", tags)
         self.spec_length = Gauge("pagedserve_spec_decode_mean_accepted_length", "Tokens a verifying row emits on "
                                  "average (its kept proposals and the token after them), since the start.", tags)
+        # The prefix cache's second tier: the prompt tokens found there (among prefix_cache_hits), the blocks it
+        # kept and restored, and the share of its blocks in use
+        self.offload_hits = Counter("pagedserve_kv_offload_hits", "Prompt tokens found in the KV offload tier "
+                                    "(counted among the prefix cache's hits).", tags)
+        self.offload_saved = Counter("pagedserve_kv_offload_saved_blocks", "KV blocks evicted from the pool that "
+                                     "the offload tier kept.", tags)
+        self.offload_restored = Counter("pagedserve_kv_offload_restored_blocks", "KV blocks restored from the "
+                                        "offload tier instead of recomputed.", tags)
+        self.offload_usage = Gauge("pagedserve_kv_offload_usage", "Fraction of the KV offload tier's blocks holding "
+                                   "a block (0..1).", tags)
         for metric in vars(self).values():  # recorded without tags from here on: merging them costs a record
             metric.set_default_tags({"model": model})
         self._last: dict[str, int] = {}
@@ -61,8 +71,10 @@ class ServerMetrics:
         for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
                              ("num_preemptions", self.preemptions), ("spec_num_rows", self.spec_rows),
                              ("spec_num_proposed_tokens", self.spec_proposed),
-                             ("spec_num_accepted_tokens", self.spec_accepted)):
-            if key not in stats:  # no speculative decoding
+                             ("spec_num_accepted_tokens", self.spec_accepted), ("offload_hits", self.offload_hits),
+                             ("offload_saved_blocks", self.offload_saved),
+                             ("offload_restored_blocks", self.offload_restored)):
+            if key not in stats:  # no speculative decoding, no offload tier
                 continue
             delta = stats[key] - self._last.get(key, 0)
             if delta > 0:
@@ -71,6 +83,8 @@ class ServerMetrics:
         if "spec_num_rows" in stats:
             self.spec_rate.set(stats["spec_acceptance_rate"])
             self.spec_length.set(stats["spec_mean_accepted_length"])
+        if "offload_total_blocks" in stats:
+            self.offload_usage.set(stats["offload_used_blocks"] / stats["offload_total_blocks"])
 
     def on_tokens(self, count: int, first_token_latencies: list[float], inter_token_latencies: list[float]) -> None:
         # Once per step, not per request: each record costs microseconds, and a step may carry hundreds.

@@ -44,8 +44,8 @@ def layer_caches(config: ModelConfig, pool: torch.Tensor) -> list[torch.Tensor]:
     return [pool[slots[layer][1]] for layer in range(config.num_layers)]
 
 
-def parse_memory(value: int | float | str) -> int:
-    """Bytes from 1073741824, '1GiB', '512MiB', '2GB', '1.5G'."""
+def parse_memory(value: int | float | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from 1073741824, '1GiB', '512MiB', '2GB', '1.5G'; a ValueError naming the setting `name` else."""
     if isinstance(value, int | float):
         return int(value)
     s = value.strip().lower().replace(" ", "")
@@ -60,4 +60,4 @@ def parse_memory(value: int | float | str) -> int:
     try:
         return int(float(s))
     except ValueError:
-        raise ValueError(f"kv_cache_memory={value!r} is not a size (e.g. 2GiB, 512MiB, or bytes)") from None
+        raise ValueError(f"{name}={value!r} is not a size (e.g. 2GiB, 512MiB, or bytes)") from None

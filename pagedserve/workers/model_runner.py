@@ -18,6 +18,7 @@ from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.kv_pool import layer_caches, model_kv_groups
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.parallel import broadcast
+from pagedserve.workers.offload_store import OffloadStore
 from pagedserve.workers.sampler import Draws, Sampler, token_scores
 from pagedserve.workers.tensors import host_tensor, on_device, on_device_packed
 
@@ -72,6 +73,7 @@ class ModelRunner:
         self.native_forward = native_forward(model, kv_pool, backend) if self.num_groups == 1 else None
         self.draft: DraftRunner | None = None  # speculative decoding's draft model (`Worker.init_kv_pool`)
         self.adapters: AdapterLoader | None = None  # the model's LoRA adapter slots, where LoRA is on
+        self.offload: OffloadStore | None = None  # the prefix cache's second tier, where one is set
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -90,6 +92,9 @@ class ModelRunner:
         """Queue the step's work on the device without waiting for it, so that the host can go on while it
         runs, and queue the next step behind it. A batch with `late_masks` draws with `late_masks` (the
         masks of those samples) when given, else it stops before drawing until `sample` gives them."""
+        if batch.kv_saves or batch.kv_loads:  # the second tier's copies, before anything else writes a block
+            self.offload.save(batch.kv_saves)
+            self.offload.load(batch.kv_loads)
         for slot, adapter in batch.lora_loads:  # before the step that first uses them (queued after the one before)
             self.adapters.load(slot, adapter)
         inputs = self.prepare(batch)

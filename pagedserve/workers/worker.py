@@ -25,6 +25,7 @@ from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout
+from pagedserve.workers.offload_store import OffloadStore
 from pagedserve.workers.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Worker:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.available_blocks = self._count_blocks()
+        self.available_offload_blocks = self._count_offload_blocks()
         self.runner: ModelRunner | None = None
 
     def _load(self, source: ModelSource, model_config: ModelConfig, tp: TPLayout) -> CausalLM:
@@ -102,8 +104,8 @@ class Worker:
             pack_linears(model, PACK_BATCH_HINT)
         return model
 
-    def init_kv_pool(self, num_blocks: int) -> None:
-        """The pool of `num_blocks` blocks, shared by the KV-cache groups."""
+    def init_kv_pool(self, num_blocks: int, offload_blocks: int = 0) -> None:
+        """The pool of `num_blocks` blocks, shared by the KV-cache groups, and a second tier of `offload_blocks`."""
         self.runner = None  # release a previous pool before allocating its replacement (no 2x peak)
         kv_pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                    self.tp.num_kv_heads)
@@ -112,6 +114,10 @@ class Worker:
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
         self.runner.draft = self._draft_runner(num_blocks)
         self.runner.adapters = self.adapters
+        if offload_blocks:
+            medium, _ = self.config.offload_tier()
+            pools = [kv_pool] + ([self.runner.draft.kv_pool] if self.runner.draft is not None else [])
+            self.runner.offload = OffloadStore(pools, offload_blocks, medium, self.config.kv_offload_dir)
         if self.config.replays_graphs(self.device.type):
             if self.device.type == "cuda" and self.model_config.num_experts and self.backend.fused_experts is None:
                 # the loop over experts reads each expert's token count on the host: not capturable
@@ -140,12 +146,33 @@ class Worker:
     def collect(self, step: LaunchedStep) -> StepOutput | None:
         return self.runner.collect(step)
 
+    def _block_bytes(self) -> int:
+        """A block's bytes in every pool of this rank: the model's heads, and a draft's (whose pool has as many)."""
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp.num_kv_heads)
+        if self.draft_model is not None:
+            per_block += bytes_per_block(self.draft_model.config, self.config.block_size, self.dtype)
+        return per_block
+
+    def _count_offload_blocks(self) -> int:
+        """How many blocks the second tier's budget holds (0 without one)."""
+        tier = self.config.offload_tier()
+        if tier is None:
+            return 0
+        medium, budget = tier
+        name = f"kv_offload_{medium}"
+        if medium == "memory" and self.device.type != "cuda":
+            raise ValueError(f"kv_offload_memory is host memory beside a GPU's pool; the workers compute on "
+                             f"{self.device.type}, whose pool is host memory already: set kv_offload_disk instead")
+        num_blocks = budget // self._block_bytes()
+        if num_blocks < 1:
+            raise ValueError(f"{name}={getattr(self.config, name)!r} holds no block of {self.config.block_size} "
+                             f"tokens ({self._block_bytes()} bytes)")
+        return num_blocks
+
     def _count_blocks(self) -> int:
         """How many blocks of the shared pool the KV budget holds."""
         sliding = any(group.window is not None for group in model_kv_groups(self.model_config))
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp.num_kv_heads)
-        if self.draft_model is not None:  # a draft's pool has as many blocks
-            per_block += bytes_per_block(self.draft_model.config, self.config.block_size, self.dtype)
+        per_block = self._block_bytes()
         if self.config.kv_cache_memory is not None:
             budget = parse_memory(self.config.kv_cache_memory)
         elif self.device.type == "cuda":
