@@ -197,6 +197,19 @@ def test_tensor_parallel_matches_transformers(tiny_qwen2, tp, async_scheduling):
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_the_kv_offload_tier_over_tensor_parallel_worker_actors(tiny_qwen2, tmp_path):
+    """Two ranks, each keeping its own KV heads in a disk tier of its own, steps scheduled ahead: a pool too small
+    to keep the prompts between turns restores their blocks, with transformers' tokens every turn."""
+    path, prompts, expected = tiny_qwen2
+    with LLM(path, executor="ray", tensor_parallel_size=2, async_scheduling=True, block_size=4,
+             kv_cache_memory="24KiB", kv_offload_disk="256KiB", kv_offload_dir=str(tmp_path)) as llm:
+        for _ in range(2):
+            assert [tokens(llm.generate([p], GREEDY))[0] for p in prompts] == expected
+        stats = llm.stats()
+    assert stats["num_total_blocks"] == 24 and stats["offload_restored_blocks"] >= 17
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_async_scheduling_on_worker_actors(embedded_dir):
     """The mixed workload (stops, seeds, n, penalties, logprobs, a grammar, preemption) scheduled ahead on a
     worker actor gives the in-process engine's outputs stepping one at a time."""

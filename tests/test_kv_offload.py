@@ -10,6 +10,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
+from pagedserve.scheduler.block_manager import prefix_hashes
 
 # tiny_random's block: 2 layers x K and V x 16 tokens x 2 KV heads x 16 dims x 4 bytes = 8 KiB; 20 in the pool
 POOL = "160KiB"
@@ -45,6 +46,8 @@ def test_restored_blocks_give_the_tokens_recompute_gives(tiny_random, prompts, t
     assert stats["offload_hits"] == stats["offload_restored_blocks"] * 16 >= 2 * 7 * 9 * 16
     assert stats["prefix_cache_hits"] == 2 * 8 * 9 * 16
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    # what a prefix-aware router matches: every prompt's full blocks, wherever they are
+    assert set(llm.llm_engine.cached_block_hashes()) >= set(prefix_hashes(prompts[0], 16))
     assert list(tmp_path.iterdir()) == []  # the tier's file is unlinked once mapped: nothing left behind
 
     # The restored K/V are what the steps read: with the tier's copies zeroed, the same prompts answer otherwise.

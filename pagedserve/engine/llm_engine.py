@@ -134,8 +134,12 @@ class LLMEngine:
         return self.outputs.build(request)
 
     def cached_block_hashes(self) -> list[int]:
-        """The chained hashes of the full blocks the prefix cache holds (what a prefix-aware router matches)."""
-        return self.block_manager.pool.cached_hashes()
+        """The chained hashes of the full blocks the prefix cache holds, in the pool or the second tier (what a
+        prefix-aware router matches)."""
+        bm = self.block_manager
+        if bm.tier is None:
+            return bm.pool.cached_hashes()
+        return list(dict.fromkeys(bm.pool.cached_hashes() + bm.tier.cached_hashes()))
 
     # ---- beam searches -------------------------------------------------------------------
 

@@ -49,6 +49,10 @@ class OffloadTier:
     def num_used_slots(self) -> int:
         return len(self._index)
 
+    def cached_hashes(self, group: int = 0) -> list[int]:
+        """The hash of every block of `group` the tier holds."""
+        return [h for g, h in self._index if g == group]
+
     def keep(self, block: Block) -> None:
         """A full, cached block about to be evicted from the pool (its K/V are intact until the step that took it
         runs): the tier keeps them, in a free slot or the least recently used one. A block it already holds (one
