@@ -28,12 +28,13 @@ run: install
 generate: install
 	$(VENV)/bin/pagedserve generate --chat "What is the capital of France?"
 
-# In a loopback-only network namespace where possible: Ray binds every interface (scripts/loopback-netns.sh).
+# In loopback-only network namespaces where possible: Ray binds every interface (scripts/loopback-netns.sh). The
+# tests that start Ray run beside the rest (scripts/test-suite.sh).
 # The offline bundle's test installs from downloads made here first: inside the namespace there is no network.
 # The slowest tests are listed at the end, to keep the suite's time in view.
 test: install
 	$(PY) tests/test_offline_bundle.py --prepare
-	scripts/loopback-netns.sh $(PY) -m pytest -q --durations=40
+	scripts/test-suite.sh $(PY) -q --durations=40
 
 test-fast: install
 	scripts/loopback-netns.sh $(PY) -m pytest -q -m "not slow"

@@ -6,8 +6,9 @@
 # profile under 2.
 #
 #   bash benchmarks/gpu_check.sh correctness   # kernel + CUDA-graph tests on CUDA (sliding windows, soft caps, KV
-#                                              # groups, experts), the engine on CUDA vs HF, kernel benchmark, HF
-#                                              # parity, tensor parallel 2 on the one GPU (where Ray is installed)
+#                                              # groups, experts, LoRA, the KV offload tier), the engine on CUDA vs
+#                                              # HF, kernel benchmark, HF parity, tensor parallel 2 on the one GPU
+#                                              # (where Ray is installed), the KV offload tier's TTFT
 #   bash benchmarks/gpu_check.sh nano          # nano-vllm's benchmark (Qwen3-0.6B shape, its 256 requests) beside
 #                                              # HF generate on the first 64
 #   bash benchmarks/gpu_check.sh serve         # serve run deploy/gpu.yaml: both routes, 64 and 256 streams beside
@@ -77,7 +78,7 @@ correctness)
     # shellcheck disable=SC2086
     background tests python3 -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
         tests/test_norm_kernel.py tests/test_rope_kernel.py tests/test_cuda_graph.py tests/test_kv_window.py \
-        tests/test_moe.py tests/test_lora_kernel.py
+        tests/test_moe.py tests/test_lora_kernel.py tests/test_kv_offload.py
     background engine_tests python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py
     background parity python3 benchmarks/gpu_parity.py --kv-cache-memory 16GiB
     background parity_graphs python3 benchmarks/gpu_parity.py --cuda-graphs --kv-cache-memory 16GiB
@@ -86,6 +87,7 @@ correctness)
     fi
     wait_all
     step kernels python3 benchmarks/kernels.py  # timed alone
+    step kv_offload python3 benchmarks/kv_offload.py --device cuda --json "$out/kv_offload.json"
     ;;
 nano)
     step nano python3 benchmarks/throughput.py --random qwen3-0.6b --workload nano-vllm --dtype bfloat16 \

@@ -116,6 +116,7 @@ def test_nano_vllm_workload_draws_as_its_bench_script_does():
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_gpu_serve_runs_the_serve_config_and_compares_it_with_offline(tmp_path):
     """benchmarks/gpu_serve.py end to end on the CPU, so that a GPU run spends its time measuring: `serve run` of
     deploy/gpu.yaml with the model, device and sizes swapped for a tiny CPU model, both routes answering the same
@@ -146,6 +147,7 @@ def test_gpu_serve_runs_the_serve_config_and_compares_it_with_offline(tmp_path):
     assert all(o["check_tokens"] == result["routes"]["grpc_tokens"] for o in result["offline"])
 
 
+@pytest.mark.ray
 def test_gpu_tp_shared_compares_two_ranks_with_one():
     """benchmarks/gpu_tp_shared.py on the CPU (TP 2 over gloo against TP 1), so that a GPU run spends its time
     comparing: both give the same fp32 tokens, and the last line says so."""

@@ -23,6 +23,8 @@ from .conftest import launched_batches
 from .test_async_scheduling import PROMPTS, check_grammars_scheduled_ahead, check_same_outputs, grammar_mix
 from .test_parity import hf_greedy, hf_logprobs
 
+pytestmark = pytest.mark.ray
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -15,6 +15,7 @@ from pagedserve.scheduler.block_manager import prefix_hashes
 # tiny_random's block: 2 layers x K and V x 16 tokens x 2 KV heads x 16 dims x 4 bytes = 8 KiB; 20 in the pool
 POOL = "160KiB"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
+CPU = dict(device="cpu", dtype="float32", kv_cache_memory=POOL)  # the CPU path, even where there is a GPU
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +33,12 @@ def one_at_a_time(llm: LLM, prompts: list[list[int]], rounds: int) -> list[list[
 
 
 def test_restored_blocks_give_the_tokens_recompute_gives(tiny_random, prompts, tmp_path):
-    plain = LLM(tiny_random, dtype="float32", kv_cache_memory=POOL)
+    plain = LLM(tiny_random, **CPU)
     expected = one_at_a_time(plain, prompts, rounds=3)
     assert plain.stats()["prefix_cache_hits"] == 0  # the pool alone keeps none of them
     plain.shutdown()
 
-    llm = LLM(tiny_random, dtype="float32", kv_cache_memory=POOL, kv_offload_disk="1MiB", kv_offload_dir=str(tmp_path))
+    llm = LLM(tiny_random, kv_offload_disk="1MiB", kv_offload_dir=str(tmp_path), **CPU)
     assert one_at_a_time(llm, prompts, rounds=3) == expected
     stats = llm.stats()
     assert stats["offload_total_blocks"] == 128 and stats["offload_used_blocks"] == 72
@@ -62,7 +63,7 @@ def test_a_batch_with_chunks_preemption_and_samples_matches_the_plain_pool(tiny_
     same tokens with the tier as without it, and every block back at the end."""
     params = [SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=i) for i in range(len(prompts))]
     batch = [{"prompt_token_ids": p} for p in prompts]
-    settings = dict(dtype="float32", kv_cache_memory=POOL, max_num_batched_tokens=64)
+    settings = dict(CPU, max_num_batched_tokens=64)
     plain = LLM(tiny_random, **settings)
     expected = [[c.token_ids for c in out.outputs] for _ in range(2) for out in plain.generate(batch, params)]
     plain.shutdown()
@@ -78,7 +79,7 @@ def test_a_batch_with_chunks_preemption_and_samples_matches_the_plain_pool(tiny_
 def test_a_slot_that_holds_another_block_fails_the_step_and_the_engine_goes_on(tiny_random, prompts, tmp_path):
     """A restore checks the slot's hash: a slot that holds another block fails the step (every request in it ends
     with the error) rather than give wrong K/V; the engine forgets both tiers and answers the next requests."""
-    llm = LLM(tiny_random, dtype="float32", kv_cache_memory=POOL, kv_offload_disk="1MiB", kv_offload_dir=str(tmp_path))
+    llm = LLM(tiny_random, kv_offload_disk="1MiB", kv_offload_dir=str(tmp_path), **CPU)
     expected = one_at_a_time(llm, prompts[:4], rounds=1)
     store = llm.llm_engine.executor.worker.runner.offload
     store.hashes = [None if h is None else h ^ 1 for h in store.hashes]
@@ -105,14 +106,14 @@ def test_offload_settings_are_refused_by_name(settings, message):
 
 def test_a_tier_smaller_than_a_block_is_refused_by_name(tiny_random, tmp_path):
     with pytest.raises(ValueError, match=r"kv_offload_disk='4KiB' holds no block of 16 tokens \(8192 bytes\)"):
-        LLM(tiny_random, dtype="float32", kv_cache_memory=POOL, kv_offload_disk="4KiB", kv_offload_dir=str(tmp_path))
+        LLM(tiny_random, kv_offload_disk="4KiB", kv_offload_dir=str(tmp_path), **CPU)
 
 
 def test_a_draft_models_blocks_are_kept_and_restored_with_the_models(tiny_random, prompts, tmp_path):
     """A draft model's pool has the model's block ids: the tier keeps and restores its K/V too. A draft equal to
     the model then has every proposal accepted after a restore, as it would after a recompute."""
     draft = {"method": "draft_model", "model": tiny_random, "num_speculative_tokens": 3}
-    llm = LLM(tiny_random, dtype="float32", kv_cache_memory="320KiB", speculative_config=draft,
+    llm = LLM(tiny_random, device="cpu", dtype="float32", kv_cache_memory="320KiB", speculative_config=draft,
               kv_offload_disk="2MiB", kv_offload_dir=str(tmp_path))
     outs = one_at_a_time(llm, prompts, rounds=2)
     stats = llm.stats()
@@ -124,3 +125,19 @@ def test_a_draft_models_blocks_are_kept_and_restored_with_the_models(tiny_random
     assert outs[8:] == outs[:8]
     assert stats["offload_restored_blocks"] >= 7 * 9 and stats["spec_acceptance_rate"] == 1.0
     assert len(cached) > 9 and all(same)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory beside a CUDA pool")
+def test_pinned_host_memory_beside_a_cuda_pool(tiny_random, prompts):
+    """The GPU's tier: copies queued on the step's stream into and out of pinned host memory; greedy tokens as the
+    pool alone gives them (logprobs may differ in their last bits: a CUDA prefill is not batch-invariant)."""
+    settings = dict(device="cuda", dtype="float32", kv_cache_memory=POOL, cuda_graphs=True)
+    plain = LLM(tiny_random, **settings)
+    expected = [[t for t, _ in out] for out in one_at_a_time(plain, prompts, rounds=2)]
+    plain.shutdown()
+    llm = LLM(tiny_random, kv_offload_memory="1MiB", **settings)
+    got = [[t for t, _ in out] for out in one_at_a_time(llm, prompts, rounds=2)]
+    stats = llm.stats()
+    assert llm.llm_engine.executor.worker.runner.offload.stores[0].is_pinned()
+    llm.shutdown()
+    assert got == expected and stats["offload_restored_blocks"] >= 7 * 9

@@ -1,12 +1,13 @@
 """One Serve deployment of deploy/config.yaml (tiny random model by override) for every test of this
 package, through real Ray Serve, real gRPC and real HTTP. Four applications: "pagedserve" (open, decoding
-speculatively), "bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys required) and "smol" (the
-embedded SmolLM2 instead of the tiny random model); modules add their own for their tests alone. Run inside `make
-test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
+speculatively, with a KV offload tier), "bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys
+required) and "smol" (the embedded SmolLM2 instead of the tiny random model); modules add their own for their tests
+alone. Run inside `make test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import grpc  # noqa: F401
 import pytest
@@ -22,8 +23,16 @@ from pagedserve import LLM
 from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, SPECULATIVE
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this package runs on its Ray cluster (`app`)."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.ray)
+
+
 @pytest.fixture(scope="package")
-def app(tiny_random):
+def app(tiny_random, tmp_path_factory):
     from pagedserve.serving.serve_app import build_app
 
     config = yaml.safe_load(CONFIG.read_text())
@@ -32,9 +41,11 @@ def app(tiny_random):
     serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
     spec = config["applications"][0]
     args = dict(spec["args"], model=tiny_random, max_model_len=MAX_MODEL_LEN, kv_cache_memory=POOL_BLOCKS * BLOCK_BYTES)
-    # The open application decodes speculatively: every test of it (greedy tokens equal to the offline engine's
-    # without speculation, streams, cancellation, preemption, metrics) holds through verification steps too.
-    serve.run(build_app(dict(args, speculative_config=SPECULATIVE)), name=spec["name"],
+    # The open application decodes speculatively and keeps evicted blocks in a disk tier: every test of it (greedy
+    # tokens equal to the offline engine's without either, streams, cancellation, preemption, metrics) holds
+    # through verification steps and restored blocks too.
+    tier = dict(kv_offload_disk=4 * POOL_BLOCKS * BLOCK_BYTES, kv_offload_dir=str(tmp_path_factory.mktemp("tier")))
+    serve.run(build_app(dict(args, speculative_config=SPECULATIVE, **tier)), name=spec["name"],
               route_prefix=spec["route_prefix"])
     serve.run(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
               route_prefix="/bounded")

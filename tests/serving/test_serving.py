@@ -189,7 +189,8 @@ METRICS = ["pagedserve_requests_running", "pagedserve_requests_waiting", "pageds
            "pagedserve_e2e_request_latency_seconds", "pagedserve_step_time_seconds",
            "pagedserve_spec_decode_num_drafts", "pagedserve_spec_decode_num_draft_tokens",
            "pagedserve_spec_decode_num_accepted_tokens", "pagedserve_spec_decode_acceptance_rate",
-           "pagedserve_spec_decode_mean_accepted_length"]
+           "pagedserve_spec_decode_mean_accepted_length", "pagedserve_kv_offload_hits",
+           "pagedserve_kv_offload_saved_blocks", "pagedserve_kv_offload_restored_blocks", "pagedserve_kv_offload_usage"]
 # Gauges can read 0 once traffic stops; the rest must have counted something.
 MUST_BE_NONZERO = [m for m in METRICS if m not in ("pagedserve_requests_running", "pagedserve_requests_waiting",
                                                      "pagedserve_kv_cache_usage")]
@@ -219,6 +220,7 @@ def test_metrics_endpoint_shows_every_metric(app, client):
                                    for i in range(12)))
 
     asyncio.run(crowd())
+    client.generate(long_prompt, **GREEDY)  # the crowd evicted its blocks from the pool: the tier restores them
     deadline = time.monotonic() + 60  # metrics are exported on an interval
     while True:
         values = scrape()
