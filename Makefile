@@ -29,7 +29,7 @@ generate: install
 	$(VENV)/bin/pagedserve generate --chat "What is the capital of France?"
 
 # In loopback-only network namespaces where possible: Ray binds every interface (scripts/loopback-netns.sh). The
-# tests that start Ray run beside the rest (scripts/test-suite.sh).
+# tests that start a server or cluster of their own run beside the rest (scripts/test-suite.sh).
 # The offline bundle's test installs from downloads made here first: inside the namespace there is no network.
 # The slowest tests are listed at the end, to keep the suite's time in view.
 test: install

@@ -1,6 +1,6 @@
-"""Speculative decoding with n-gram proposals, on and off in the same run, on the embedded SmolLM2 (a CPU).
+"""Speculative decoding, on and off in the same run, on the embedded SmolLM2 (a CPU).
 
-  python benchmarks/speculative.py [--requests 1 16] [--llama-server] [--json out.json]
+  python benchmarks/speculative.py [--requests 1 16] [--llama-server] [--draft-layers N] [--json out.json]
 
 Two workloads of chat prompts, greedy, each request's output as long as the text it is asked to copy:
 - "copy": prompts that hold most of their answer: repeat this code with one name changed, copy this paragraph
@@ -9,7 +9,9 @@ Two workloads of chat prompts, greedy, each request's output as long as the text
 For each workload and each request count (all requests at once): output tokens/s with speculation over without,
 and its acceptance rate and tokens per verifying row. With --llama-server, the same prompts (as token ids) through
 llama-server on the same GGUF file, without and with its own n-gram speculative decoding (`--spec-type
-ngram-simple`, the same n-gram and proposal lengths), in the same run.
+ngram-simple`, the same n-gram and proposal lengths), in the same run. With --draft-layers N, the `draft_model`
+method too, its draft the model's own first N layers with its final norm and output layer (its real weights, its
+GGUF blocks: an early exit of the same model, as self-speculative decoding makes one).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,6 +89,35 @@ def output_lengths(tokenizer, messages: list[list[dict]], workload: str, fresh_l
     return [len(tokenizer.encode(m[0]["content"].split("\n\n", 1)[1])) for m in messages]
 
 
+def layer_draft(weights_dir: Path, num_layers: int, out: Path) -> Path:
+    """A draft of the model's first `num_layers` layers, its embeddings, final norm and output layer, written to
+    `out` with the tokenizer: the weights and GGUF blocks of those tensors, the config cut to those layers."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def kept(name: str) -> bool:
+        return not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+
+    out.mkdir(parents=True, exist_ok=True)
+    for source in weights_dir.iterdir():
+        if source.suffix == ".safetensors":
+            with safe_open(source, "pt") as f:
+                metadata = f.metadata()
+                tensors = {name: f.get_tensor(name) for name in f.keys() if kept(name)}
+            if metadata:
+                metadata = {k: v for k, v in metadata.items() if k in tensors or not k.startswith("model.")}
+            save_file(tensors, out / source.name, metadata=metadata)
+        elif source.name == "config.json":
+            config = json.loads(source.read_text())
+            config["num_hidden_layers"] = num_layers
+            (out / source.name).write_text(json.dumps(config))
+        elif source.is_file() and source.suffix in (".json", ".jinja", ".txt", ".model"):
+            shutil.copy(source, out / source.name)
+    return out
+
+
 def run_pagedserve(prompts: list[list[int]], outputs: list[int], speculative: dict | None) -> dict:
     from pagedserve import LLM, SamplingParams
 
@@ -117,6 +149,12 @@ def run_llama_server(gguf: Path, prompts: list[list[int]], outputs: list[int], s
     return {"seconds": seconds, "tokens": produced, "tokens_per_s": produced / seconds}
 
 
+def report(label: str, off: dict, on: dict, same: bool) -> None:
+    print(f"{label}: {off['tokens_per_s']:7.1f} -> {on['tokens_per_s']:7.1f} tok/s = "
+          f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x (acceptance {on['spec_acceptance_rate']:.2f}, "
+          f"{on['spec_mean_accepted_length']:.2f} tokens a verifying row; same tokens: {same})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, nargs="+", default=[1, 16])
@@ -126,6 +164,8 @@ def main() -> None:
                    help="prompt_lookup_min and prompt_lookup_max")
     p.add_argument("--fresh-len", type=int, default=128, help="output tokens of each fresh-workload request")
     p.add_argument("--llama-server", action="store_true", help="also llama-server, without and with ngram-simple")
+    p.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                   help="also the draft_model method, its draft the model's first N layers")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     env = announce()
@@ -137,6 +177,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).tokenizer_dir)
     speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}
+    draft = None
+    tmp = tempfile.TemporaryDirectory()  # the draft's files, removed at the end
+    if args.draft_layers is not None:
+        draft = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens,
+                 "model": str(layer_draft(resolve_model(None).weights_dir, args.draft_layers, Path(tmp.name)))}
     rows = []
     for workload in args.workloads:
         for count in args.requests:
@@ -145,12 +190,16 @@ def main() -> None:
             outputs = output_lengths(tokenizer, messages, workload, args.fresh_len)
             off = run_pagedserve(prompts, outputs, None)
             on = run_pagedserve(prompts, outputs, speculative)
-            same = on.pop("token_ids") == off.pop("token_ids")
+            same = on.pop("token_ids") == off["token_ids"]
             row = {"workload": workload, "requests": count, "output_tokens": sum(outputs), "off": off, "on": on,
                    "speedup": on["tokens_per_s"] / off["tokens_per_s"], "same_tokens": same}
-            print(f"{workload:5} x{count:<3} pagedserve: {off['tokens_per_s']:7.1f} -> {on['tokens_per_s']:7.1f} "
-                  f"tok/s = {row['speedup']:.2f}x (acceptance {on['spec_acceptance_rate']:.2f}, "
-                  f"{on['spec_mean_accepted_length']:.2f} tokens a verifying row; same tokens: {same})", flush=True)
+            report(f"{workload:5} x{count:<3} pagedserve", off, on, same)
+            if draft is not None:
+                drafted = run_pagedserve(prompts, outputs, draft)
+                row["draft"] = {**drafted, "speedup": drafted["tokens_per_s"] / off["tokens_per_s"],
+                                "same_tokens": drafted.pop("token_ids") == off["token_ids"]}
+                report(f"{'':10} draft of {args.draft_layers} layers", off, drafted, row["draft"]["same_tokens"])
+            off.pop("token_ids")
             if args.llama_server:
                 gguf = embedded_model_gguf()
                 peer_off = run_llama_server(gguf, prompts, outputs, [])
@@ -166,8 +215,9 @@ def main() -> None:
             rows.append(row)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": env, "speculative_config": speculative, "rows": rows},
-                                        indent=2))
+        args.json.write_text(json.dumps({"environment": env, "speculative_config": speculative, "draft": draft,
+                                         "rows": rows}, indent=2))
+    tmp.cleanup()
 
 
 if __name__ == "__main__":

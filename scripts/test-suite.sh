@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole suite as two pytest runs side by side: the tests marked `ray` (they start Ray: Serve applications,
-# worker actors, `serve run`, `ray start`, a pip install before one) beside the rest. Those mostly wait on other
-# processes, so the two runs share the cores well. Each run has a loopback-only network namespace of its own
+# The whole suite as two pytest runs side by side: the tests marked `standalone` beside the rest. Each of those
+# starts a server or cluster of its own in other processes (a pip install, `serve run`, `ray start`) and mostly
+# waits on it, so the two runs share the cores (the rest computes: run beside each other, two runs of it would
+# each take about twice as long). Each run has a loopback-only network namespace of its own
 # (scripts/loopback-netns.sh: `serve run`'s ports 8000 and 9000 are free in each) and a Ray temp dir of its own
 # (`ray start` records its cluster there, where a `ray.init()` of the other run would find it). Where there are no
 # network namespaces (not root, no iproute2), one run does it all.
@@ -18,18 +19,18 @@ fi
 HF_HUB_OFFLINE=1 "$python" -c "from pagedserve.workers.loader import resolve_model; resolve_model(None)" || exit 1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir "$work/ray" "$work/rest"
-RAY_TMPDIR="$work/ray" "$here/loopback-netns.sh" "$python" -m pytest -m ray -p no:cacheprovider \
-  --basetemp="$work/pytest-ray" "$@" >"$work/ray.log" 2>&1 &
-with_ray=$!
-RAY_TMPDIR="$work/rest" "$here/loopback-netns.sh" "$python" -m pytest -m "not ray" "$@"
+mkdir "$work/standalone" "$work/rest"
+RAY_TMPDIR="$work/standalone" "$here/loopback-netns.sh" "$python" -m pytest -m standalone -p no:cacheprovider \
+  --basetemp="$work/pytest-standalone" "$@" >"$work/standalone.log" 2>&1 &
+standalone=$!
+RAY_TMPDIR="$work/rest" "$here/loopback-netns.sh" "$python" -m pytest -m "not standalone" "$@"
 rest=$?
-wait "$with_ray"
-ray_status=$?
+wait "$standalone"
+standalone_status=$?
 echo
-echo "==== the tests that start Ray (pytest -m ray), run beside the rest ===="
-cat "$work/ray.log"
-[ "$ray_status" = 5 ] && ray_status=0  # none collected (a selection without them)
+echo "==== the standalone tests (pytest -m standalone), run beside the rest ===="
+cat "$work/standalone.log"
+[ "$standalone_status" = 5 ] && standalone_status=0  # none collected (a selection without them)
 [ "$rest" = 5 ] && rest=0
 [ "$rest" != 0 ] && exit "$rest"
-exit "$ray_status"
+exit "$standalone_status"

@@ -116,7 +116,7 @@ def test_nano_vllm_workload_draws_as_its_bench_script_does():
 
 
 @pytest.mark.slow
-@pytest.mark.ray
+@pytest.mark.standalone
 def test_gpu_serve_runs_the_serve_config_and_compares_it_with_offline(tmp_path):
     """benchmarks/gpu_serve.py end to end on the CPU, so that a GPU run spends its time measuring: `serve run` of
     deploy/gpu.yaml with the model, device and sizes swapped for a tiny CPU model, both routes answering the same
@@ -147,7 +147,6 @@ def test_gpu_serve_runs_the_serve_config_and_compares_it_with_offline(tmp_path):
     assert all(o["check_tokens"] == result["routes"]["grpc_tokens"] for o in result["offline"])
 
 
-@pytest.mark.ray
 def test_gpu_tp_shared_compares_two_ranks_with_one():
     """benchmarks/gpu_tp_shared.py on the CPU (TP 2 over gloo against TP 1), so that a GPU run spends its time
     comparing: both give the same fp32 tokens, and the last line says so."""
@@ -160,3 +159,28 @@ def test_gpu_tp_shared_compares_two_ranks_with_one():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "float32: TP 2 on one cpu (CPU slots) vs TP 1: 3/3 prompts equal" in out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("TP_SHARED: ok; float32 3/3 equal")
+
+
+def test_a_layer_draft_holds_the_models_first_layers_and_drafts_losslessly(embedded_dir, tmp_path):
+    """The speculative benchmark's draft: the embedded model's first layers with their GGUF blocks, final norm and
+    output layer, which the engine loads as a draft model; greedy tokens as without speculation."""
+    from safetensors import safe_open
+
+    from benchmarks.speculative import layer_draft
+    from pagedserve import LLM, SamplingParams
+    from tests.test_speculative_engine import speculating
+
+    draft = layer_draft(embedded_dir, 2, tmp_path / "draft")
+    with safe_open(draft / "gguf_blocks.safetensors", "pt") as f:
+        names, types = list(f.keys()), f.metadata()
+    assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
+    assert set(names) <= set(types)  # each block tensor's GGUF type
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = "The capital of France is"
+    with LLM() as llm:
+        expected = llm.generate([prompt], params)[0].outputs[0].token_ids
+    with speculating(LLM(speculative_config={"method": "draft_model", "model": str(draft),
+                                             "num_speculative_tokens": 3})) as llm:
+        out = llm.generate([prompt], params)[0].outputs[0].token_ids
+        stats = llm.stats()
+    assert out == expected and stats["spec_num_accepted_tokens"] > 0

@@ -23,8 +23,6 @@ from .conftest import launched_batches
 from .test_async_scheduling import PROMPTS, check_grammars_scheduled_ahead, check_same_outputs, grammar_mix
 from .test_parity import hf_greedy, hf_logprobs
 
-pytestmark = pytest.mark.ray
-
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
@@ -566,6 +564,32 @@ def test_a_draft_model_on_a_worker_actor(tiny_random, tmp_path):
         assert stats["spec_num_accepted_tokens"] == stats["spec_num_proposed_tokens"] > 0
     finally:
         llm.shutdown()
+
+
+def test_a_draft_model_over_tensor_parallel_worker_actors(tmp_path_factory, tiny_random):
+    """Two ranks, steps scheduled ahead: rank 0 runs the draft whole and gives the other rank its proposals. The
+    greedy tokens of the engine without speculation, with a draft equal to the model (every proposal kept) and with
+    its first layer alone (some rejected)."""
+    from .test_speculative_engine import ALPHABET, PREFIX, random_variant, speculating
+
+    target = random_variant(tmp_path_factory, tiny_random, "untied_tp", tie_word_embeddings=False)
+    first_layer = random_variant(tmp_path_factory, tiny_random, "first_layer_tp", tie_word_embeddings=False,
+                                 num_hidden_layers=1)
+    prompts = [PREFIX + [ALPHABET[(i * j) % 5] for j in range(20 + i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(target, block_size=4) as llm:
+        expected = tokens(llm.generate(prompts, params))
+    for draft, all_kept in ((target, True), (first_layer, False)):
+        llm = speculating(LLM(target, block_size=4, executor="ray", tensor_parallel_size=2, async_scheduling=True,
+                              speculative_config={"method": "draft_model", "model": draft,
+                                                  "num_speculative_tokens": 3}))
+        try:
+            assert tokens(llm.generate(prompts, params)) == expected
+            stats = llm.stats()
+        finally:
+            llm.shutdown()
+        proposed, kept = stats["spec_num_proposed_tokens"], stats["spec_num_accepted_tokens"]
+        assert (kept == proposed > 0) if all_kept else (0 < kept < proposed)
 
 
 def test_lora_adapters_over_tensor_parallel_worker_actors(tmp_path):

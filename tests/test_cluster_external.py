@@ -29,7 +29,7 @@ def _netns_available() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.ray
+@pytest.mark.standalone
 @pytest.mark.skipif(not _netns_available(), reason="needs root and `ip netns` for a loopback-only namespace")
 @pytest.mark.skipif(not own_pid_namespace(), reason="needs util-linux's unshare for a PID namespace")
 def test_cli_on_an_existing_ray_cluster(tiny_random):

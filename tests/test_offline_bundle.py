@@ -90,7 +90,7 @@ def prepare() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.ray
+@pytest.mark.standalone
 @pytest.mark.skipif(PYTHON312 is None, reason="no python3.12 to build the bundle for and install it into")
 def test_offline_bundle_installs_and_serves_without_an_index(tmp_path):
     if not IMAGE_WHEELS.is_dir():

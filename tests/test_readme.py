@@ -22,7 +22,7 @@ VENV = Path(sys.prefix)  # the virtualenv running the tests
 
 
 @pytest.mark.slow
-@pytest.mark.ray
+@pytest.mark.standalone
 def test_make_run_then_the_readme_first_call(tmp_path):
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")

@@ -412,9 +412,6 @@ class LLMEngine:
         if draft.vocab_size != vocab:
             raise ValueError(f"{name} has a vocabulary of {draft.vocab_size} tokens, the model {vocab}: a draft "
                              "must share the model's tokenizer")
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"{name} with tensor_parallel_size={self.config.tensor_parallel_size}: a draft model "
-                             "runs on one worker (use method 'ngram', or tensor_parallel_size=1)")
         for who, config in (("the model", self.model_config), ("the draft", draft)):
             if len(kv_groups(config.layer_windows)) > 1 or config.rope_scaling and config.rope_scaling[
                     "rope_type"] in ("dynamic", "longrope"):

@@ -137,17 +137,23 @@ class ModelRunner:
 
     def _drafts(self, batch: StepBatch, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The draft model's proposals for the batch's `draft` samples and their distributions (None without
-        any), written into `input_ids` [T] at the proposals' slots of their rows: the draft runs first."""
-        if self.draft is None:
-            return None
-        tokens, probs = self.draft.propose(batch, input_ids, self.block_tables[0])  # its K/V kept up every step
+        any, and on tensor-parallel ranks other than 0), written into `input_ids` [T] at the proposals' slots of
+        their rows: the draft runs first. Under tensor parallelism the draft runs whole on rank 0 alone, which
+        broadcasts its proposals: every rank computes the same tokens."""
         drafted = [s for s in batch.samples if s.draft]
+        tokens = probs = None
+        if self.draft is not None:
+            tokens, probs = self.draft.propose(batch, input_ids, self.block_tables[0])  # its K/V kept up every step
         if not drafted:
             return None
+        if self.model.tp.size > 1:
+            if tokens is None:  # [P]: rank 0's proposals, in order
+                tokens = torch.empty(sum(len(s.proposals) for s in drafted), dtype=torch.long, device=self.device)
+            broadcast(tokens, self.model.tp, src=0)
         cu = batch.cu_seqlens_q
         slots = [cu[s.row + 1] - len(s.proposals) + j for s in drafted for j in range(len(s.proposals))]
         input_ids[on_device(self.device, slots)] = tokens
-        return tokens, probs
+        return None if probs is None else (tokens, probs)
 
     def _draw(self, batch: StepBatch, logits: torch.Tensor, late_masks: list[bytes | None] | None,
               drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> Draws:

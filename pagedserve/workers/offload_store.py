@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.cache_dir import cache_root
+from pagedserve.workers.tensors import on_device
 
 MEDIA = ("memory", "disk")
 
@@ -50,7 +51,7 @@ class OffloadStore:
         """(block, slot, hash): each block's K/V into its slot, in every pool."""
         if not saves:
             return
-        blocks = torch.tensor([b for b, _, _ in saves], device=self.pools[0].device)  # [n]
+        blocks = on_device(self.pools[0].device, [b for b, _, _ in saves])  # [n]
         slots = [s for _, s, _ in saves]
         for pool, store in zip(self.pools, self.stores, strict=True):
             kept = pool[:, :, blocks].movedim(2, 0)  # [n, layers, 2, B, Hkv, D]
@@ -72,7 +73,7 @@ class OffloadStore:
             if self.hashes[slot] != block_hash:
                 raise RuntimeError(f"KV offload slot {slot} holds the block of hash {self.hashes[slot]}, not "
                                    f"{block_hash} the step restores into block {block}")
-        blocks = torch.tensor([b for _, b, _ in loads], device=self.pools[0].device)  # [n]
+        blocks = on_device(self.pools[0].device, [b for _, b, _ in loads])  # [n]
         slots = [s for s, _, _ in loads]
         for pool, store in zip(self.pools, self.stores, strict=True):
             if pool.device.type == "cpu":

@@ -61,7 +61,8 @@ class Worker:
         self.model = self._load(source, model_config, self.tp)
         self.draft_model: CausalLM | None = None
         speculative = config.speculative()
-        if speculative is not None and speculative.method == "draft_model":
+        # A draft model runs whole on rank 0, which gives the other ranks its proposals (`ModelRunner._drafts`).
+        if speculative is not None and speculative.method == "draft_model" and rank == 0:
             draft_source = resolve_model(speculative.model)
             draft_config = ModelConfig.from_file(draft_source.config_path)
             self.draft_model = self._load(draft_source, draft_config, TPLayout.make(draft_config, 0, 1))
@@ -214,7 +215,8 @@ class Worker:
         speculative = self.config.speculative()
         batch = profile_batch(self.config.batched_tokens(self.device.type), self.config.max_num_seqs,
                               self.config.block_size, num_groups,
-                              speculative.num_speculative_tokens if speculative else 0, self.draft_model is not None)
+                              speculative.num_speculative_tokens if speculative else 0,
+                              speculative is not None and speculative.method == "draft_model")
         num_blocks = sum(len(ids) for _, _, ids in batch.table_updates[0])
         pool = allocate_kv_pool(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device,
                                 self.tp.num_kv_heads)

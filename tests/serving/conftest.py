@@ -7,7 +7,6 @@ alone. Run inside `make test`'s loopback-only network namespace: Serve's gRPC pr
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import grpc  # noqa: F401
 import pytest
@@ -21,14 +20,6 @@ with warnings.catch_warnings():  # Ray Serve's own pydantic deprecation warnings
 
 from pagedserve import LLM
 from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, SPECULATIVE
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test of this package runs on its Ray cluster (`app`)."""
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.path).parents:
-            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="package")
