@@ -88,6 +88,9 @@ class CachedPrefix:
     # (`TO_RESTORE` in `blocks`), copied back into blocks of their own when the prefix is taken
     restores: list[dict[int, int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.restores = self.restores or [{} for _ in self.blocks]
+
     @property
     def num_restored_tokens(self) -> int:
         """The tokens of the blocks some group restores from the second tier."""
@@ -187,8 +190,7 @@ class BlockManager:
         token: that token must be computed for its logits (and a full cached block is never written again, so
         the block holding it is never shared whole).
         """
-        cached = CachedPrefix([[] for _ in self.windows], block_size=self.block_size,
-                              restores=[{} for _ in self.windows])
+        cached = CachedPrefix([[] for _ in self.windows], block_size=self.block_size)
         if not self.enable_prefix_caching:
             return cached
         bs = self.block_size
