@@ -4,6 +4,7 @@ a hit instead of recomputed, with the tokens recompute gives; and its settings r
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -104,9 +105,12 @@ def test_offload_settings_are_refused_by_name(settings, message):
         EngineConfig(**settings)
 
 
-def test_a_tier_smaller_than_a_block_is_refused_by_name(tiny_random, tmp_path):
+def test_a_tier_smaller_than_a_block_or_larger_than_the_disk_is_refused_by_name(tiny_random, tmp_path):
     with pytest.raises(ValueError, match=r"kv_offload_disk='4KiB' holds no block of 16 tokens \(8192 bytes\)"):
         LLM(tiny_random, kv_offload_disk="4KiB", kv_offload_dir=str(tmp_path), **CPU)
+    too_much = shutil.disk_usage(tmp_path).free + 2**30
+    with pytest.raises(ValueError, match=rf"kv_offload_disk={too_much} is more than the .* GiB free in {tmp_path}"):
+        LLM(tiny_random, kv_offload_disk=too_much, kv_offload_dir=str(tmp_path), **CPU)
 
 
 def test_a_draft_models_blocks_are_kept_and_restored_with_the_models(tiny_random, prompts, tmp_path):

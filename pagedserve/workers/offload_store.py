@@ -40,7 +40,13 @@ class OffloadStore:
         fd, path = tempfile.mkstemp(prefix="kv-", suffix=".bin", dir=folder)
         try:
             numel = num_slots * pool[:, :, 0].numel()
-            os.ftruncate(fd, numel * pool.element_size())  # sparse: disk is taken as slots are written
+            # The disk reserved now: a mapped file that meets a full disk when a page is written back kills the
+            # process (SIGBUS); this fails at start instead.
+            try:
+                os.posix_fallocate(fd, 0, numel * pool.element_size())
+            except OSError as e:
+                raise ValueError(f"kv_offload_disk: {numel * pool.element_size()} bytes in {folder} could not be "
+                                 f"reserved ({e.strerror})") from None
             store = torch.from_file(path, shared=True, size=numel, dtype=pool.dtype)
         finally:
             os.close(fd)

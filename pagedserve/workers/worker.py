@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import shutil
 from collections import Counter
 
 import torch
@@ -25,7 +26,7 @@ from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.model_config import ModelConfig
 from pagedserve.workers.models.parallel import TPLayout
-from pagedserve.workers.offload_store import OffloadStore
+from pagedserve.workers.offload_store import OffloadStore, offload_dir
 from pagedserve.workers.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,13 @@ class Worker:
         if num_blocks < 1:
             raise ValueError(f"{name}={getattr(self.config, name)!r} holds no block of {self.config.block_size} "
                              f"tokens ({self._block_bytes()} bytes)")
+        if medium == "disk":
+            folder = offload_dir(self.config.kv_offload_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(folder).free
+            if budget > free:
+                raise ValueError(f"kv_offload_disk={self.config.kv_offload_disk!r} is more than the "
+                                 f"{free / 2**30:.1f} GiB free in {folder} (kv_offload_dir)")
         return num_blocks
 
     def _count_blocks(self) -> int:
