@@ -17,8 +17,10 @@ MEDIA = ("memory", "disk")
 
 
 def offload_dir(directory: str | None) -> Path:
-    """Where a disk tier's files go: `directory`, else the cache directory's `kv-offload`."""
-    return Path(directory).expanduser() if directory else cache_root() / "kv-offload"
+    """Where a disk tier's files go, made if missing: `directory`, else the cache directory's `kv-offload`."""
+    folder = Path(directory).expanduser() if directory else cache_root() / "kv-offload"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 class OffloadStore:
@@ -36,7 +38,6 @@ class OffloadStore:
         if self.medium == "memory":
             return torch.empty(shape, dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
         folder = offload_dir(directory)
-        folder.mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(prefix="kv-", suffix=".bin", dir=folder)
         try:
             numel = num_slots * pool[:, :, 0].numel()

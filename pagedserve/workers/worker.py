@@ -165,13 +165,13 @@ class Worker:
         if medium == "memory" and self.device.type != "cuda":
             raise ValueError(f"kv_offload_memory is host memory beside a GPU's pool; the workers compute on "
                              f"{self.device.type}, whose pool is host memory already: set kv_offload_disk instead")
-        num_blocks = budget // self._block_bytes()
+        per_block = self._block_bytes()
+        num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"{name}={getattr(self.config, name)!r} holds no block of {self.config.block_size} "
-                             f"tokens ({self._block_bytes()} bytes)")
+                             f"tokens ({per_block} bytes)")
         if medium == "disk":
             folder = offload_dir(self.config.kv_offload_dir)
-            folder.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(folder).free
             if budget > free:
                 raise ValueError(f"kv_offload_disk={self.config.kv_offload_disk!r} is more than the "
