@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -200,17 +202,19 @@ def test_allocate_slots_changes_nothing_when_short():
 
 
 class OffloadWorker:
-    """What a worker's second tier holds: each slot's copy of a block, and the hash it was saved under."""
+    """What a worker's second tier holds: each slot's copy of a block's page, and the hash it was saved under."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.slots: list[tuple[list, int] | None] = [None] * num_slots
+    def __init__(self) -> None:
+        self.slots: dict[int, tuple[list, int]] = {}
 
-    def copy(self, kv: list[list], saves: list[tuple[int, int, int]], loads: list[tuple[int, int, int]]) -> None:
+    def copy(self, saves: list[tuple[int, int, int]], loads: list[tuple[int, int, int]],
+             read: Callable[[int], list], write: Callable[[int, list], None]) -> None:
+        """A step's saves, then its loads; `read(block)` is a block's page, `write(block, page)` replaces it."""
         for block, slot, block_hash in saves:
-            self.slots[slot] = (list(kv[block]), block_hash)
+            self.slots[slot] = (list(read(block)), block_hash)
         for slot, block, block_hash in loads:
-            assert self.slots[slot] is not None and self.slots[slot][1] == block_hash, "restored another block"
-            kv[block] = list(self.slots[slot][0])
+            assert slot in self.slots and self.slots[slot][1] == block_hash, f"slot {slot} restored as another block"
+            write(block, list(self.slots[slot][0]))
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -224,13 +228,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         # What each block's slots hold, as a worker would have written them: (position, token) per slot.
         self.kv: list[list[tuple[int, int] | None]] = [[None] * BS for _ in range(num_blocks)]
-        self.tier = OffloadWorker(offload)
+        self.tier = OffloadWorker()
         self.history: list[list[int]] = []  # the tokens of every sequence admitted
 
     def run(self, seq: Sequence, copies: list[tuple[int, int]], num_tokens: int) -> None:
         """A worker's step: the second tier's copies, the block copies, then the K/V of `num_tokens` more tokens
         into their slots."""
-        self.tier.copy(self.kv, *self.bm.take_offload_copies())
+        self.tier.copy(*self.bm.take_offload_copies(), self.kv.__getitem__, self.kv.__setitem__)
         for src, dst in copies:
             self.kv[dst] = list(self.kv[src])
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_tokens):

@@ -252,10 +252,10 @@ class WindowedBlockManagerMachine(RuleBasedStateMachine):
         self.seqs: list[Sequence] = []
         self.next_id = 0
         self.kv = [[None] * BS for _ in range(num_blocks)]  # [block][offset]: (group, position, token)
-        self.tier = OffloadWorker(offload)
+        self.tier = OffloadWorker()
 
     def run(self, seq: Sequence, copies: list[tuple[int, int]], num_tokens: int) -> None:
-        self.tier.copy(self.kv, *self.bm.take_offload_copies())
+        self.tier.copy(*self.bm.take_offload_copies(), self.kv.__getitem__, self.kv.__setitem__)
         pages = {src: list(self.kv[src]) for src, _ in copies}  # every source read before any is written
         for src, dst in copies:
             self.kv[dst] = list(pages[src])
@@ -365,7 +365,7 @@ class GroupSlotWorker:
         self.batches: list[StepBatch] = []
         self.last_draws: list[int] = []
         self.most_held = 0  # the most blocks a sequence held in a sliding group
-        self.offloaded: dict[int, tuple[list, int]] = {}  # the second tier's slot -> (its block's slots, hash)
+        self.offloaded = OffloadWorker()  # the second tier
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self.batches.append(batch)
@@ -374,11 +374,8 @@ class GroupSlotWorker:
         input_ids = list(batch.input_ids)
         for index, sample in batch.deferred_inputs:
             input_ids[index] = self.last_draws[sample]
-        for block, slot, block_hash in batch.kv_saves:
-            self.offloaded[slot] = (self.slots[block * bs:(block + 1) * bs], block_hash)
-        for slot, block, block_hash in batch.kv_loads:
-            assert self.offloaded[slot][1] == block_hash, f"slot {slot} restored as another block"
-            self.slots[block * bs:(block + 1) * bs] = self.offloaded[slot][0]
+        self.offloaded.copy(batch.kv_saves, batch.kv_loads, lambda b: self.slots[b * bs:(b + 1) * bs],
+                            lambda b, page: self.slots.__setitem__(slice(b * bs, (b + 1) * bs), page))
         pages = {src: self.slots[src * bs:(src + 1) * bs] for src, _ in batch.block_copies}
         for src, dst in batch.block_copies:
             self.slots[dst * bs:(dst + 1) * bs] = pages[src]

@@ -29,6 +29,7 @@ from pagedserve.scheduler.batch import SampledTokens, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.scheduler import Scheduler
+from tests.test_block_manager import OffloadWorker
 
 VOCAB = 50
 
@@ -65,7 +66,7 @@ class SlotWorker:
         self.batches: list[StepBatch] = []
         self.last_draws: list[int] = []  # the first draw of each sample spec of the last step
         self.tables: dict[int, list[int]] = {}  # slot -> block table
-        self.offloaded: dict[int, tuple[list, int]] = {}  # the second tier's slot -> (its block's slots, hash)
+        self.offloaded = OffloadWorker()  # the second tier
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self.batches.append(batch)
@@ -74,11 +75,8 @@ class SlotWorker:
         for index, sample in batch.deferred_inputs:
             input_ids[index] = self.last_draws[sample]
         bs = self.block_size
-        for block, slot, block_hash in batch.kv_saves:
-            self.offloaded[slot] = (self.slots[block * bs:(block + 1) * bs], block_hash)
-        for slot, block, block_hash in batch.kv_loads:
-            assert self.offloaded[slot][1] == block_hash, f"slot {slot} restored as another block"
-            self.slots[block * bs:(block + 1) * bs] = self.offloaded[slot][0]
+        self.offloaded.copy(batch.kv_saves, batch.kv_loads, lambda b: self.slots[b * bs:(b + 1) * bs],
+                            lambda b, page: self.slots.__setitem__(slice(b * bs, (b + 1) * bs), page))
         for src, dst in batch.block_copies:
             self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
         for slot, start, ids in batch.table_updates[0]:
