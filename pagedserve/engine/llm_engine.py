@@ -28,8 +28,9 @@ from pagedserve.lora.slots import AdapterSlots
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.batch import StepBatch, StepOutput
-from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.block_manager import UNBOUNDED, BlockManager, chain_root, prefix_hashes
 from pagedserve.scheduler.kv_groups import kv_groups
+from pagedserve.scheduler.prefix_transfer import ExportOrder, PrefixExport, PrefixImport
 from pagedserve.scheduler.request import Request, SequenceStatus
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.speculative.speculative_config import SpeculativeConfig
@@ -85,6 +86,11 @@ class LLMEngine:
         # Async scheduling: the next step is scheduled and launched before this one's output is processed.
         self.schedules_ahead = config.schedules_ahead(device_type)
         self._in_flight: tuple[StepBatch, Any] | None = None  # a launched step not yet processed
+        # K/V between replicas: exports read by processed steps (or why they failed), until taken; counts
+        self.exports_done: dict[int, PrefixExport | RuntimeError] = {}
+        self.num_exports = 0
+        self.num_imports = 0
+        self.num_import_failures = 0
         _freeze_startup_heap()
 
     # ---- requests ------------------------------------------------------------------------
@@ -103,10 +109,29 @@ class LLMEngine:
         self.scheduler.add_request(request)
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
-        request = self.inputs.make(prompt, params, request_id, lora_request)
-        self.enqueue(request)
+                    lora_request: LoRARequest | None = None, kv_import: PrefixImport | None = None) -> str:
+        """`kv_import`: the prompt's prefix staged from another replica (`import_prefix`), which the request's
+        prefix lookup may find."""
+        try:
+            request = self.inputs.make(prompt, params, request_id, lora_request)
+            self.with_import(request, kv_import)
+            self.enqueue(request)
+        except BaseException:
+            self.drop_import(kv_import)
+            raise
         return request.request_id
+
+    def with_import(self, request: Request | BeamSearch, kv_import: PrefixImport | None) -> None:
+        """Give a made request its staged prefix (a beam search's steps take none: it is released)."""
+        if isinstance(request, Request):
+            request.kv_import = kv_import
+        else:
+            self.drop_import(kv_import)
+
+    def drop_import(self, kv_import: PrefixImport | None) -> None:
+        """An import no request will use: the next step releases its pages."""
+        if kv_import is not None:
+            self.scheduler.transfers.release(kv_import.import_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request (or a beam search: with its best beams so far); its last output, None if no such
@@ -120,8 +145,9 @@ class LLMEngine:
         return self.outputs.build(request) if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a step is due: a request to run, or a K/V transfer for a step to carry."""
         # A step still in flight for requests that all ended is processed by the next step, not waited for.
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_work()
 
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting_requests()
@@ -140,6 +166,92 @@ class LLMEngine:
         if bm.tier is None:
             return bm.pool.cached_hashes()
         return list(dict.fromkeys(bm.pool.cached_hashes() + bm.tier.cached_hashes()))
+
+    # ---- K/V between replicas (`scheduler/prefix_transfer.py`) ---------------------------------
+
+    def transfer_unsupported(self) -> str | None:
+        """Why this engine cannot move K/V to or from another replica, or None where it can."""
+        if not self.config.enable_prefix_caching:
+            return "enable_prefix_caching is off"
+        if self.block_manager.num_groups != 1:
+            return "the model has sliding-window layers beside full ones (several KV-cache groups)"
+        if not self.executor.takes_transfers:
+            return "the worker actors run a Ray compiled graph, which takes no other calls"
+        return None
+
+    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None, lora_id: int | None = None,
+                      first_block: int = 0, num_blocks: int = UNBOUNDED) -> int:
+        """Order an export of the prompt's cached full blocks from `first_block` on (at most `num_blocks`, as many in
+        a row as the prefix cache holds): the next step reads them. Returns its id, under which `exports_done`
+        holds the `PrefixExport` once that step is processed (a RuntimeError if it failed)."""
+        reason = self.transfer_unsupported()
+        if reason is not None:
+            raise RuntimeError(f"K/V cannot be exported: {reason}")
+        order = ExportOrder(tuple(token_ids), chain_root(cache_salt, adapter=lora_id), first_block, num_blocks)
+        return self.scheduler.transfers.order_export(order)
+
+    def begin_import(self, export: PrefixExport, token_ids: list[int], cache_salt: str | None = None,
+                     lora_id: int | None = None) -> int | None:
+        """An id to stage `export` under (`stage_import`), once its hashes are checked to be this prompt's blocks as
+        this engine files them; None where it holds none of them (nothing to fetch) or other blocks."""
+        hashes = prefix_hashes(token_ids, self.config.block_size, cache_salt, lora_id)
+        wanted = tuple(hashes[export.first_block:export.first_block + len(export.hashes)])
+        if not export.hashes or self.transfer_unsupported() is not None:
+            return None
+        if wanted != export.hashes:
+            log.warning("a K/V export of %d blocks from block %d holds other blocks than the prompt's; recomputing",
+                        len(export.hashes), export.first_block)
+            self.num_import_failures += 1
+            return None
+        return self.scheduler.transfers.begin_import()
+
+    def stage_import(self, import_id: int, export: PrefixExport) -> None:
+        """Every rank keeps its pages of `export` (blocking; may run off the engine's thread: it touches only the
+        workers). Raises where a rank cannot (the pages are lost, or another layout's)."""
+        self.executor.stage_import(import_id, export.pages)
+
+    def end_import(self, import_id: int, export: PrefixExport, error: BaseException | None) -> PrefixImport | None:
+        """The staged import, for `add_request`; None, its pages released, where staging failed with `error`."""
+        if error is not None:
+            log.warning("fetching %d KV blocks from another replica failed, recomputing them: %s",
+                        len(export.hashes), error)
+            self.num_import_failures += 1
+            self.scheduler.transfers.release(import_id)
+            return None
+        self.num_imports += 1
+        return PrefixImport(import_id, export.first_block, export.hashes)
+
+    def import_prefix(self, export: PrefixExport, token_ids: list[int], cache_salt: str | None = None,
+                      lora_id: int | None = None) -> PrefixImport | None:
+        """`begin_import`, `stage_import` and `end_import` in turn."""
+        import_id = self.begin_import(export, token_ids, cache_salt, lora_id)
+        if import_id is None:
+            return None
+        try:
+            self.stage_import(import_id, export)
+        except Exception as e:
+            return self.end_import(import_id, export, e)
+        return self.end_import(import_id, export, None)
+
+    def _take_exports(self, batch: StepBatch) -> None:
+        """The exports a processed step read: each rank's pages, handed out by the executor."""
+        transfers = self.scheduler.transfers
+        for export_id, _ in batch.kv_exports:
+            first_block, hashes = transfers.sent.pop(export_id)
+            self.exports_done[export_id] = PrefixExport(first_block, hashes, self.executor.take_export(export_id))
+            self.num_exports += bool(hashes)
+
+    def _fail_exports(self, error: str) -> None:
+        """A step failed: every export ordered or read fails, and what the workers may hold of them is dropped."""
+        transfers = self.scheduler.transfers
+        read = list(transfers.sent)
+        for export_id in transfers.fail_exports():
+            self.exports_done[export_id] = RuntimeError(f"the step reading the export failed: {error}")
+        for export_id in read:
+            try:
+                self.executor.take_export(export_id)
+            except Exception:  # not read there, or the workers are gone
+                pass
 
     # ---- beam searches -------------------------------------------------------------------
 
@@ -211,6 +323,7 @@ class LLMEngine:
             output = self.executor.collect(handle)
             self._measure(batch, time.perf_counter() - start)
             changed = self._process(batch, output)
+            self._take_exports(batch)
             self._send_late_masks()
             return changed
         except Exception as e:
@@ -231,6 +344,7 @@ class LLMEngine:
             output = await self.executor.collect_async(handle)
             self._measure(batch, time.perf_counter() - start)
             changed = self._process(batch, output)
+            self._take_exports(batch)
             self._send_late_masks()
             return changed
         except Exception as e:
@@ -289,6 +403,7 @@ class LLMEngine:
                 log.debug("releasing a step that waited for grammar masks failed", exc_info=True)
         self._in_flight = None  # its output, if it comes, is for requests ended here
         self.scheduler.discard_pending()
+        self._fail_exports(str(error))
         lost_workers = isinstance(error, WorkerFailure)
         if lost_workers:
             log.error("step failed, failing in-flight requests and restarting workers: %s", error)
@@ -341,6 +456,10 @@ class LLMEngine:
             **self._speculation_stats(),
             **self._adapter_stats(),
             **self._offload_stats(),
+            "kv_transfer_hits": bm.transfer_hits,
+            "kv_transfer_imports": self.num_imports,
+            "kv_transfer_failures": self.num_import_failures,
+            "kv_transfer_exports": self.num_exports,
         }
 
     def _offload_stats(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ class Executor(Protocol):
     num_offload_blocks: int  # the blocks of the prefix cache's second tier, on every rank (0: none)
     device_type: str  # where the workers compute: "cuda" or "cpu"
     takes_late_masks: bool  # whether `sample` can give a launched step its grammar masks
+    takes_transfers: bool  # whether `take_export` and `stage_import` reach the workers
 
     def launch(self, batch: StepBatch) -> Any:
         """Start one step on every rank, behind the steps launched before it; a handle for `collect`. The
@@ -32,6 +33,15 @@ class Executor(Protocol):
 
     async def collect_async(self, handle: Any) -> StepOutput:
         """`collect` without blocking the event loop."""
+
+    def take_export(self, export_id: int) -> list[Any]:
+        """Each rank's pages of an export a processed step read (`PrefixExport.pages`): the tensors, or Ray
+        references to them, which the ranks keep no more."""
+
+    def stage_import(self, import_id: int, pages: list[Any]) -> None:
+        """Give rank r `pages[r]` (another replica's rank r's pages, or a reference to them) to keep under
+        `import_id` until a step copies them; blocks until every rank has them. Raises if a rank cannot (the pages
+        are lost, or do not fit its pools)."""
 
     def restart(self) -> None:
         """Replace the workers after a failure: same pool and second tier sizes, both empty."""

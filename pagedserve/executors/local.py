@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class LocalExecutor:
     `collect` (off the event loop in `collect_async`), launched steps in the order they were launched."""
 
     takes_late_masks = True
+    takes_transfers = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig,
                  max_model_len: int) -> None:
@@ -57,6 +59,14 @@ class LocalExecutor:
 
     async def collect_async(self, handle: LaunchedStep | _UnrunStep) -> StepOutput:
         return await asyncio.to_thread(self.collect, handle)
+
+    def take_export(self, export_id: int) -> list[Any]:
+        return [self.worker.runner.transfer.take(export_id)]
+
+    def stage_import(self, import_id: int, pages: list[Any]) -> None:
+        if len(pages) != 1:
+            raise ValueError(f"the K/V pages fetched are {len(pages)} ranks'; this replica has one")
+        self.worker.runner.transfer.stage(import_id, pages[0])
 
     def restart(self) -> None:
         # a fresh pool and second tier: nothing cached survives a failure

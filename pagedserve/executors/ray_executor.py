@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 HEALTH_TIMEOUT_S = 10.0
 STEP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STEP_TIMEOUT_S", "600"))
+TRANSFER_TIMEOUT_S = 60.0  # the most a rank's staging of another replica's K/V may take
 USE_COMPILED_GRAPH = os.environ.get("PAGEDSERVE_COMPILED_GRAPH", "0") == "1"
 
 
@@ -141,6 +142,16 @@ class WorkerActor:
         self.order.done(step, ok=True)
         return self.worker.collect(launched)
 
+    @ray.method(concurrency_group="transfers")
+    def take_export(self, export_id: int) -> list:
+        """This rank's pages of an export a step read (`KVTransfer.take`)."""
+        return self.worker.runner.transfer.take(export_id)
+
+    @ray.method(concurrency_group="transfers")
+    def stage_import(self, import_id: int, pages: list) -> None:
+        """Keep another replica's pages for a later step (`KVTransfer.stage`); Ray fetched them for this call."""
+        self.worker.runner.transfer.stage(import_id, pages)
+
     def give_late_masks(self, step: int, masks: list[bytes | None]) -> None:
         """The masks of step `step`'s `StepBatch.late_masks` (rank 0 only: it draws)."""
         self.late_masks.put(step, masks)
@@ -227,7 +238,8 @@ class RayExecutor:
         pg, first = self._placement_group()
         cpu_threads = worker_threads(self.config)
         # Two step threads: a step in flight (its launch, then the wait for its draws) and the one sent behind it.
-        actor_cls = ray.remote(concurrency_groups={"steps": 2})(WorkerActor)
+        # A thread for K/V transfers: a fetch between replicas never holds a step.
+        actor_cls = ray.remote(concurrency_groups={"steps": 2, "transfers": 1})(WorkerActor)
         self.steps_sent = 0  # the new actors number steps from 0
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=first + rank)
@@ -268,6 +280,11 @@ class RayExecutor:
     @property
     def takes_late_masks(self) -> bool:
         """A compiled graph's actors take no calls besides the graph's: its steps get their masks at launch."""
+        return self.compiled is None
+
+    @property
+    def takes_transfers(self) -> bool:
+        """K/V transfers are calls of their own to the actors, which a compiled graph's do not take."""
         return self.compiled is None
 
     def launch(self, batch: StepBatch) -> tuple[int, object]:
@@ -326,6 +343,16 @@ class RayExecutor:
                 p.cancel()
             raise WorkerFailure(f"a worker did not finish the step within {STEP_TIMEOUT_S:.0f}s")
         return futures[0].result()
+
+    def take_export(self, export_id: int) -> list:
+        """Each rank's references: the pages go from each worker to where they are read, not through here."""
+        return [w.take_export.remote(export_id) for w in self.workers]
+
+    def stage_import(self, import_id: int, pages: list) -> None:
+        if len(pages) != len(self.workers):
+            raise ValueError(f"the K/V pages fetched are {len(pages)} ranks'; this replica has {len(self.workers)}")
+        ray.get([w.stage_import.remote(import_id, p) for w, p in zip(self.workers, pages, strict=True)],
+                timeout=TRANSFER_TIMEOUT_S)
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])

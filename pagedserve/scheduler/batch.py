@@ -102,6 +102,12 @@ class StepBatch:
     # block, hash), blocks restored from it. The workers check that a slot holds the hash it is restored for.
     kv_saves: list[tuple[int, int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int, int]] = field(default_factory=list)
+    # K/V moved between replicas (`scheduler/prefix_transfer.py`), after the second tier's copies: (import id, page,
+    # block), staged pages copied into blocks; the imports whose pages the workers drop then; (export id, blocks),
+    # blocks read into host memory for another replica (-1 - slot: the second tier's slot).
+    kv_imports: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_released_imports: list[int] = field(default_factory=list)
+    kv_exports: list[tuple[int, list[int]]] = field(default_factory=list)
     samples: list[SampleSpec] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     deferred_inputs: list[tuple[int, int]] = field(default_factory=list)

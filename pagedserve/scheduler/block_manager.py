@@ -17,6 +17,7 @@ import xxhash
 from pagedserve.scheduler.block_pool import BlockPool
 from pagedserve.scheduler.kv_groups import blocks_held_at_most
 from pagedserve.scheduler.offload_tier import OffloadTier
+from pagedserve.scheduler.prefix_transfer import ExportOrder, PrefixImport
 from pagedserve.scheduler.request import Sequence
 
 _ROOT = b"pagedserve-root\x00"  # stands in for the parent hash of a sequence's first block
@@ -27,6 +28,7 @@ NULL_BLOCK = 0
 # A cached prefix's entry for a block the second tier holds (`CachedPrefix.restores`): allocated and copied back
 # when the prefix is taken.
 TO_RESTORE = -1
+_IMPORTED = -(1 << 62)  # a lookup's hit on a page another replica's export staged here (`PrefixImport`)
 UNBOUNDED = 1 << 62  # a sequence length no pool limits
 
 
@@ -87,6 +89,10 @@ class CachedPrefix:
     # [groups] {index into blocks: the second tier's slot}: blocks evicted from the pool that the tier holds
     # (`TO_RESTORE` in `blocks`), copied back into blocks of their own when the prefix is taken
     restores: list[dict[int, int]] = field(default_factory=list)
+    # {index into blocks: the staged page}: blocks fetched from another replica (`TO_RESTORE` in `blocks`; a model
+    # of one KV-cache group), copied into blocks of their own when the prefix is taken
+    imports: dict[int, int] = field(default_factory=dict)
+    import_id: int | None = None
 
     def __post_init__(self) -> None:
         self.restores = self.restores or [{} for _ in self.blocks]
@@ -95,6 +101,11 @@ class CachedPrefix:
     def num_restored_tokens(self) -> int:
         """The tokens of the blocks some group restores from the second tier."""
         return len(set().union(*self.restores)) * self.block_size
+
+    @property
+    def num_imported_tokens(self) -> int:
+        """The tokens of the blocks fetched from another replica."""
+        return len(self.imports) * self.block_size
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +134,8 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found, in the pool or the second tier
         self.offload_hits = 0  # tokens found in the second tier
+        self.transfer_hits = 0  # tokens fetched from another replica
+        self._imports: list[tuple[int, int, int]] = []  # (import id, page, block): the next step's copies
 
     def _new_pool(self, num_blocks: int) -> BlockPool:
         sliding = any(w is not None for w in self.windows)
@@ -135,6 +148,7 @@ class BlockManager:
         if self.num_free_blocks != self.num_total_blocks:
             raise RuntimeError(f"reset with {self.num_total_blocks - self.num_free_blocks} KV blocks still held")
         self.pool = self._new_pool(self.pool.num_blocks)
+        self._imports = []
         if self.tier is not None:
             self.tier.reset()
 
@@ -142,6 +156,32 @@ class BlockManager:
         """The copies the next step does first (`StepBatch.kv_saves`, `kv_loads`): blocks into the second tier,
         then blocks out of it."""
         return self.tier.take_copies() if self.tier is not None else ([], [])
+
+    def take_imports(self) -> list[tuple[int, int, int]]:
+        """The next step's copies from pages staged by imports (`StepBatch.kv_imports`): (import id, page, block)."""
+        imports, self._imports = self._imports, []
+        return imports
+
+    def export_blocks(self, order: ExportOrder) -> tuple[list[int], list[int]]:
+        """The chained hashes and the blocks (-1 - the second tier's slot where it holds one) of `order`'s cached full
+        blocks, as many in a row from its first as the pool or the tier holds. Nothing for a model of several KV-cache
+        groups (a sliding window's blocks are not exported)."""
+        hashes: list[int] = []
+        blocks: list[int] = []
+        if not self.enable_prefix_caching or self.num_groups != 1:
+            return hashes, blocks
+        bs, parent = self.block_size, order.root
+        for i in range(min(len(order.token_ids) // bs, order.first_block + order.num_blocks)):
+            tokens = order.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(parent, tokens)
+            if i >= order.first_block:
+                hit = self._lookup(h, parent, tokens, 0)
+                if hit is None:
+                    break
+                hashes.append(h)
+                blocks.append(hit)
+            parent = h
+        return hashes, blocks
 
     @property
     def num_groups(self) -> int:
@@ -198,10 +238,14 @@ class BlockManager:
         # [groups][blocks]: the cached block, -1 - the second tier's slot that holds it, or None
         found: list[list[int | None]] = [[] for _ in self.windows]
         full = [g for g, w in enumerate(self.windows) if w is None]
+        staged: PrefixImport | None = seq.request.kv_import if self.num_groups == 1 else None
+        pages: dict[int, int] = {}  # block index -> staged page, where the lookup found one
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(parent, tokens)
             hits = [self._lookup(h, parent, tokens, g) for g in range(self.num_groups)]
+            if staged is not None and hits[0] is None and (page := staged.page(i, h)) is not None:
+                hits, pages[i] = [_IMPORTED], page
             if any(hits[g] is None for g in full):
                 break  # a sliding group's miss may lie before a later prefix's window: go on
             for g, hit in enumerate(hits):
@@ -221,7 +265,11 @@ class BlockManager:
             lo = min(self._window_start(w, first_new), num_blocks)
             cached.blocks[g] = [NULL_BLOCK] * lo + found[g][lo:num_blocks]
             for k in range(lo, num_blocks):
-                if cached.blocks[g][k] < 0:
+                if cached.blocks[g][k] == _IMPORTED:
+                    cached.imports[k] = pages[k]
+                    cached.import_id = staged.import_id
+                    cached.blocks[g][k] = TO_RESTORE
+                elif cached.blocks[g][k] < 0:
                     cached.restores[g][k] = -1 - cached.blocks[g][k]
                     cached.blocks[g][k] = TO_RESTORE
         return cached
@@ -283,6 +331,7 @@ class BlockManager:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += cached.num_tokens if cached else 0
             self.offload_hits += cached.num_restored_tokens if cached else 0
+            self.transfer_hits += cached.num_imported_tokens if cached else 0
         if cached is not None:
             seq.block_hashes.extend(cached.hashes)
             # Every group's hits are held before any group allocates, so that no group's allocation takes a free
@@ -340,7 +389,7 @@ class BlockManager:
         cow = write_idx < len(table) and _held(pool, table[write_idx]) and pool.ref_count(table[write_idx]) > 1
         revived = sum(1 for b in computed_blocks if _held(pool, b) and pool.ref_count(b) == 0)
         held = tail is not None and tail not in computed_blocks and pool.ref_count(tail) == 0
-        restored = len(cached.restores[g]) if cached else 0
+        restored = len(cached.restores[g]) + len(cached.imports) if cached else 0
         return needed, cow, max(needed, 0) + cow + revived + held + restored
 
     def _apply(self, seq: Sequence, g: int, cached: CachedPrefix | None, needed: int,
@@ -355,6 +404,13 @@ class BlockManager:
                 entry = self.tier.restore(slot, block)  # copied back before the step's forward
                 pool.cache(block, entry.block_hash, entry.parent_hash, entry.token_ids, g)
                 table[start + k] = block
+            bs = self.block_size
+            for k, page in cached.imports.items():  # one group: this is it
+                block = pool.allocate().block_id
+                parent = cached.hashes[k - 1] if k else _root(seq)
+                pool.cache(block, cached.hashes[k], parent, seq.token_ids[k * bs:(k + 1) * bs], g)
+                table[start + k] = block
+                self._imports.append((cached.import_id, page, block))  # copied in before the step's forward
         if cached is not None and cached.tail is not None:
             dst = pool.allocate().block_id
             table.append(dst)

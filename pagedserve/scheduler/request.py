@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.prefix_transfer import PrefixImport
 from pagedserve.speculative.ngram import NgramIndex
 from pagedserve.speculative.policy import Acceptance
 
@@ -45,6 +46,8 @@ class Request:
     # params.structured_outputs compiled (`LLMEngine.make_request`), so that no step waits for a compile
     grammar: object | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # Its prefix's K/V fetched from another replica, staged on the workers until it is admitted (`prefix_transfer.py`)
+    kv_import: PrefixImport | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:

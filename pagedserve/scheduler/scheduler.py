@@ -18,6 +18,7 @@ from pagedserve.lora.slots import AdapterSlots
 from pagedserve.outputs import Logprob, PositionLogprobs
 from pagedserve.scheduler.batch import PromptLogprobSpec, SampledTokens, SampleSpec, StepBatch, StepOutput
 from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.prefix_transfer import Transfers
 from pagedserve.scheduler.request import Request, Sequence, SequenceStatus
 from pagedserve.speculative import policy as spec_policy
 from pagedserve.speculative.ngram import NgramIndex
@@ -55,6 +56,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         # (slot, adapter) loads the next step sends the workers: a slot taken for a sequence not yet scheduled
         self._adapter_loads: list[tuple[int, LoRARequest]] = []
+        self.transfers = Transfers()  # K/V moved to and from other replicas (`prefix_transfer.py`)
         # Speculative decoding with a grammar: the prefix of a constrained sequence's proposals its grammar accepts
         # (`GrammarManager.valid_proposals`); None: such sequences get no proposals
         self.grammar_proposals: Callable[[Sequence, list[int]], list[int]] | None = None
@@ -139,6 +141,7 @@ class Scheduler:
         return request
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        self._release_import(seq.request)
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.RUNNING:
@@ -154,6 +157,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_work(self) -> bool:
+        """Whether a step is due: a sequence to run, or a transfer to carry (which a step without rows does)."""
+        return self.has_unfinished() or self.transfers.has_copies
+
+    def _release_import(self, request: Request) -> None:
+        """The request's staged import is used (it was admitted) or never will be: the next step releases it."""
+        if request.kv_import is not None:
+            self.transfers.release(request.kv_import.import_id)
+            request.kv_import = None
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -244,6 +257,7 @@ class Scheduler:
                 copies = kept
                 continue
             self.waiting.popleft()
+            self._release_import(seq.request)  # after this step's copies from it
             if seq.request.num_cached_tokens is None:  # its first admission: what the prefix cache held
                 seq.request.num_cached_tokens = cached.num_tokens if cached else 0
             seq.status = SequenceStatus.RUNNING
@@ -254,7 +268,7 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-        if not scheduled:
+        if not scheduled and not self.transfers.has_copies:
             return None
         return self._make_batch(scheduled, copies)
 
@@ -274,6 +288,9 @@ class Scheduler:
         """The workers hold none of what the scheduler records of them (new workers, or a failed step that may
         have written some of it): the prefix cache and the adapters in their slots are forgotten."""
         self.block_manager.reset()
+        self.transfers.reset()
+        for request in self.requests.values():
+            request.kv_import = None  # its pages are released again, or went with the workers
         if self.adapter_slots is not None:
             self.adapter_slots.reset()
         self._adapter_loads = []
@@ -283,6 +300,9 @@ class Scheduler:
         batch = StepBatch(input_ids=[], cu_seqlens_q=[0], context_lens=[], slots=[], block_copies=copies,
                           table_updates=[[] for _ in range(self.block_manager.num_groups)])
         batch.kv_saves, batch.kv_loads = self.block_manager.take_offload_copies()
+        batch.kv_imports = self.block_manager.take_imports()
+        batch.kv_released_imports = self.transfers.take_releases()
+        batch.kv_exports = self.transfers.take_exports(self.block_manager.export_blocks)
         if self.adapter_slots is not None:
             batch.lora_loads, self._adapter_loads = self._adapter_loads, []
             if any(seq.request.lora is not None for seq, _, _ in scheduled):
@@ -451,6 +471,7 @@ class Scheduler:
         Returns the sequences that received a token (children of a fork included).
         """
         bm = self.block_manager
+        self.transfers.confirm(batch.kv_released_imports)
         by_id: dict[int, Sequence] = {}
         for seq_id in batch.seq_ids:
             seq = self.seqs.get(seq_id)  # gone if it finished or was aborted meanwhile

@@ -16,6 +16,7 @@ from pagedserve.workers.block_tables import BlockTables, table_entries
 from pagedserve.workers.cuda_graph import DecodeGraphs
 from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.kv_pool import layer_caches, model_kv_groups
+from pagedserve.workers.kv_transfer import KVTransfer
 from pagedserve.workers.models.llama import CausalLM
 from pagedserve.workers.models.parallel import broadcast
 from pagedserve.workers.offload_store import OffloadStore
@@ -74,6 +75,7 @@ class ModelRunner:
         self.draft: DraftRunner | None = None  # speculative decoding's draft model (`Worker.init_kv_pool`)
         self.adapters: AdapterLoader | None = None  # the model's LoRA adapter slots, where LoRA is on
         self.offload: OffloadStore | None = None  # the prefix cache's second tier, where one is set
+        self.transfer: KVTransfer | None = None  # K/V moved to and from other replicas (`Worker.init_kv_pool`)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through `DecodeGraphs` (capture=False: its static buffers, eagerly)."""
@@ -95,8 +97,12 @@ class ModelRunner:
         if batch.kv_saves or batch.kv_loads:  # the second tier's copies, before anything else writes a block
             self.offload.save(batch.kv_saves)
             self.offload.load(batch.kv_loads)
+        if batch.kv_imports or batch.kv_released_imports or batch.kv_exports:  # blocks in, then blocks out
+            self.transfer.copy(batch.kv_imports, batch.kv_released_imports, batch.kv_exports)
         for slot, adapter in batch.lora_loads:  # before the step that first uses them (queued after the one before)
             self.adapters.load(slot, adapter)
+        if not batch.num_rows:  # a step that carries transfers alone
+            return LaunchedStep(None, None)
         inputs = self.prepare(batch)
         if batch.block_copies:
             src, dst = inputs.copies

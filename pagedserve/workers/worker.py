@@ -21,6 +21,7 @@ from pagedserve.workers.adapter_loader import AdapterLoader
 from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
 from pagedserve.workers.kv_pool import allocate_kv_pool, bytes_per_block, model_kv_groups, parse_memory
+from pagedserve.workers.kv_transfer import KVTransfer
 from pagedserve.workers.loader import ModelSource, build_model, resolve_model
 from pagedserve.workers.model_runner import LaunchedStep, ModelRunner
 from pagedserve.workers.models.llama import CausalLM
@@ -116,10 +117,11 @@ class Worker:
                                   share_draws=self.tp.size > 1 and self.config.schedules_ahead(self.device.type))
         self.runner.draft = self._draft_runner(num_blocks)
         self.runner.adapters = self.adapters
+        pools = [kv_pool] + ([self.runner.draft.kv_pool] if self.runner.draft is not None else [])
         if offload_blocks:
             medium, _ = self.config.offload_tier()
-            pools = [kv_pool] + ([self.runner.draft.kv_pool] if self.runner.draft is not None else [])
             self.runner.offload = OffloadStore(pools, offload_blocks, medium, self.config.kv_offload_dir)
+        self.runner.transfer = KVTransfer(pools, self.runner.offload)
         if self.config.replays_graphs(self.device.type):
             if self.device.type == "cuda" and self.model_config.num_experts and self.backend.fused_experts is None:
                 # the loop over experts reads each expert's token count on the host: not capturable
