@@ -94,6 +94,8 @@ def test_prefix_routing_settings():
         PrefixRouting.parse({"stats_period_s": 0})
     with pytest.raises(ValueError, match="prefix_routing.memory_s='30' must be > 0"):
         PrefixRouting.parse({"memory_s": "30"})
+    with pytest.raises(ValueError, match="prefix_routing.transfer='no' must be true, false or null"):
+        PrefixRouting.parse({"transfer": "no"})
     with pytest.raises(ValueError, match="prefix_routing='yes' must be true, false or a mapping"):
         PrefixRouting.parse("yes")
 
@@ -108,7 +110,7 @@ def test_a_request_with_an_adapter_prefers_a_replica_holding_it_within_the_imbal
     from pagedserve.serving.prefix_router import ROUTED_METHOD, PrefixAwareRouter
 
     router = PrefixAwareRouter.__new__(PrefixAwareRouter)
-    router.block_size, router.imbalance_threshold, router.memory_s = BS, 2, 30.0
+    router.block_size, router.imbalance_threshold, router.memory_s, router.transfer = BS, 2, 30.0, False
     router._remembered, router._in_flight, router._adapters_sent = {}, {}, {}
     sql = LoRARequest("sql", 7, "/adapters/sql")
 
@@ -131,3 +133,45 @@ def test_a_request_with_an_adapter_prefers_a_replica_holding_it_within_the_imbal
     router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(call_method=ROUTED_METHOD),
                                              args=[[1], SamplingParams(), "r2", False, sql]), "a", None)
     assert choose([a, replica("c", [])], {"a": 2, "c": 0}, sql) == "a"
+
+
+def test_a_request_sent_past_a_busy_holder_names_it_and_an_export_goes_to_the_replica_it_names():
+    """With transfers on, the replica chosen instead of the one caching more of the prompt learns which one that is
+    (`kv_source`), and the export it then asks for is routed to exactly that replica (or to none, once it is gone)."""
+    import asyncio
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from pagedserve.serving.prefix_router import EXPORT_METHOD, ROUTED_METHOD, KVSource, PrefixAwareRouter
+
+    @dataclass(frozen=True)
+    class ReplicaID:
+        unique_id: str
+
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.initialize_state(BS, imbalance_threshold=0, memory_s=30.0, transfer=True)
+    prompt = list(range(4 * BS + 1))
+    hashes = prefix_hashes(prompt, BS)
+    a, b = (SimpleNamespace(replica_id=ReplicaID(n), max_ongoing_requests=100, routing_stats={}) for n in "ab")
+    a.routing_stats["cached_blocks"] = summarize(hashes[:3])
+    b.routing_stats["cached_blocks"] = summarize(hashes[:1])
+
+    def route(method: str, args: list, queues: dict[str, int]) -> tuple[list[list[str]], dict]:
+        async def probe(candidates, _):
+            return [(r, queues[r.replica_id.unique_id]) for r in candidates]
+        router._probe_queue_lens = probe
+        request = SimpleNamespace(metadata=SimpleNamespace(call_method=method), args=args, kwargs={},
+                                  routing_context=SimpleNamespace(should_backoff=False))
+        chosen = asyncio.run(router.choose_replicas([a, b], request))
+        return [[r.replica_id.unique_id for r in group] for group in chosen], request.kwargs
+
+    generate = [prompt, SamplingParams(), "rid", True, None]
+    assert route(ROUTED_METHOD, generate, {"a": 0, "b": 0}) == ([["a"], ["b"]], {})  # the holder is free
+    groups, kwargs = route(ROUTED_METHOD, generate, {"a": 1, "b": 0})
+    assert groups[0] == ["b"] and kwargs == {"kv_source": KVSource("a", 3)}
+    router.transfer = False
+    assert route(ROUTED_METHOD, generate, {"a": 1, "b": 0})[1] == {}
+
+    export = ["a", prompt, None, None, 1, 2]
+    assert route(EXPORT_METHOD, export, {"a": 5, "b": 0})[0] == [["a"]]  # however busy it is
+    assert route(EXPORT_METHOD, ["gone"] + export[1:], {"a": 0, "b": 0})[0] == [[]]

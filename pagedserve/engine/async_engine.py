@@ -26,6 +26,8 @@ from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.block_manager import UNBOUNDED
+from pagedserve.scheduler.prefix_transfer import PrefixExport, PrefixImport
 from pagedserve.scheduler.request import Request
 
 T = TypeVar("T")
@@ -117,6 +119,7 @@ class AsyncEngine:
         self._num_preparing = 0  # requests on the preparing thread, not queued yet
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._exports: dict[int, asyncio.Future] = {}  # export id -> whoever waits for it
         # One thread: preparations run in the order they arrive, and never two tokenizer encodes at once.
         self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-prepare")
 
@@ -129,34 +132,99 @@ class AsyncEngine:
         return await loop.run_in_executor(self._preparing, functools.partial(fn, *args, **kwargs))
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       kv_import: PrefixImport | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError naming the field), queue, and yield outputs until the request ends: each the
         request's whole output so far, so a caller that reads slower than the engine steps gets the newest
         and misses nothing. RequestFailed if a failed step ended it. A beam search (`use_beam_search`) yields
-        once, its answer. `lora_request`: the LoRA adapter it runs with."""
+        once, its answer. `lora_request`: the LoRA adapter it runs with. `kv_import`: its prefix fetched from
+        another replica (`import_prefix`), released whatever becomes of the request."""
         if self.max_waiting_requests is not None:
             # Requests still being prepared are waiting too: they are queued the moment they are ready.
             waiting = self.llm_engine.num_waiting_requests() + self._num_preparing
             if waiting >= self.max_waiting_requests:
+                self._drop_import(kv_import)
                 raise QueueFull(f"{waiting} requests are waiting "
                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         arrival = time.monotonic()
         self._num_preparing += 1
         try:
             made = await self.prepare(self.llm_engine.inputs.make, prompt, params, request_id, lora_request)
+        except BaseException:
+            self._drop_import(kv_import)
+            raise
         finally:
             self._num_preparing -= 1
+        self.llm_engine.with_import(made, kv_import)
         # Closed with this generator (a caller that stops reading), not when the collector finds it.
         async with contextlib.aclosing(self._run(made, arrival)) as outputs:
             async for out in outputs:
                 yield out
 
+    def _drop_import(self, kv_import: PrefixImport | None) -> None:
+        if kv_import is not None:
+            self.llm_engine.drop_import(kv_import)
+            self._wake()
+
+    def _wake(self) -> None:
+        """Have the step loop run: a request, or a transfer a step must carry, is due."""
+        self._start_loop()
+        self._work.set()
+
+    async def export_prefix(self, token_ids: list[int], cache_salt: str | None = None, lora_id: int | None = None,
+                            first_block: int = 0, num_blocks: int = UNBOUNDED) -> PrefixExport:
+        """The prompt's cached full blocks from `first_block` on, read by the next step (`LLMEngine.export_prefix`).
+        RuntimeError where they cannot be read."""
+        export_id = self.llm_engine.export_prefix(token_ids, cache_salt, lora_id, first_block, num_blocks)
+        future = self._exports[export_id] = asyncio.get_running_loop().create_future()
+        self._wake()
+        try:
+            result = await future
+        finally:
+            self._exports.pop(export_id, None)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def import_prefix(self, export: PrefixExport, token_ids: list[int], cache_salt: str | None = None,
+                            lora_id: int | None = None) -> PrefixImport | None:
+        """Stage another replica's export on the workers (off the event loop), for `generate`'s `kv_import`; None
+        where it cannot be used (`LLMEngine.import_prefix`). Cancelled, it is released."""
+        engine = self.llm_engine
+        import_id = engine.begin_import(export, token_ids, cache_salt, lora_id)
+        if import_id is None:
+            return None
+        error: BaseException | None = None
+        try:
+            await asyncio.to_thread(engine.stage_import, import_id, export)
+        except asyncio.CancelledError as e:
+            engine.end_import(import_id, export, e)
+            self._wake()
+            raise
+        except Exception as e:
+            error = e
+        kv_import = engine.end_import(import_id, export, error)
+        self._wake()  # a failed one's release
+        return kv_import
+
+    def _deliver_exports(self) -> None:
+        """Hand the exports the last step read to those waiting for them (an export no one waits for is dropped)."""
+        for export_id, result in self.llm_engine.exports_done.items():
+            future = self._exports.get(export_id)
+            if future is not None and not future.done():
+                future.set_result(result)
+        self.llm_engine.exports_done.clear()
+
     async def _run(self, request: Request | BeamSearch, arrival: float) -> AsyncIterator[RequestOutput]:
         """Queue a made request (or beam search) and yield its outputs (`generate`)."""
         rid = request.request_id
-        self._check_unused(rid)
+        try:
+            self._check_unused(rid)
+            self.llm_engine.enqueue(request)
+        except BaseException:
+            self._drop_import(getattr(request, "kv_import", None))  # a beam search's is released already
+            raise
         stream = self._streams[rid] = _Stream(request, arrival)
-        self.llm_engine.enqueue(request)
         self._start_loop()
         self._work.set()
         finished = False
@@ -260,6 +328,7 @@ class AsyncEngine:
                 continue
             start = time.monotonic()
             requests = await engine.advance_async()  # those a failed step ended come back with `error` set
+            self._deliver_exports()
             now = time.monotonic()
             if self.metrics is not None:
                 self.metrics.on_step(now - start, engine.stats())

@@ -190,6 +190,12 @@ class LLMEngine:
         order = ExportOrder(tuple(token_ids), chain_root(cache_salt, adapter=lora_id), first_block, num_blocks)
         return self.scheduler.transfers.order_export(order)
 
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None,
+                             lora_id: int | None = None) -> int:
+        """How many of the prompt's full blocks, from the first, the prefix cache holds (pool or second tier)."""
+        order = ExportOrder(tuple(token_ids), chain_root(cache_salt, adapter=lora_id), 0, UNBOUNDED)
+        return len(self.block_manager.export_blocks(order)[0])
+
     def begin_import(self, export: PrefixExport, token_ids: list[int], cache_salt: str | None = None,
                      lora_id: int | None = None) -> int | None:
         """An id to stage `export` under (`stage_import`), once its hashes are checked to be this prompt's blocks as

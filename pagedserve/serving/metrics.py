@@ -53,6 +53,16 @@ class ServerMetrics:
                                         "offload tier instead of recomputed.", tags)
         self.offload_usage = Gauge("pagedserve_kv_offload_usage", "Fraction of the KV offload tier's blocks holding "
                                    "a block (0..1).", tags)
+        # K/V moved between replicas: prompt tokens found in blocks fetched from another (among prefix_cache_hits),
+        # the fetches staged and those given up (then computed), and the exports this replica read for others
+        self.transfer_hits = Counter("pagedserve_kv_transfer_hits", "Prompt tokens found in KV blocks fetched "
+                                     "from another replica (counted among the prefix cache's hits).", tags)
+        self.transfer_imports = Counter("pagedserve_kv_transfer_imports", "Prefixes fetched from another "
+                                        "replica.", tags)
+        self.transfer_failures = Counter("pagedserve_kv_transfer_failures", "Fetches from another replica given "
+                                         "up (the prefix was computed instead).", tags)
+        self.transfer_exports = Counter("pagedserve_kv_transfer_exports", "Prefixes this replica read out for "
+                                        "another.", tags)
         for metric in vars(self).values():  # recorded without tags from here on: merging them costs a record
             metric.set_default_tags({"model": model})
         self._last: dict[str, int] = {}
@@ -73,7 +83,10 @@ class ServerMetrics:
                              ("spec_num_proposed_tokens", self.spec_proposed),
                              ("spec_num_accepted_tokens", self.spec_accepted), ("offload_hits", self.offload_hits),
                              ("offload_saved_blocks", self.offload_saved),
-                             ("offload_restored_blocks", self.offload_restored)):
+                             ("offload_restored_blocks", self.offload_restored),
+                             ("kv_transfer_hits", self.transfer_hits), ("kv_transfer_imports", self.transfer_imports),
+                             ("kv_transfer_failures", self.transfer_failures),
+                             ("kv_transfer_exports", self.transfer_exports)):
             if key not in stats:  # no speculative decoding, no offload tier
                 continue
             delta = stats[key] - self._last.get(key, 0)

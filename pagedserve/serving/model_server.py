@@ -12,11 +12,14 @@ from ray import serve
 from pagedserve.chat.template import ChatOptions, ChatPlan
 from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.transfer_cost import measure as measure_transfer_cost
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.prefix_transfer import PrefixExport
 from pagedserve.serving.adapter_catalog import LoRAModule
 from pagedserve.serving.deltas import Delta, stream_deltas
-from pagedserve.serving.prefix_router import PrefixAwareRouter, PrefixRouting, summarize
+from pagedserve.serving.prefix_fetch import PrefixFetcher
+from pagedserve.serving.prefix_router import KVSource, PrefixAwareRouter, PrefixRouting, summarize
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +28,10 @@ log = logging.getLogger(__name__)
 class ModelServer:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  publish_cached_blocks: bool = False, stream_interval_ms: float = 0,
-                 lora_modules: tuple[LoRAModule, ...] = ()) -> None:
+                 lora_modules: tuple[LoRAModule, ...] = (), kv_transfer: bool | None = False) -> None:
         """`lora_modules`: the adapters the application serves from the start, checked here against the model (a
-        broken one fails the deployment, by name)."""
+        broken one fails the deployment, by name). `kv_transfer`: fetch a prefix another replica holds
+        (`PrefixRouting.transfer`: None where the model allows it, True required, False never)."""
         from pagedserve.serving.metrics import ServerMetrics
 
         self.engine = AsyncEngine(ray_hosted_config(config), max_waiting_requests,
@@ -38,17 +42,51 @@ class ModelServer:
         except ValueError as e:
             self.engine.shutdown()
             raise ValueError(f"lora_modules {module.name!r}: {e}") from None
+        try:
+            self.fetcher = self._fetcher(kv_transfer)
+        except ValueError:
+            self.engine.shutdown()
+            raise
         self.engine.metrics = ServerMetrics(self.engine.model_info()["model"])
         self.inputs = self.engine.llm_engine.inputs  # tokenizing, chat templates: run by `AsyncEngine.prepare`
         self.publish_cached_blocks = publish_cached_blocks
 
+    def _fetcher(self, setting: bool | None) -> PrefixFetcher | None:
+        """The fetcher of other replicas' prefixes, its costs measured now, before the replica serves; None where
+        transfers are off, or cannot be and were not asked for."""
+        if setting is False:
+            return None
+        engine = self.engine.llm_engine
+        reason = engine.transfer_unsupported()
+        if reason is None:
+            try:
+                return PrefixFetcher(self.engine, measure_transfer_cost(engine))
+            except Exception as e:
+                reason = f"measuring a transfer failed: {e!r}"
+        if setting:
+            raise ValueError(f"prefix_routing.transfer=true: K/V cannot move between replicas: {reason}")
+        log.info("K/V transfers between replicas are off: %s", reason)
+        return None
+
     async def generate_deltas(self, prompt: str | list[int], params: SamplingParams,
                               request_id: str | None = None, prompt_ids: bool = False,
-                              lora: LoRARequest | None = None) -> AsyncIterator[Delta]:
-        """`lora`: the LoRA adapter the request runs with (None: the base model)."""
+                              lora: LoRARequest | None = None,
+                              kv_source: KVSource | None = None) -> AsyncIterator[Delta]:
+        """`lora`: the LoRA adapter the request runs with (None: the base model). `kv_source`: the replica that
+        holds more of the prompt's prefix (set by the prefix-aware router), from which it may be fetched."""
+        kv_import = None
+        if kv_source is not None and self.fetcher is not None and isinstance(prompt, list):
+            kv_import = await self.fetcher.fetch(prompt, params.cache_salt, lora, kv_source)
         # Deltas are cut here, on the engine side: only what is new crosses between processes each step.
-        async for d in stream_deltas(self.engine.generate(prompt, params, request_id, lora), params, prompt_ids):
+        async for d in stream_deltas(self.engine.generate(prompt, params, request_id, lora, kv_import), params,
+                                     prompt_ids):
             yield d
+
+    async def export_prefix(self, replica: str, token_ids: list[int], cache_salt: str | None, lora_id: int | None,
+                            first_block: int, num_blocks: int) -> PrefixExport:
+        """The prompt's cached blocks [first_block, first_block + num_blocks) as far as this replica holds them, for
+        another replica (`prefix_fetch.py`). `replica`: this one's id, which the router sends the call by."""
+        return await self.engine.export_prefix(token_ids, cache_salt, lora_id, first_block, num_blocks)
 
     async def check_adapter(self, path: str) -> None:
         """ValueError naming the problem where the adapter at `path` cannot run on this model."""
@@ -152,7 +190,8 @@ def model_server_options(config: EngineConfig, num_replicas: int | None = None,
             request_router_class=PrefixAwareRouter,
             request_router_kwargs={"block_size": config.block_size,
                                    "imbalance_threshold": prefix_routing.imbalance_threshold,
-                                   "memory_s": prefix_routing.memory_s},
+                                   "memory_s": prefix_routing.memory_s,
+                                   "transfer": prefix_routing.transfer is not False},
             request_routing_stats_period_s=prefix_routing.stats_period_s)
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config

@@ -12,6 +12,11 @@ Published summaries lag by up to Serve's stats period, so the router also rememb
 blocks of the prompts it sent to each replica: a conversation's next turn finds its replica at once. The
 settings are `PrefixRouting`'s (`prefix_routing` in deploy/config.yaml).
 
+When the replica chosen holds a shorter prefix than another one (the holder is busy), the request names the holder
+(`KVSource`, in `generate_deltas`' `kv_source`), from which the chosen replica may fetch the blocks it lacks instead of
+computing them (`prefix_fetch.py`; `transfer` in the settings). That fetch is a call of its own to the deployment,
+`export_prefix`, which this router sends to the replica the call names.
+
 A request with a LoRA adapter hashes its blocks under the adapter (the block manager files them so), and among
 replicas holding as long a prefix of it prefers those whose workers hold the adapter in a slot (published as
 `adapters`, or sent the adapter lately): a replica that must load it first comes after, under the same imbalance
@@ -32,6 +37,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pagedserve.scheduler.block_manager import prefix_hashes
 
 ROUTED_METHOD = "generate_deltas"  # the one ModelServer method taking (prompt, params, ...)
+EXPORT_METHOD = "export_prefix"  # ModelServer's method that exports K/V, sent to the replica its first argument names
 _MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
 
 
@@ -75,12 +81,25 @@ def leading(mask: Iterable[bool]) -> int:
 
 
 @dataclass(frozen=True)
+class KVSource:
+    """The replica that holds the leading `num_blocks` of a request's prompt (as far as the router knows), named to
+    the replica the request went to instead. `replica`: its Serve replica id (`ReplicaID.unique_id`)."""
+
+    replica: str
+    num_blocks: int
+
+
+@dataclass(frozen=True)
 class PrefixRouting:
     """The prefix-aware router's settings (`prefix_routing` in deploy/config.yaml)."""
 
     imbalance_threshold: int = 4  # route by prefix unless that queue is this many requests over the shortest
     stats_period_s: float = 1.0  # how often each replica publishes its cached blocks
     memory_s: float = 30.0  # how long the router counts the blocks of what it sent a replica as cached there
+    # A replica sent a request whose prefix another holds fetches the blocks from it where that is faster than
+    # computing them: None, where the model allows it (one KV-cache group, prefix caching on); True: required, and
+    # refused at start where it cannot; False: never.
+    transfer: bool | None = None
 
     @classmethod
     def parse(cls, setting: bool | dict[str, Any] | None) -> PrefixRouting | None:
@@ -98,6 +117,8 @@ class PrefixRouting:
         if not isinstance(routing.imbalance_threshold, int) or routing.imbalance_threshold < 0:
             raise ValueError(f"prefix_routing.imbalance_threshold={routing.imbalance_threshold!r} must be an "
                              "integer >= 0")
+        if routing.transfer not in (None, True, False):
+            raise ValueError(f"prefix_routing.transfer={routing.transfer!r} must be true, false or null")
         for name in ("stats_period_s", "memory_s"):
             value = getattr(routing, name)
             if not isinstance(value, int | float) or value <= 0:
@@ -109,11 +130,14 @@ class PrefixAwareRouter(RequestRouter):
     """Serve request router for `ModelServer` (see the module's docstring). Calls other than
     `generate_deltas` with token ids go to the less loaded of two random replicas, as Serve's default."""
 
-    def initialize_state(self, block_size: int, imbalance_threshold: int, memory_s: float) -> None:
-        """Serve calls this with `request_router_kwargs` (`model_server_options` sets them from `PrefixRouting`)."""
+    def initialize_state(self, block_size: int, imbalance_threshold: int, memory_s: float,
+                         transfer: bool = False) -> None:
+        """Serve calls this with `request_router_kwargs` (`model_server_options` sets them from `PrefixRouting`).
+        `transfer`: name the holder of a longer prefix to the replica chosen instead (`KVSource`)."""
         self.block_size = block_size
         self.imbalance_threshold = imbalance_threshold
         self.memory_s = memory_s
+        self.transfer = transfer
         self._remembered: dict[ReplicaID, OrderedDict[int, float]] = {}  # block hash -> when sent
         self._in_flight: dict[ReplicaID, set[str]] = {}  # this handle's requests on each replica
         self._adapters_sent: dict[ReplicaID, dict[int, float]] = {}  # LoRA adapter id -> when sent
@@ -146,6 +170,8 @@ class PrefixAwareRouter(RequestRouter):
             return []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # one call weighs every replica
+            if pending_request.metadata.call_method == EXPORT_METHOD:  # to the replica it names, or none
+                return [[r for r in candidate_replicas if r.replica_id.unique_id == pending_request.args[0]]]
         hashes = self.prompt_hashes(pending_request)
         adapter = request_adapter(pending_request)
         if (not hashes and adapter is None) or len(candidate_replicas) == 1:
@@ -165,7 +191,19 @@ class PrefixAwareRouter(RequestRouter):
                                                  not self.holds_adapter(r, adapter, now), queue[r.replica_id],
                                                  random.random()))
         rest = sorted((r for r in replicas if r not in balanced), key=lambda r: queue[r.replica_id])
+        if self.transfer:
+            self._name_holder(pending_request, ranked[0], replicas, hashes, now)
         return [[ranked[0]], ranked[1:] + rest]
+
+    def _name_holder(self, request: PendingRequest, chosen: RunningReplica, replicas: list[RunningReplica],
+                     hashes: list[int], now: float) -> None:
+        """Tell the request (`kv_source`) which replica holds more of its prefix than `chosen`, if one does."""
+        held = {r.replica_id: self.cached_blocks(r, hashes, now) for r in replicas}
+        holder = max(replicas, key=lambda r: held[r.replica_id])
+        if held[holder.replica_id] > held[chosen.replica_id]:
+            request.kwargs["kv_source"] = KVSource(holder.replica_id.unique_id, held[holder.replica_id])
+        else:
+            request.kwargs.pop("kv_source", None)  # a retry's choice may differ
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         adapter = request_adapter(pending_request)

@@ -46,5 +46,7 @@ def build_app(args: dict[str, Any] | None = None):
     server = ModelServer.options(**model_server_options(config, num_replicas, autoscaling, actor_options,
                                                          routing))
     catalog = AdapterCatalog.bind(list(lora_modules)) if config.enable_lora else None
-    return Ingress.bind(server.bind(config, max_waiting, routing is not None, stream_interval_ms, lora_modules),
+    kv_transfer = routing.transfer if routing is not None else False
+    return Ingress.bind(server.bind(config, max_waiting, routing is not None, stream_interval_ms, lora_modules,
+                                    kv_transfer),
                         api_keys, routing is not None, catalog)

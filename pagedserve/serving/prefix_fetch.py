@@ -1,0 +1,65 @@
+"""A replica fetching a prompt's prefix from the replica that caches it, when the prefix-aware router sent the
+request elsewhere (the holder was busy) and named the holder (`KVSource`). The holder exports the blocks this replica
+lacks (`ModelServer.export_prefix`, reached through this replica's own handle to the deployment: the router sends
+that call to the replica it names); this replica stages them on its workers and queues the request with them
+(`AsyncEngine.import_prefix`). Only where the cost model expects the fetch to beat computing them
+(`engine/transfer_cost.py`), and never for longer than computing them would take: a fetch that fails or is too slow
+is dropped, and the request computes its prefix as it would have."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ray import serve
+
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.transfer_cost import TransferCost
+from pagedserve.lora.lora_request import LoRARequest
+from pagedserve.scheduler.prefix_transfer import PrefixImport
+from pagedserve.serving.prefix_router import KVSource
+
+log = logging.getLogger(__name__)
+
+_MIN_TIMEOUT_S = 1.0  # the least a fetch is given, whatever the prefill it saves would take
+
+
+class PrefixFetcher:
+    def __init__(self, engine: AsyncEngine, cost: TransferCost) -> None:
+        self.engine = engine
+        self.cost = cost
+        self._peers = None  # a handle to this deployment, made on the first fetch
+
+    async def fetch(self, prompt: list[int], cache_salt: str | None, lora: LoRARequest | None,
+                    source: KVSource) -> PrefixImport | None:
+        """The blocks of `prompt` that `source` holds and this replica does not, staged here; None where that is
+        not worth it or fails (then counted, logged, and computed here)."""
+        context = serve.get_replica_context()
+        if source.replica == context.replica_id.unique_id:
+            return None  # the router's first choice was busy and the request came to the holder after all
+        engine = self.engine.llm_engine
+        lora_id = None if lora is None else lora.lora_int_id
+        held = engine.cached_prefix_blocks(prompt, cache_salt, lora_id)
+        wanted = min(source.num_blocks, (len(prompt) - 1) // engine.config.block_size) - held
+        if not self.cost.worth(wanted):
+            return None
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(max(_MIN_TIMEOUT_S, 2 * self.cost.prefill_seconds(wanted))):
+                export = await self._handle(context).export_prefix.remote(source.replica, prompt, cache_salt,
+                                                                         lora_id, held, wanted)
+                kv_import = await self.engine.import_prefix(export, prompt, cache_salt, lora_id)
+        except Exception as e:  # the holder died or dropped it, the pages were lost, or it took too long
+            log.warning("fetching %d KV blocks from replica %s failed, computing them: %r", wanted, source.replica,
+                        e)
+            engine.num_import_failures += 1
+            return None
+        if kv_import is not None:
+            self.cost.observe_fetch(len(kv_import.hashes), time.perf_counter() - start)
+        return kv_import
+
+    def _handle(self, context):
+        if self._peers is None:
+            self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+        return self._peers
