@@ -210,6 +210,63 @@ def test_the_kv_offload_tier_over_tensor_parallel_worker_actors(tiny_qwen2, tmp_
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_prefixes_move_between_tensor_parallel_replicas_through_the_object_store(tiny_qwen2):
+    """Two replicas of two ranks each, steps scheduled ahead: the one that computed the prompts exports their blocks
+    by reference (each rank's pages go from its worker to the same rank's of the other replica through Ray's object
+    store), and the other, computing only what follows them, gives transformers' tokens. Pages whose owner died
+    before they were fetched (a holder lost in the middle of a transfer) fail the import, and the prompt is
+    computed whole; at the end no block is held and no worker keeps a page."""
+    from pagedserve.scheduler.prefix_transfer import PrefixExport
+
+    from .test_kv_transfer import export
+
+    path, prompts, expected = tiny_qwen2
+    settings = dict(executor="ray", tensor_parallel_size=2, async_scheduling=True, block_size=4)
+
+    def run(llm: LLM, imports: list) -> list[list[int]]:
+        engine = llm.llm_engine
+        ids = [engine.add_request(p, GREEDY, kv_import=i) for p, i in zip(prompts, imports, strict=True)]
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        return [done[i] for i in ids]
+
+    def held(llm: LLM) -> list[int]:
+        return ray.get([w.__ray_call__.remote(lambda actor: actor.worker.runner.transfer.num_held)
+                        for w in llm.llm_engine.executor.workers])
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def keep(self, pages: list) -> list:
+            return [ray.put(p) for p in pages]
+
+    with LLM(path, **settings) as holder, LLM(path, **settings) as llm:
+        holder.generate(prompts, GREEDY)
+        exports = [export(holder, p) for p in prompts]
+        assert [len(e.hashes) for e in exports] == [len(p) // 4 for p in prompts]  # every full block
+        assert all(isinstance(ref, ray.ObjectRef) for e in exports for ref in e.pages)
+        imports = [llm.llm_engine.import_prefix(e, p) for e, p in zip(exports, prompts, strict=True)]
+        assert [i is None for i in imports] == [True, False, False, False, False]  # the 1-token prompt has none
+        assert run(llm, imports) == expected
+        stats = llm.stats()
+        assert stats["kv_transfer_hits"] == sum((len(p) - 1) // 4 * 4 for p in prompts)
+
+        owner = Owner.remote()
+        orphaned = PrefixExport(exports[-1].first_block, exports[-1].hashes,
+                                ray.get(owner.keep.remote(ray.get(exports[-1].pages))))
+        ray.kill(owner)
+        fresh = LLM(path, **settings)
+        try:
+            assert fresh.llm_engine.import_prefix(orphaned, prompts[-1]) is None
+            assert fresh.stats()["kv_transfer_failures"] == 1
+            assert run(fresh, [None] * len(prompts)) == expected
+            assert held(fresh) == [0, 0] and fresh.stats()["kv_transfer_hits"] == 0
+        finally:
+            fresh.shutdown()
+        assert held(llm) == held(holder) == [0, 0]
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
 def test_async_scheduling_on_worker_actors(embedded_dir):
     """The mixed workload (stops, seeds, n, penalties, logprobs, a grammar, preemption) scheduled ahead on a
     worker actor gives the in-process engine's outputs stepping one at a time."""

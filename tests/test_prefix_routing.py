@@ -94,7 +94,7 @@ def test_prefix_routing_settings():
         PrefixRouting.parse({"stats_period_s": 0})
     with pytest.raises(ValueError, match="prefix_routing.memory_s='30' must be > 0"):
         PrefixRouting.parse({"memory_s": "30"})
-    with pytest.raises(ValueError, match="prefix_routing.transfer='no' must be true, false or null"):
+    with pytest.raises(ValueError, match=r"prefix_routing.transfer='no' must be one of \(None, True, False, 'alw"):
         PrefixRouting.parse({"transfer": "no"})
     with pytest.raises(ValueError, match="prefix_routing='yes' must be true, false or a mapping"):
         PrefixRouting.parse("yes")

@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 class ModelServer:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  publish_cached_blocks: bool = False, stream_interval_ms: float = 0,
-                 lora_modules: tuple[LoRAModule, ...] = (), kv_transfer: bool | None = False) -> None:
+                 lora_modules: tuple[LoRAModule, ...] = (), kv_transfer: bool | str | None = False) -> None:
         """`lora_modules`: the adapters the application serves from the start, checked here against the model (a
         broken one fails the deployment, by name). `kv_transfer`: fetch a prefix another replica holds
-        (`PrefixRouting.transfer`: None where the model allows it, True required, False never)."""
+        (`PrefixRouting.transfer`)."""
         from pagedserve.serving.metrics import ServerMetrics
 
         self.engine = AsyncEngine(ray_hosted_config(config), max_waiting_requests,
@@ -51,7 +51,7 @@ class ModelServer:
         self.inputs = self.engine.llm_engine.inputs  # tokenizing, chat templates: run by `AsyncEngine.prepare`
         self.publish_cached_blocks = publish_cached_blocks
 
-    def _fetcher(self, setting: bool | None) -> PrefixFetcher | None:
+    def _fetcher(self, setting: bool | str | None) -> PrefixFetcher | None:
         """The fetcher of other replicas' prefixes, its costs measured now, before the replica serves; None where
         transfers are off, or cannot be and were not asked for."""
         if setting is False:
@@ -60,11 +60,11 @@ class ModelServer:
         reason = engine.transfer_unsupported()
         if reason is None:
             try:
-                return PrefixFetcher(self.engine, measure_transfer_cost(engine))
+                return PrefixFetcher(self.engine, measure_transfer_cost(engine), always=setting == "always")
             except Exception as e:
                 reason = f"measuring a transfer failed: {e!r}"
         if setting:
-            raise ValueError(f"prefix_routing.transfer=true: K/V cannot move between replicas: {reason}")
+            raise ValueError(f"prefix_routing.transfer={setting!r}: K/V cannot move between replicas: {reason}")
         log.info("K/V transfers between replicas are off: %s", reason)
         return None
 

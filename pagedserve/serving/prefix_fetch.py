@@ -22,13 +22,15 @@ from pagedserve.serving.prefix_router import KVSource
 
 log = logging.getLogger(__name__)
 
-_MIN_TIMEOUT_S = 1.0  # the least a fetch is given, whatever the prefill it saves would take
+_MIN_TIMEOUT_S = 5.0  # the least a fetch is given, whatever the prefill it saves would take
 
 
 class PrefixFetcher:
-    def __init__(self, engine: AsyncEngine, cost: TransferCost) -> None:
+    def __init__(self, engine: AsyncEngine, cost: TransferCost, always: bool = False) -> None:
+        """`always`: fetch whatever the cost model expects (`PrefixRouting.transfer="always"`)."""
         self.engine = engine
         self.cost = cost
+        self.always = always
         self._peers = None  # a handle to this deployment, made on the first fetch
 
     async def fetch(self, prompt: list[int], cache_salt: str | None, lora: LoRARequest | None,
@@ -42,7 +44,7 @@ class PrefixFetcher:
         lora_id = None if lora is None else lora.lora_int_id
         held = engine.cached_prefix_blocks(prompt, cache_salt, lora_id)
         wanted = min(source.num_blocks, (len(prompt) - 1) // engine.config.block_size) - held
-        if not self.cost.worth(wanted):
+        if wanted <= 0 or not (self.always or self.cost.worth(wanted)):
             return None
         start = time.perf_counter()
         try:

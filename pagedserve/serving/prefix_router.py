@@ -38,6 +38,7 @@ from pagedserve.scheduler.block_manager import prefix_hashes
 
 ROUTED_METHOD = "generate_deltas"  # the one ModelServer method taking (prompt, params, ...)
 EXPORT_METHOD = "export_prefix"  # ModelServer's method that exports K/V, sent to the replica its first argument names
+TRANSFER_SETTINGS = (None, True, False, "always")  # `PrefixRouting.transfer`
 _MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
 
 
@@ -98,8 +99,9 @@ class PrefixRouting:
     memory_s: float = 30.0  # how long the router counts the blocks of what it sent a replica as cached there
     # A replica sent a request whose prefix another holds fetches the blocks from it where that is faster than
     # computing them: None, where the model allows it (one KV-cache group, prefix caching on); True: required, and
-    # refused at start where it cannot; False: never.
-    transfer: bool | None = None
+    # refused at start where it cannot; "always": required, and whatever the cost (to measure the transfer itself);
+    # False: never.
+    transfer: bool | str | None = None
 
     @classmethod
     def parse(cls, setting: bool | dict[str, Any] | None) -> PrefixRouting | None:
@@ -117,8 +119,8 @@ class PrefixRouting:
         if not isinstance(routing.imbalance_threshold, int) or routing.imbalance_threshold < 0:
             raise ValueError(f"prefix_routing.imbalance_threshold={routing.imbalance_threshold!r} must be an "
                              "integer >= 0")
-        if routing.transfer not in (None, True, False):
-            raise ValueError(f"prefix_routing.transfer={routing.transfer!r} must be true, false or null")
+        if routing.transfer not in TRANSFER_SETTINGS:
+            raise ValueError(f"prefix_routing.transfer={routing.transfer!r} must be one of {TRANSFER_SETTINGS}")
         for name in ("stats_period_s", "memory_s"):
             value = getattr(routing, name)
             if not isinstance(value, int | float) or value <= 0:

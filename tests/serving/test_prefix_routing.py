@@ -1,7 +1,8 @@
 """Two engine replicas behind the prefix-aware router, on the real local Ray cluster: a conversation's next
 turn goes to the replica holding its prefix (from what the router sent there, and from what replicas
-publish), a flood of one prefix still spreads once one replica's queue is long, and killing a replica
-under load loses no request that had not started."""
+publish), a flood of one prefix still spreads once one replica's queue is long, a request sent past the busy
+holder of its prefix fetches the prefix's K/V from it, and killing a replica under load loses no request that
+had not started."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def routed(app, tiny_random):
     from pagedserve.serving.serve_app import build_app
 
     serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN, "num_replicas": 2, "max_num_seqs": 4,
-                         "kv_cache_memory": 160 * BLOCK_BYTES, "prefix_routing": {"imbalance_threshold": 2}}),
+                         "kv_cache_memory": 160 * BLOCK_BYTES,
+                         # every fetch a router names a holder for, whatever the cost model (the tiny model's
+                         # prefill is cheaper than any transfer): the transfer is what is tested
+                         "prefix_routing": {"imbalance_threshold": 2, "transfer": "always"}}),
               name=ROUTED, route_prefix=f"/{ROUTED}")
     yield ROUTED
     serve.delete(ROUTED)
@@ -93,6 +97,50 @@ def test_a_flood_of_one_prefix_spreads_once_one_queue_is_long(routed):
     assert sum(per_replica.values()) == 16
     # without the threshold all sixteen would queue on the replica holding the prefix (4 running at a time)
     assert min(per_replica.values()) >= 3, per_replica
+
+
+def test_a_request_sent_past_the_busy_holder_of_its_prefix_fetches_the_prefix_from_it(routed):
+    """Three long streams of one prefix fill the queue of the replica holding it past the threshold, so a request
+    with that prefix goes to the other replica, which fetches the prefix's 8 blocks from the holder: the tokens
+    and logprobs the holder gave for the same prompt computed whole, and no block or page left on either side."""
+    rng = random.Random(5)
+    prefix = _tokens(rng, 8 * BS)
+    prompt = prefix + _tokens(rng, 5)
+    greedy = dict(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+
+    async def run() -> tuple[list, list]:
+        async with AsyncClient(GRPC, application=routed, timeout=120) as c:
+            whole = await c.generate(prompt, **greedy)  # computed whole by the replica that holds it from now on
+            received = [0, 0, 0]
+
+            async def stream(i: int) -> None:
+                async for chunk in c.stream(prefix + _tokens(rng, 3), max_tokens=300, ignore_eos=True):
+                    received[i] += len(chunk.token_ids)
+
+            busy = [asyncio.create_task(stream(i)) for i in range(3)]
+            while not all(received):
+                assert not any(task.done() for task in busy), [task.result() for task in busy if task.done()]
+                await asyncio.sleep(0.02)
+            fetched = await c.generate(prompt, **greedy)
+            for task in busy:
+                task.cancel()
+            await asyncio.gather(*busy, return_exceptions=True)
+            return whole, fetched
+
+    before = replica_stats(routed)
+    whole, fetched = asyncio.run(run())
+    assert fetched.token_ids == whole.token_ids
+    assert [lp.logprob for lp in fetched.logprobs] == [lp.logprob for lp in whole.logprobs]
+    imports, exports = _gained(before, "kv_transfer_imports"), _gained(before, "kv_transfer_exports")
+    hits = _gained(before, "kv_transfer_hits")
+    assert sorted(imports.values()) == [0, 1] and sorted(exports.values()) == [0, 1], (imports, exports)
+    receiver = max(imports, key=imports.get)
+    assert hits[receiver] == 8 * BS and exports[receiver] == 0
+    assert all(gained == 0 for gained in _gained(before, "kv_transfer_failures").values())
+    deadline = time.monotonic() + 30
+    while any(s["num_free_blocks"] != s["num_total_blocks"] for s in replica_stats(routed).values()):
+        assert time.monotonic() < deadline  # the cancelled streams' blocks come back
+        time.sleep(0.2)
 
 
 def test_killing_a_replica_under_load(routed):
