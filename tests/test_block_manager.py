@@ -11,8 +11,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import block_manager as bm_mod
-from pagedserve.scheduler.block_manager import BlockManager, hash_block
+from pagedserve.scheduler.block_manager import BlockManager, hash_block, prefix_hashes
 from pagedserve.scheduler.block_pool import BlockPool
+from pagedserve.scheduler.prefix_transfer import PrefixImport
 from pagedserve.scheduler.request import Request, Sequence
 
 BS = 4
@@ -230,11 +231,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv: list[list[tuple[int, int] | None]] = [[None] * BS for _ in range(num_blocks)]
         self.tier = OffloadWorker()
         self.history: list[list[int]] = []  # the tokens of every sequence admitted
+        self.staged: dict[int, list[list[tuple[int, int]]]] = {}  # import id -> its pages, another replica's K/V
 
     def run(self, seq: Sequence, copies: list[tuple[int, int]], num_tokens: int) -> None:
         """A worker's step: the second tier's copies, the block copies, then the K/V of `num_tokens` more tokens
         into their slots."""
         self.tier.copy(*self.bm.take_offload_copies(), self.kv.__getitem__, self.kv.__setitem__)
+        for import_id, page, block in self.bm.take_imports():
+            self.kv[block] = list(self.staged[import_id][page])
         for src, dst in copies:
             self.kv[dst] = list(self.kv[src])
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_tokens):
@@ -257,6 +261,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def admit_again(self, i, extra):
         """A prompt seen before, perhaps going on: its blocks are in the pool, the second tier, or gone."""
         self.admit(self.history[i % len(self.history)] + extra)
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=20), first=st.integers(0, 2),
+          count=st.integers(0, 5), other=st.sampled_from([False, False, True]))
+    def admit_fetched(self, tokens, first, count, other):
+        """A prompt with its blocks [first, first + count) fetched from another replica that computed it (or, `other`,
+        that computed another prompt: no page may be taken for this one's): found where the pool and the second tier
+        lack them."""
+        source = [(t + 1) % 3 for t in tokens] if other else tokens
+        hashes = prefix_hashes(source, BS)[first:first + count]
+        import_id = len(self.staged)
+        self.staged[import_id] = [[(pos, source[pos]) for pos in range(k * BS, (k + 1) * BS)]
+                                  for k in range(first, first + len(hashes))]
+        seq = make_seq(tokens, self.next_id)
+        self.next_id += 1
+        seq.request.kv_import = PrefixImport(import_id, first, tuple(hashes))
+        hits = self.bm.transfer_hits
+        copies = admit(self.bm, seq)
+        seq.request.kv_import = None  # released, as the scheduler does on admission
+        assert not (other and self.bm.transfer_hits > hits)
+        if copies is not None:
+            self.run(seq, copies, seq.num_tokens - seq.num_computed_tokens)
+            self.seqs.append(seq)
+            self.history.append(list(tokens))
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100), token=st.integers(0, 2))
