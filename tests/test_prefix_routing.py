@@ -175,3 +175,27 @@ def test_a_request_sent_past_a_busy_holder_names_it_and_an_export_goes_to_the_re
     export = ["a", prompt, None, None, 1, 2]
     assert route(EXPORT_METHOD, export, {"a": 5, "b": 0})[0] == [["a"]]  # however busy it is
     assert route(EXPORT_METHOD, ["gone"] + export[1:], {"a": 0, "b": 0})[0] == [[]]
+    # a prefill replica's prefill goes where its prompt's blocks are cached, as a request does
+    assert route("prefill_export", [prompt[:4 * BS], SamplingParams(), "rid", 1, None], {"a": 0, "b": 0})[0][0] == ["a"]
+
+
+def test_prefill_split_settings_are_checked_by_name():
+    from pagedserve.serving.prefill_split import PrefillSplit
+    from pagedserve.serving.serve_app import build_app
+
+    assert PrefillSplit.parse(None) is None
+    split = PrefillSplit.parse({"num_replicas": 2, "timeout_s": 5, "max_num_batched_tokens": 4096})
+    assert (split.num_replicas, split.timeout_s, split.engine) == (2, 5, {"max_num_batched_tokens": 4096})
+    with pytest.raises(ValueError, match=r"prefill has settings \['block_size', 'model'\] that prefill replicas "
+                                         "cannot set apart"):
+        PrefillSplit.parse({"model": "other", "block_size": 32})
+    with pytest.raises(ValueError, match="prefill.timeout_s=0 must be > 0"):
+        PrefillSplit.parse({"timeout_s": 0})
+    with pytest.raises(ValueError, match="prefill=2 must be a mapping"):
+        PrefillSplit.parse(2)
+    with pytest.raises(ValueError, match="prefill: num_replicas=0 must be an integer >= 1"):
+        build_app({"prefill": {"num_replicas": 0}})
+    with pytest.raises(ValueError, match="prefill: max_num_seqs=0 must be"):
+        build_app({"prefill": {"max_num_seqs": 0}})
+    with pytest.raises(ValueError, match=r"prefix_routing.transfer=True with prefill: decode replicas take"):
+        build_app({"num_replicas": 2, "prefix_routing": {"transfer": True}, "prefill": {}})

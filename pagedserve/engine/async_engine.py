@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -31,6 +31,8 @@ from pagedserve.scheduler.prefix_transfer import PrefixExport, PrefixImport
 from pagedserve.scheduler.request import Request
 
 T = TypeVar("T")
+# A made request's prefix K/V from elsewhere (another replica), staged here; None where there is none to use.
+FetchPrefix = Callable[[Request], Awaitable[PrefixImport | None]]
 
 __all__ = ["AsyncEngine", "QueueFull", "RequestFailed"]
 
@@ -133,26 +135,28 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                        lora_request: LoRARequest | None = None,
-                       kv_import: PrefixImport | None = None) -> AsyncIterator[RequestOutput]:
+                       fetch_prefix: FetchPrefix | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError naming the field), queue, and yield outputs until the request ends: each the
         request's whole output so far, so a caller that reads slower than the engine steps gets the newest
         and misses nothing. RequestFailed if a failed step ended it. A beam search (`use_beam_search`) yields
-        once, its answer. `lora_request`: the LoRA adapter it runs with. `kv_import`: its prefix fetched from
-        another replica (`import_prefix`), released whatever becomes of the request."""
+        once, its answer. `lora_request`: the LoRA adapter it runs with. `fetch_prefix`: called with the made
+        request (its prompt tokenized and cut) before it is queued, for its prefix's K/V from elsewhere
+        (`import_prefix`); not for a beam search, nor for a request scoring its prompt (which reads no cached
+        block). Whatever becomes of the request, the import is released."""
         if self.max_waiting_requests is not None:
             # Requests still being prepared are waiting too: they are queued the moment they are ready.
             waiting = self.llm_engine.num_waiting_requests() + self._num_preparing
             if waiting >= self.max_waiting_requests:
-                self._drop_import(kv_import)
                 raise QueueFull(f"{waiting} requests are waiting "
                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         arrival = time.monotonic()
         self._num_preparing += 1
         try:
             made = await self.prepare(self.llm_engine.inputs.make, prompt, params, request_id, lora_request)
-        except BaseException:
-            self._drop_import(kv_import)
-            raise
+            kv_import = None
+            if fetch_prefix is not None and isinstance(made, Request) and not made.needs_prompt_logprobs:
+                self._check_unused(made.request_id)  # before the fetch it would waste
+                kv_import = await fetch_prefix(made)
         finally:
             self._num_preparing -= 1
         self.llm_engine.with_import(made, kv_import)

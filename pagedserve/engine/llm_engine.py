@@ -466,6 +466,7 @@ class LLMEngine:
             "kv_transfer_imports": self.num_imports,
             "kv_transfer_failures": self.num_import_failures,
             "kv_transfer_exports": self.num_exports,
+            "kv_transfer_staged": len(self.scheduler.transfers.staged),  # imports whose pages workers may hold
         }
 
     def _offload_stats(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.prefix_transfer import PrefixExport
 from pagedserve.serving.adapter_catalog import LoRAModule
 from pagedserve.serving.deltas import Delta, stream_deltas
+from pagedserve.serving.prefill_split import RemotePrefill, prefill_export
 from pagedserve.serving.prefix_fetch import PrefixFetcher
 from pagedserve.serving.prefix_router import KVSource, PrefixAwareRouter, PrefixRouting, summarize
 
@@ -28,10 +30,13 @@ log = logging.getLogger(__name__)
 class ModelServer:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  publish_cached_blocks: bool = False, stream_interval_ms: float = 0,
-                 lora_modules: tuple[LoRAModule, ...] = (), kv_transfer: bool | str | None = False) -> None:
+                 lora_modules: tuple[LoRAModule, ...] = (), kv_transfer: bool | str | None = False,
+                 prefill_servers: Any = None, prefill_timeout_s: float = 60.0, serves_prefills: bool = False) -> None:
         """`lora_modules`: the adapters the application serves from the start, checked here against the model (a
         broken one fails the deployment, by name). `kv_transfer`: fetch a prefix another replica holds
-        (`PrefixRouting.transfer`)."""
+        (`PrefixRouting.transfer`). `prefill_servers`: a handle to the prefill deployment, where prompts are
+        prefilled (this replica decodes), waited for up to `prefill_timeout_s`; `serves_prefills`: this replica is one
+        of that deployment (`prefill_split.py`)."""
         from pagedserve.serving.metrics import ServerMetrics
 
         self.engine = AsyncEngine(ray_hosted_config(config), max_waiting_requests,
@@ -44,6 +49,7 @@ class ModelServer:
             raise ValueError(f"lora_modules {module.name!r}: {e}") from None
         try:
             self.fetcher = self._fetcher(kv_transfer)
+            self.remote_prefill = self._remote_prefill(prefill_servers, prefill_timeout_s, serves_prefills)
         except ValueError:
             self.engine.shutdown()
             raise
@@ -68,19 +74,37 @@ class ModelServer:
         log.info("K/V transfers between replicas are off: %s", reason)
         return None
 
+    def _remote_prefill(self, prefill_servers: Any, timeout_s: float, serves_prefills: bool) -> RemotePrefill | None:
+        """The prefill deployment's side of this (decode) replica; None where this replica prefills its own prompts.
+        ValueError where K/V cannot move between this replica and the others."""
+        if prefill_servers is None and not serves_prefills:
+            return None
+        reason = self.engine.llm_engine.transfer_unsupported()
+        if reason is not None:
+            raise ValueError(f"prefill: prompts cannot be prefilled on other replicas: {reason}")
+        return None if prefill_servers is None else RemotePrefill(self.engine, prefill_servers, timeout_s)
+
     async def generate_deltas(self, prompt: str | list[int], params: SamplingParams,
                               request_id: str | None = None, prompt_ids: bool = False,
                               lora: LoRARequest | None = None,
                               kv_source: KVSource | None = None) -> AsyncIterator[Delta]:
         """`lora`: the LoRA adapter the request runs with (None: the base model). `kv_source`: the replica that
         holds more of the prompt's prefix (set by the prefix-aware router), from which it may be fetched."""
-        kv_import = None
-        if kv_source is not None and self.fetcher is not None and isinstance(prompt, list):
-            kv_import = await self.fetcher.fetch(prompt, params.cache_salt, lora, kv_source)
+        fetch_prefix = None
+        if self.remote_prefill is not None:
+            fetch_prefix = self.remote_prefill.prefill
+        elif kv_source is not None and self.fetcher is not None:
+            fetch_prefix = functools.partial(self.fetcher.fetch, source=kv_source)
         # Deltas are cut here, on the engine side: only what is new crosses between processes each step.
-        async for d in stream_deltas(self.engine.generate(prompt, params, request_id, lora, kv_import), params,
+        async for d in stream_deltas(self.engine.generate(prompt, params, request_id, lora, fetch_prefix), params,
                                      prompt_ids):
             yield d
+
+    async def prefill_export(self, prompt: list[int], params: SamplingParams, request_id: str, first_block: int,
+                             lora: LoRARequest | None = None) -> PrefixExport:
+        """On a prefill replica: the prompt computed and its full blocks from `first_block` on exported, for the decode
+        replica running request `request_id` (`prefill_split.py`; routed as `generate_deltas` is, by the prompt)."""
+        return await prefill_export(self.engine, prompt, params, request_id, first_block, lora)
 
     async def export_prefix(self, replica: str, token_ids: list[int], cache_salt: str | None, lora_id: int | None,
                             first_block: int, num_blocks: int) -> PrefixExport:

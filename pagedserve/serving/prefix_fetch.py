@@ -16,8 +16,8 @@ from ray import serve
 
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.transfer_cost import TransferCost
-from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.scheduler.prefix_transfer import PrefixImport
+from pagedserve.scheduler.request import Request
 from pagedserve.serving.prefix_router import KVSource
 
 log = logging.getLogger(__name__)
@@ -33,15 +33,15 @@ class PrefixFetcher:
         self.always = always
         self._peers = None  # a handle to this deployment, made on the first fetch
 
-    async def fetch(self, prompt: list[int], cache_salt: str | None, lora: LoRARequest | None,
-                    source: KVSource) -> PrefixImport | None:
-        """The blocks of `prompt` that `source` holds and this replica does not, staged here; None where that is
-        not worth it or fails (then counted, logged, and computed here)."""
+    async def fetch(self, request: Request, source: KVSource) -> PrefixImport | None:
+        """The blocks of the request's prompt that `source` holds and this replica does not, staged here; None where
+        that is not worth it or fails (then counted, logged, and computed here)."""
         context = serve.get_replica_context()
         if source.replica == context.replica_id.unique_id:
             return None  # the router's first choice was busy and the request came to the holder after all
         engine = self.engine.llm_engine
-        lora_id = None if lora is None else lora.lora_int_id
+        prompt, cache_salt = request.prompt_token_ids, request.params.cache_salt
+        lora_id = None if request.lora is None else request.lora.lora_int_id
         held = engine.cached_prefix_blocks(prompt, cache_salt, lora_id)
         wanted = min(source.num_blocks, (len(prompt) - 1) // engine.config.block_size) - held
         if wanted <= 0 or not (self.always or self.cost.worth(wanted)):

@@ -36,7 +36,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from pagedserve.scheduler.block_manager import prefix_hashes
 
-ROUTED_METHOD = "generate_deltas"  # the one ModelServer method taking (prompt, params, ...)
+ROUTED_METHOD = "generate_deltas"  # ModelServer's method taking (prompt, params, request_id, prompt_ids, lora)
+# ModelServer's methods routed by their prompt: `generate_deltas`, and a prefill replica's `prefill_export`
+# (prompt, params, request_id, first_block, lora)
+ROUTED_METHODS = (ROUTED_METHOD, "prefill_export")
 EXPORT_METHOD = "export_prefix"  # ModelServer's method that exports K/V, sent to the replica its first argument names
 TRANSFER_SETTINGS = (None, True, False, "always")  # `PrefixRouting.transfer`
 _MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
@@ -64,8 +67,8 @@ def cached_mask(summary: bytes, hashes: list[int]) -> np.ndarray:
 
 
 def request_adapter(request: PendingRequest | None) -> int | None:
-    """The id of the LoRA adapter a routed request runs with (`generate_deltas`' fifth argument), or None."""
-    if request is None or request.metadata.call_method != ROUTED_METHOD or len(request.args) < 5:
+    """The id of the LoRA adapter a routed request runs with (the fifth argument of `ROUTED_METHODS`), or None."""
+    if request is None or request.metadata.call_method not in ROUTED_METHODS or len(request.args) < 5:
         return None
     lora = request.args[4]
     return None if lora is None else lora.lora_int_id
@@ -129,8 +132,8 @@ class PrefixRouting:
 
 
 class PrefixAwareRouter(RequestRouter):
-    """Serve request router for `ModelServer` (see the module's docstring). Calls other than
-    `generate_deltas` with token ids go to the less loaded of two random replicas, as Serve's default."""
+    """Serve request router for `ModelServer` (see the module's docstring). Calls other than those of
+    `ROUTED_METHODS` with token ids go to the less loaded of two random replicas, as Serve's default."""
 
     def initialize_state(self, block_size: int, imbalance_threshold: int, memory_s: float,
                          transfer: bool = False) -> None:
@@ -145,7 +148,7 @@ class PrefixAwareRouter(RequestRouter):
         self._adapters_sent: dict[ReplicaID, dict[int, float]] = {}  # LoRA adapter id -> when sent
 
     def prompt_hashes(self, request: PendingRequest | None) -> list[int]:
-        if request is None or request.metadata.call_method != ROUTED_METHOD or not request.args:
+        if request is None or request.metadata.call_method not in ROUTED_METHODS or not request.args:
             return []
         prompt = request.args[0]
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
