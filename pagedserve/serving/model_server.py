@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from pagedserve.chat.template import ChatOptions, ChatPlan
 from pagedserve.config import EngineConfig, ray_hosted_config
@@ -31,7 +32,8 @@ class ModelServer:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  publish_cached_blocks: bool = False, stream_interval_ms: float = 0,
                  lora_modules: tuple[LoRAModule, ...] = (), kv_transfer: bool | str | None = False,
-                 prefill_servers: Any = None, prefill_timeout_s: float = 60.0, serves_prefills: bool = False) -> None:
+                 prefill_servers: DeploymentHandle | None = None, prefill_timeout_s: float = 60.0,
+                 serves_prefills: bool = False) -> None:
         """`lora_modules`: the adapters the application serves from the start, checked here against the model (a
         broken one fails the deployment, by name). `kv_transfer`: fetch a prefix another replica holds
         (`PrefixRouting.transfer`). `prefill_servers`: a handle to the prefill deployment, where prompts are
@@ -74,7 +76,8 @@ class ModelServer:
         log.info("K/V transfers between replicas are off: %s", reason)
         return None
 
-    def _remote_prefill(self, prefill_servers: Any, timeout_s: float, serves_prefills: bool) -> RemotePrefill | None:
+    def _remote_prefill(self, prefill_servers: DeploymentHandle | None, timeout_s: float,
+                        serves_prefills: bool) -> RemotePrefill | None:
         """The prefill deployment's side of this (decode) replica; None where this replica prefills its own prompts.
         ValueError where K/V cannot move between this replica and the others."""
         if prefill_servers is None and not serves_prefills:

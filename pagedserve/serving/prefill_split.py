@@ -18,9 +18,12 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ray.serve.handle import DeploymentHandle
+
 from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.prefix_transfer import PrefixImport
+from pagedserve.scheduler.prefix_transfer import PrefixExport, PrefixImport
 from pagedserve.scheduler.request import Request
 
 log = logging.getLogger(__name__)
@@ -70,8 +73,8 @@ class RemotePrefill:
     """A decode replica's side: its requests' prompts prefilled by the prefill deployment (`prefill` of
     `AsyncEngine.generate`'s `fetch_prefix`)."""
 
-    def __init__(self, engine: AsyncEngine, prefill_servers: Any, timeout_s: float) -> None:
-        """`prefill_servers`: a Serve deployment handle to the prefill replicas."""
+    def __init__(self, engine: AsyncEngine, prefill_servers: DeploymentHandle, timeout_s: float) -> None:
+        """`prefill_servers`: the prefill deployment's handle."""
         self.engine = engine
         self.prefill_servers = prefill_servers
         self.timeout_s = timeout_s
@@ -104,7 +107,7 @@ class RemotePrefill:
 
 
 async def prefill_export(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str | None,
-                         first_block: int, lora: Any):
+                         first_block: int, lora: LoRARequest | None) -> PrefixExport:
     """A prefill replica's side: compute `prompt` (a one-token request, its token dropped; blocks this replica
     caches are not computed again) and export its full blocks from `first_block` on. `request_id`, the decode
     replica's, is logged, not used: requests of several decode replicas may share one, so the engine numbers its own."""
