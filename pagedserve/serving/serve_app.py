@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from pagedserve.config import ray_hosted_config
+from pagedserve.config import EngineConfig, ray_hosted_config
 from pagedserve.engine.async_engine import stream_interval_seconds
 from pagedserve.serving.adapter_catalog import AdapterCatalog, LoRAModule
 from pagedserve.serving.auth import ApiKeys
@@ -39,8 +39,8 @@ def build_app(args: dict[str, Any] | None = None):
     autoscaling = args.pop("autoscaling_config", None)
     actor_options = args.pop("ray_actor_options", None)
     routing_settings = PrefixRouting.parse(args.pop("prefix_routing", None))
+    # one replica: no choice to make, and a text prompt then needs no tokenizing call first
     routing = routing_settings if _several(num_replicas, autoscaling) else None
-    # (one replica: no choice to make, and a text prompt then needs no tokenizing call first)
     split = PrefillSplit.parse(args.pop("prefill", None))
     max_waiting = args.pop("max_waiting_requests", None)
     stream_interval_ms = args.pop("stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS)
@@ -56,23 +56,32 @@ def build_app(args: dict[str, Any] | None = None):
             raise ValueError(f"prefix_routing.transfer={kv_transfer!r} with prefill: decode replicas take their "
                              "prompts' blocks from the prefill replicas (leave transfer out)")
         kv_transfer = False
-        prefill_routing = replace(routing_settings, transfer=False) if routing_settings is not None and _several(
-            split.num_replicas, split.autoscaling_config) else None
-        try:
-            prefill_config = replace(config, **split.engine)
-            prefill_options = model_server_options(prefill_config, split.num_replicas, split.autoscaling_config,
-                                                   split.ray_actor_options or actor_options, prefill_routing)
-        except ValueError as e:
-            raise ValueError(f"prefill: {e}") from None
-        prefill_servers = ModelServer.options(name=PREFILL_DEPLOYMENT, **prefill_options).bind(
-            prefill_config, max_waiting, prefill_routing is not None, 0, lora_modules, serves_prefills=True)
-        prefill = {"prefill_servers": prefill_servers, "prefill_timeout_s": split.timeout_s}
+        prefill = _prefill_deployment(split, config, actor_options, routing_settings, max_waiting, lora_modules)
     server = ModelServer.options(**model_server_options(config, num_replicas, autoscaling, actor_options,
                                                          routing))
     catalog = AdapterCatalog.bind(list(lora_modules)) if config.enable_lora else None
     return Ingress.bind(server.bind(config, max_waiting, routing is not None, stream_interval_ms, lora_modules,
                                     kv_transfer, **prefill),
                         api_keys, routing is not None, catalog)
+
+
+def _prefill_deployment(split: PrefillSplit, config: EngineConfig, actor_options: dict[str, Any] | None,
+                        routing: PrefixRouting | None, max_waiting: int | None,
+                        lora_modules: tuple[LoRAModule, ...]) -> dict[str, Any]:
+    """The decode replicas' arguments that reach the prefill deployment: its bound deployment (the decode replicas'
+    model and settings, with the engine settings `split` sets apart; routed by prefix when it has several replicas)
+    and the wait's bound. ValueError naming the `prefill` setting that is wrong."""
+    routing = replace(routing, transfer=False) if routing is not None and _several(
+        split.num_replicas, split.autoscaling_config) else None
+    try:
+        prefill_config = replace(config, **split.engine)
+        options = model_server_options(prefill_config, split.num_replicas, split.autoscaling_config,
+                                       split.ray_actor_options or actor_options, routing)
+    except ValueError as e:
+        raise ValueError(f"prefill: {e}") from None
+    servers = ModelServer.options(name=PREFILL_DEPLOYMENT, **options).bind(
+        prefill_config, max_waiting, routing is not None, 0, lora_modules, serves_prefills=True)
+    return {"prefill_servers": servers, "prefill_timeout_s": split.timeout_s}
 
 
 def _several(num_replicas: int | None, autoscaling: dict[str, Any] | None) -> bool:
