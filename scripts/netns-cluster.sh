@@ -116,5 +116,6 @@ case $cmd in
   start) [ $# = 2 ] || die "usage: start NAME I"; start_node "$1" "$2"; wait_started "$1" "$2" ;;
   link) [ $# = 3 ] || die "usage: link NAME I down|up"; ip -n "$1-sw" link set "port$2" "$3" ;;
   down) [ $# = 1 ] || die "usage: down NAME"; down "$1" ;;
-  *) die "usage: up NAME N [CPUS] | exec NAME I CMD... | kill NAME I | start NAME I | link NAME I down|up | down NAME" ;;
+  *) die "usage: up NAME N [CPUS] | exec NAME I CMD... | kill NAME I | start NAME I | link NAME I down|up |" \
+         "down NAME" ;;
 esac
