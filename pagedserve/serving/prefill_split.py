@@ -13,7 +13,6 @@ A prefill that fails (the prefill replica died, its queue is full, the pages wer
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -25,6 +24,7 @@ from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.prefix_transfer import PrefixExport, PrefixImport
 from pagedserve.scheduler.request import Request
+from pagedserve.serving.prefix_fetch import blocks_to_fetch, import_export
 
 log = logging.getLogger(__name__)
 
@@ -82,28 +82,16 @@ class RemotePrefill:
     async def prefill(self, request: Request) -> PrefixImport | None:
         """The full blocks of the request's prompt that this replica does not hold, computed on a prefill replica and
         staged here; None where it holds them all, or the prefill failed (then computed here)."""
-        engine = self.engine.llm_engine
-        prompt, params = request.prompt_token_ids, request.params
-        lora_id = None if request.lora is None else request.lora.lora_int_id
-        held = engine.cached_prefix_blocks(prompt, params.cache_salt, lora_id)
-        wanted = (len(prompt) - 1) // engine.config.block_size  # the last token is always computed here
+        held, wanted = blocks_to_fetch(self.engine, request)
         if wanted <= held:
             return None
         # only the blocks wanted: the partial block after them is this replica's to compute
-        response = self.prefill_servers.prefill_export.remote(prompt[:wanted * engine.config.block_size], params,
-                                                              request.request_id, held, request.lora)
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                export = await response
-                kv_import = await self.engine.import_prefix(export, prompt, params.cache_salt, lora_id)
-        except Exception as e:  # the prefill replica died or refused it, the pages were lost, or it took too long
-            log.warning("prefilling %d blocks of request %s on a prefill replica failed, computing them here: %r",
-                        wanted - held, request.request_id, e)
-            engine.num_import_failures += 1
-            return None
-        finally:
-            response.cancel()  # done: nothing; cancelled or timed out: the prefill replica drops the request
-        return kv_import
+        prompt = request.prompt_token_ids[:wanted * self.engine.llm_engine.config.block_size]
+        export = self.prefill_servers.prefill_export.remote(prompt, request.params, request.request_id, held,
+                                                            request.lora)
+        return await import_export(self.engine, request, export, self.timeout_s,
+                                   f"prefilling {wanted - held} blocks of request {request.request_id} on a prefill "
+                                   "replica")
 
 
 async def prefill_export(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str | None,
