@@ -20,7 +20,7 @@ from ray import serve
 from pagedserve.client import AsyncClient, Client
 from pagedserve.serving.model_server import replica_stats
 from pagedserve.serving.serve_app import build_app
-from tests.serving.app import BLOCK_BYTES, CONFIG
+from tests.serving.app import BLOCK_BYTES, CONFIG, answers_past_a_busy_holder
 
 APP = "spread"
 GRPC = "127.0.0.1:9000"
@@ -67,22 +67,8 @@ def fetches_a_prefix_from_the_other_node(rng: random.Random) -> None:
 
     async def run() -> tuple:
         async with AsyncClient(GRPC, application=APP, timeout=120) as c:
-            whole = await c.generate(prompt, **greedy)
-            received = [0, 0]
-
-            async def stream(i: int) -> None:
-                async for chunk in c.stream(prefix + _tokens(rng, 3), max_tokens=300, ignore_eos=True):
-                    received[i] += len(chunk.token_ids)
-
-            busy = [asyncio.create_task(stream(i)) for i in range(2)]
-            while not all(received):
-                assert not any(task.done() for task in busy), [task.result() for task in busy if task.done()]
-                await asyncio.sleep(0.02)
-            fetched = await c.generate(prompt, **greedy)
-            for task in busy:
-                task.cancel()
-            await asyncio.gather(*busy, return_exceptions=True)
-            return whole, fetched
+            return await answers_past_a_busy_holder(c, prompt, [prefix + _tokens(rng, 3) for _ in range(2)], 300,
+                                                    **greedy)
 
     before = replica_stats(APP)
     whole, fetched = asyncio.run(run())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from pathlib import Path
@@ -42,3 +43,25 @@ def wait_idle(app_name: str = "pagedserve", timeout: float = 30) -> dict:
                 and stats["num_free_blocks"] == stats["num_total_blocks"]) or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
+
+
+async def answers_past_a_busy_holder(client, prompt: list[int], busy_prompts: list[list[int]], busy_tokens: int,
+                                     **sampling) -> tuple:
+    """`prompt`'s answer computed whole by the replica that then holds it, and its answer again while that replica
+    streams `busy_prompts` (each sharing the prefix: the holder's), so that the router sends it elsewhere."""
+    whole = await client.generate(prompt, **sampling)
+    received = [0] * len(busy_prompts)
+
+    async def stream(i: int) -> None:
+        async for chunk in client.stream(busy_prompts[i], max_tokens=busy_tokens, ignore_eos=True):
+            received[i] += len(chunk.token_ids)
+
+    busy = [asyncio.create_task(stream(i)) for i in range(len(busy_prompts))]
+    while not all(received):
+        assert not any(task.done() for task in busy), [task.result() for task in busy if task.done()]
+        await asyncio.sleep(0.02)
+    fetched = await client.generate(prompt, **sampling)
+    for task in busy:
+        task.cancel()
+    await asyncio.gather(*busy, return_exceptions=True)
+    return whole, fetched

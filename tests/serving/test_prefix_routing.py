@@ -21,7 +21,7 @@ from pagedserve.client import AsyncClient, Client
 from pagedserve.client.errors import Unavailable
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.model_server import replica_stats
-from tests.serving.app import BLOCK_BYTES, GRPC, MAX_MODEL_LEN
+from tests.serving.app import BLOCK_BYTES, GRPC, MAX_MODEL_LEN, answers_past_a_busy_holder
 
 ROUTED = "routed"
 BS = 16  # deploy/config.yaml's block_size
@@ -108,24 +108,10 @@ def test_a_request_sent_past_the_busy_holder_of_its_prefix_fetches_the_prefix_fr
     prompt = prefix + _tokens(rng, 5)
     greedy = dict(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
 
-    async def run() -> tuple[list, list]:
+    async def run() -> tuple:
         async with AsyncClient(GRPC, application=routed, timeout=120) as c:
-            whole = await c.generate(prompt, **greedy)  # computed whole by the replica that holds it from now on
-            received = [0, 0, 0]
-
-            async def stream(i: int) -> None:
-                async for chunk in c.stream(prefix + _tokens(rng, 3), max_tokens=300, ignore_eos=True):
-                    received[i] += len(chunk.token_ids)
-
-            busy = [asyncio.create_task(stream(i)) for i in range(3)]
-            while not all(received):
-                assert not any(task.done() for task in busy), [task.result() for task in busy if task.done()]
-                await asyncio.sleep(0.02)
-            fetched = await c.generate(prompt, **greedy)
-            for task in busy:
-                task.cancel()
-            await asyncio.gather(*busy, return_exceptions=True)
-            return whole, fetched
+            return await answers_past_a_busy_holder(c, prompt, [prefix + _tokens(rng, 3) for _ in range(3)], 300,
+                                                    **greedy)
 
     before = replica_stats(routed)
     whole, fetched = asyncio.run(run())
