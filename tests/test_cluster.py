@@ -548,10 +548,14 @@ def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2, async_sch
     with ray_hosted_engine(model=path, executor="ray", tensor_parallel_size=2,
                            async_scheduling=async_scheduling) as engine:
         async def run():
-            long_job = asyncio.ensure_future(collect(engine, [3] * 30, SamplingParams(max_tokens=400,
-                                                                                       ignore_eos=True)))
-            while engine.stats()["num_running"] == 0:
-                await asyncio.sleep(0.05)
+            started = asyncio.Event()  # a request with tokens out fails; one that has none runs again
+
+            async def stream_long() -> None:
+                async for _ in engine.generate([3] * 30, SamplingParams(max_tokens=400, ignore_eos=True)):
+                    started.set()
+
+            long_job = asyncio.ensure_future(stream_long())
+            await started.wait()
             pids = await engine.worker_pids()
             os.kill(pids[1], signal.SIGKILL)
             t0 = time.monotonic()

@@ -27,14 +27,17 @@ def reference(tiny_random):
         yield {tuple(p): llm.generate([p], greedy(12))[0].outputs[0].token_ids for p in ([9, 8, 7], [5, 6, 7, 8])}
 
 
-def fail_next_step(engine: LLMEngine, error: Exception) -> None:
-    """The next step launched on the worker raises `error` (as a dying worker or a bug would), later ones
+def fail_next_step(engine: LLMEngine, error: Exception, times: int = 1) -> None:
+    """The next `times` steps launched on the worker raise `error` (as a dying worker or a bug would), later ones
     run."""
     worker = engine.executor.worker
     launch = worker.launch
+    left = [times]
 
     def failing(batch, *late_masks):
-        worker.launch = launch
+        left[0] -= 1
+        if not left[0]:
+            worker.launch = launch
         raise error
 
     worker.launch = failing
@@ -86,6 +89,39 @@ def test_worker_failure_fails_running_requests_keeps_queued_ones_and_recovers(ti
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_worker_failure_during_a_prefill_runs_the_request_again_once(tiny_random, async_scheduling):
+    """Nothing of a request in its (chunked) prefill has reached its caller: a worker failure sends it back to the
+    queue, and it runs whole on the new workers, with the tokens it would have had; a second failure before it
+    produced anything ends it (a request whose steps kill the workers does not run on and on)."""
+    prompt = list(range(100, 140))  # three chunks of 16
+    with LLM(tiny_random, max_model_len=256) as llm:
+        expected = llm.generate([prompt], greedy(12))[0].outputs[0].token_ids
+    engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_batched_tokens=16,
+                                    async_scheduling=async_scheduling))
+    try:
+        first = engine.add_request(prompt, greedy(12))
+        assert engine.step() == []  # its first chunk
+        fail_next_step(engine, WorkerFailure("worker 0 died"))
+        assert [o for o in engine.step() + engine.step() if o.error] == []
+        assert drain(engine)[first].outputs[0].token_ids == expected
+        assert engine.stats()["num_worker_failures"] == 1
+
+        second = engine.add_request([t + 100 for t in prompt], greedy(12))  # no prefix of it cached
+        engine.step()
+        fail_next_step(engine, WorkerFailure("worker 0 died"))
+        while engine.stats()["num_worker_failures"] < 2:
+            assert [o for o in engine.step() if o.error] == []
+        engine.step()  # its first chunk again
+        fail_next_step(engine, WorkerFailure("worker 0 died"))
+        failed = step_until_failed(engine)
+        assert [(o.request_id, o.error) for o in failed] == [(second, "worker 0 died")]
+        stats = engine.stats()
+        assert stats["num_worker_failures"] == 3 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
 def test_an_engine_bug_fails_every_request_and_the_engine_serves_on(tiny_random, reference, async_scheduling):
     engine = LLMEngine(EngineConfig(model=tiny_random, max_model_len=256, max_num_seqs=1,
                                     async_scheduling=async_scheduling))
@@ -110,7 +146,8 @@ def test_an_engine_bug_fails_every_request_and_the_engine_serves_on(tiny_random,
 
 def test_offline_generate_raises_request_failed(tiny_random):
     with LLM(tiny_random, max_model_len=256) as llm:
-        fail_next_step(llm.llm_engine, WorkerFailure("worker 0 died"))
+        # the first failure sends it back to the queue (it had produced nothing), the second ends it
+        fail_next_step(llm.llm_engine, WorkerFailure("worker 0 died"), times=2)
         with pytest.raises(RequestFailed, match="1 of 1 requests failed: worker 0 died"):
             llm.generate([[1, 2, 3]], greedy())
         assert llm.generate([[1, 2, 3]], greedy())[0].outputs[0].finish_reason == "length"
@@ -127,7 +164,7 @@ def test_async_engine_streams_fails_and_recovers(tiny_random, reference):
         core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256))
         try:
             ok = await asyncio.gather(*[collect(core, [9, 8, 7]) for _ in range(3)])
-            fail_next_step(core.llm_engine, WorkerFailure("worker 0 died"))
+            fail_next_step(core.llm_engine, WorkerFailure("worker 0 died"), times=2)  # the second ends it
             with pytest.raises(RequestFailed, match="worker 0 died"):
                 await collect(core, [5, 6, 7, 8])
             after = await collect(core, [5, 6, 7, 8])
@@ -138,7 +175,7 @@ def test_async_engine_streams_fails_and_recovers(tiny_random, reference):
     ok, after, stats = asyncio.run(main())
     assert all(o.finished and o.outputs[0].token_ids == reference[(9, 8, 7)] for o in ok)
     assert after.outputs[0].token_ids == reference[(5, 6, 7, 8)]
-    assert stats["num_worker_failures"] == 1 and stats["num_streams"] == 0
+    assert stats["num_worker_failures"] == 2 and stats["num_streams"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 

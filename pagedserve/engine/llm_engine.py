@@ -399,9 +399,10 @@ class LLMEngine:
         """The one failure path of a step. Returns the requests it ended (`error` set), and whether the
         workers must be replaced.
 
-        A worker failure loses the KV of every request that holds blocks: those end with the error, and
-        queued ones wait for new workers. Any other error is a bug of the engine, and nothing says which
-        request caused it, so every request ends with it."""
+        A worker failure loses the KV of every request that holds blocks: those that produced tokens end with the
+        error, those that had not (in their prefill) go back to the queue once, and queued ones wait for new
+        workers. Any other error is a bug of the engine, and nothing says which request caused it, so every
+        request ends with it."""
         if self._in_flight is not None and self._in_flight[0].late_masks:
             try:  # let it draw (unmasked, discarded): a worker waiting for masks would hold the steps after it
                 self.executor.sample(self._in_flight[1], [None] * len(self._in_flight[0].late_masks))
@@ -422,6 +423,11 @@ class LLMEngine:
         for request in list(self.scheduler.requests.values()):
             if lost_workers and not any(seq.status == SequenceStatus.RUNNING for seq in request.sequences):
                 continue  # holds no blocks, computed nothing: it simply waits for the new workers
+            if lost_workers and request.num_output_tokens == 0 and not request.requeued_after_failure:
+                # Nothing of it reached its caller: it runs again from its prompt, as a queued one does.
+                request.requeued_after_failure = True
+                self.scheduler.requeue(request)
+                continue
             request.error = message
             for seq in request.sequences:
                 self.scheduler.finish(seq, "error")

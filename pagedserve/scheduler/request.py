@@ -48,6 +48,9 @@ class Request:
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # Its prefix's K/V fetched from another replica, staged on the workers until it is admitted (`prefix_transfer.py`)
     kv_import: PrefixImport | None = None
+    # Sent back to the queue once by a worker failure before it produced anything; a second failure ends it (a
+    # request whose step kills its workers is not run on and on)
+    requeued_after_failure: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:

@@ -561,6 +561,19 @@ class Scheduler:
         else:
             queue.append(seq)
 
+    def requeue(self, request: Request) -> None:
+        """Back to the waiting queue, ahead of those waiting, holding no blocks: its running sequences lost their
+        K/V with the workers (a failed step may not have written its last block: none of it is cached)."""
+        for seq in request.sequences:
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self._free_blocks(seq, tail_written=False)
+                seq.status = SequenceStatus.WAITING
+                if self.by_priority:
+                    bisect.insort(self.waiting, seq, key=_urgency)
+                else:
+                    self.waiting.appendleft(seq)
+
     def _preempt(self, seq: Sequence, tail_written: bool = True) -> None:
         self._free_blocks(seq, tail_written)
         seq.status = SequenceStatus.WAITING
