@@ -542,6 +542,42 @@ def test_cancelled_stream_frees_its_blocks(tiny_qwen2):
         assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+@ray.remote(num_cpus=0)
+class EngineHost:
+    """An `AsyncEngine` hosted in an async actor, as a Serve replica hosts it: each request an actor call."""
+
+    def __init__(self, model: str) -> None:
+        self.engine = AsyncEngine(ray_hosted_config(EngineConfig(model=model)))
+
+    async def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        outputs = [out async for out in self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
+                                                                                    ignore_eos=True))]
+        return outputs[-1].outputs[0].token_ids
+
+    def num_running(self) -> int:
+        return self.engine.stats()["num_running"]
+
+
+def test_cancelling_the_call_that_started_the_step_loop_leaves_other_requests_alone(tiny_qwen2):
+    """Serve cancels a replica's call when its client goes away, and Ray then cancels the tasks that call
+    submitted. The engine's step loop, started by whichever request came first, submits every step's tasks to the
+    workers: none of them may count as that request's, or its cancellation would fail every other request."""
+    host = EngineHost.remote(tiny_qwen2[0])
+    try:
+        first = host.generate.remote([5] * 20, 400)  # it starts the step loop
+        while ray.get(host.num_running.remote()) == 0:
+            time.sleep(0.05)
+        second = host.generate.remote([6] * 20, 60)
+        while ray.get(host.num_running.remote()) < 2:
+            time.sleep(0.05)
+        ray.cancel(first)  # recursive, as Serve's cancellation is
+        assert len(ray.get(second, timeout=60)) == 60
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            ray.get(first, timeout=60)
+    finally:
+        ray.kill(host)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_killed_worker_fails_requests_then_engine_recovers(tiny_qwen2, async_scheduling):
     path, prompts, expected = tiny_qwen2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -317,7 +318,10 @@ class AsyncEngine:
 
     def _start_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+            # In a context of its own, not the request's that starts it: Ray counts the tasks an actor call submits
+            # (every step's, to the workers) as that call's, and cancelling the call (a Serve client gone) would
+            # cancel the step in flight and fail every request in it.
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), context=contextvars.Context())
 
     async def _step_loop(self) -> None:
         engine = self.llm_engine
