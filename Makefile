@@ -30,9 +30,11 @@ generate: install
 
 # In loopback-only network namespaces where possible: Ray binds every interface (scripts/loopback-netns.sh). The
 # tests that start a server or cluster of their own run beside the rest (scripts/test-suite.sh).
-# The offline bundle's test installs from downloads made here first: inside the namespace there is no network.
+# The offline bundle's test installs from downloads made here first: inside the namespace there is no network; so
+# do the monitoring tests' Prometheus and Chromium (scripts/install-test-tools.sh).
 # The slowest tests are listed at the end, to keep the suite's time in view.
 test: install
+	scripts/install-test-tools.sh .tools
 	$(PY) tests/test_offline_bundle.py --prepare
 	scripts/test-suite.sh $(PY) -q --durations=40
 

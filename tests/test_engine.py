@@ -185,12 +185,14 @@ class TokenCounts:
     def __init__(self) -> None:
         self.counts: list[tuple[int, int, int]] = []  # per step: tokens, first tokens, later tokens
         self.finished: list[list[str]] = []
+        self.times: list[tuple[float, float | None]] = []  # per finished request: since arrival, of it queued
 
     def on_tokens(self, count: int, first_token_latencies: list[float], inter_token_latencies: list[float]) -> None:
         self.counts.append((count, len(first_token_latencies), len(inter_token_latencies)))
 
-    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None:
+    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float, queued_seconds: float | None) -> None:
         self.finished.append(reasons)
+        self.times.append((seconds, queued_seconds))
 
     def on_step(self, seconds: float, stats: dict) -> None:
         pass
@@ -231,6 +233,7 @@ def test_a_stream_interval_merges_outputs_and_loses_nothing(tiny_random, referen
     assert last.finished and last.outputs[0].token_ids == reference[(5, 6, 7, 8)]
     assert metrics.counts[:36] == ([(1, 1, 0)] + [(1, 0, 1)] * 11) * 3 and metrics.counts[36] == (1, 1, 0)
     assert metrics.finished == [["length"]] * 3 + [["abort"]]
+    assert all(0 <= queued < seconds for seconds, queued in metrics.times)  # every one was scheduled, then ran
     assert stats["num_streams"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
     assert detokenizing == {}  # every request's state freed: finished, and aborted with its output held
 

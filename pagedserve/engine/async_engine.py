@@ -49,7 +49,9 @@ class StepMetrics(Protocol):
         """A step's tokens: how many, and per request that got some, the time since its arrival (its first)
         or since its tokens before."""
 
-    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None: ...
+    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float, queued_seconds: float | None) -> None:
+        """A request finished `seconds` after its arrival, of which `queued_seconds` before it was first scheduled
+        (None: it never was, or it was a beam search)."""
 
     def on_step(self, seconds: float, stats: dict[str, Any]) -> None: ...
 
@@ -293,7 +295,9 @@ class AsyncEngine:
     def _record_finish(self, stream: _Stream, now: float) -> None:
         if self.metrics is not None:
             request = stream.request
-            self.metrics.on_finish(request.finish_reasons(), len(request.prompt_token_ids), now - stream.arrival)
+            admitted = request.admitted_at if isinstance(request, Request) else None  # a beam search: its steps
+            self.metrics.on_finish(request.finish_reasons(), len(request.prompt_token_ids), now - stream.arrival,
+                                   None if admitted is None else max(0.0, admitted - stream.arrival))
 
     def stats(self) -> dict[str, Any]:
         return self.llm_engine.stats() | {"num_streams": len(self._streams)}

@@ -43,6 +43,7 @@ class Request:
     arrival: int = 0  # the order the scheduler took it in (set by `Scheduler.add_request`)
     # Prompt tokens the prefix cache held when it was first admitted (None before)
     num_cached_tokens: int | None = None
+    admitted_at: float | None = None  # time.monotonic() when it was first scheduled (None before)
     # params.structured_outputs compiled (`LLMEngine.make_request`), so that no step waits for a compile
     grammar: object | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -260,6 +261,7 @@ class Scheduler:
             self._release_import(seq.request)  # after this step's copies from it
             if seq.request.num_cached_tokens is None:  # its first admission: what the prefix cache held
                 seq.request.num_cached_tokens = cached.num_tokens if cached else 0
+                seq.request.admitted_at = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq)
             num_seqs += _seqs_to_come(seq)

@@ -1,12 +1,13 @@
-"""Engine metrics as `ray.util.metrics`: they appear on every Ray node's metrics export endpoint
-(Prometheus text) and on the Ray dashboard's Metrics view. Names are prefixed `pagedserve_`
-(Ray adds `ray_` in front when exporting)."""
+"""Engine metrics as Ray metrics: they appear on every Ray node's metrics export endpoint (Prometheus text) and on
+the Ray dashboard's Metrics view. Names are prefixed `pagedserve_` (Ray adds `ray_` in front when exporting). Each
+series is labelled with the model, and (Serve's metric classes add them in a replica) with the `replica`, its
+`deployment` and its `application`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
@@ -30,6 +31,8 @@ class ServerMetrics:
                               tags)
         self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Time between a request's tokens.",
                              _LATENCY_BUCKETS, tags)
+        self.queue_time = Histogram("pagedserve_request_queue_time_seconds", "Time from arrival to first being "
+                                    "scheduled.", _E2E_BUCKETS, tags)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              _E2E_BUCKETS, tags)
         self.step_time = Histogram("pagedserve_step_time_seconds", "Engine step time (schedule, workers, update).",
@@ -107,8 +110,10 @@ class ServerMetrics:
         for seconds in inter_token_latencies:
             self.itl.observe(seconds)
 
-    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float) -> None:
+    def on_finish(self, reasons: list[str], prompt_tokens: int, seconds: float, queued_seconds: float | None) -> None:
         for reason in reasons:
             self.finished.inc(1, {"reason": reason})
         self.prompt_tokens.inc(prompt_tokens)
         self.e2e.observe(seconds)
+        if queued_seconds is not None:
+            self.queue_time.observe(queued_seconds)
