@@ -14,7 +14,9 @@
 #   scripts/netns-cluster.sh down NAME            every node stopped, every namespace and file removed
 #
 # RAY (default: the ray next to the python on PATH) is the ray command the nodes run; NODE_ARGS, more `ray start`
-# arguments for every node (e.g. "--object-store-memory=300000000").
+# arguments for every node (e.g. "--object-store-memory=300000000"); DASHBOARD=true starts Ray's dashboard on the head
+# (127.0.0.1:8265 inside its namespace), which also writes the Prometheus configuration of the cluster's metrics
+# endpoints (`$RAY_TMPDIR/ray/session_latest/metrics/prometheus/prometheus.yml`, RAY_TMPDIR as `exec` sets it).
 set -euo pipefail
 
 SUBNET=10.88.0
@@ -25,16 +27,18 @@ export RAY_AUTH_MODE=token  # the nodes and drivers share the token `ray start -
 
 die() { echo "netns-cluster: $*" >&2; exit 1; }
 addr() { echo "$SUBNET.$(($1 + 1))"; }
+# Ray's temporary directory, short: the sockets Ray makes under it must fit a Unix socket path (107 bytes)
+ray_tmp() { echo "/tmp/ray-$1"; }
 
 start_node() {  # NAME I: the node's ray in its PID namespace, in the background; its first process's pid recorded
   local name=$1 i=$2 state=$STATE_ROOT/$1 join
   if [ "$i" = 0 ]; then
-    join="--head --port=$PORT --include-dashboard=false"
+    join="--head --port=$PORT --include-dashboard=${DASHBOARD:-false} --dashboard-host=127.0.0.1"
   else
     join="--address=$(addr 0):$PORT"
   fi
   # `ray start --block` stays in the foreground while the node runs; the PID namespace ends with it.
-  RAY_TMPDIR=$state/tmp setsid ip netns exec "$name-$i" unshare --pid --fork --mount-proc --kill-child \
+  RAY_TMPDIR=$(ray_tmp "$name") setsid ip netns exec "$name-$i" unshare --pid --fork --mount-proc --kill-child \
     "$RAY" start --block $join --node-ip-address="$(addr "$i")" --num-cpus="$(cat "$state/cpus")" \
     --disable-usage-stats ${NODE_ARGS:-} >"$state/node-$i.log" 2>&1 &
   echo $! >"$state/node-$i.pid"
@@ -51,7 +55,7 @@ wait_started() {  # NAME I: until node I's `ray start` says its runtime runs (or
 wait_nodes() {  # NAME N: until N nodes are alive in the cluster (or 120 s)
   local name=$1 n=$2 deadline=$((SECONDS + 120)) alive
   while :; do
-    alive=$(RAY_TMPDIR=$STATE_ROOT/$name/tmp ip netns exec "$name-0" "$(dirname "$RAY")/python" -c "
+    alive=$(RAY_TMPDIR=$(ray_tmp "$name") ip netns exec "$name-0" "$(dirname "$RAY")/python" -c "
 import ray
 ray.init(address='$(addr 0):$PORT', logging_level='ERROR')
 print(sum(node['Alive'] for node in ray.nodes()))" 2>/dev/null | tail -1) || true
@@ -64,7 +68,7 @@ print(sum(node['Alive'] for node in ray.nodes()))" 2>/dev/null | tail -1) || tru
 up() {  # NAME N [CPUS]
   local name=$1 n=$2 cpus=${3:-2} state=$STATE_ROOT/$1 i
   [ ! -e "$state" ] || die "$name is up already (down it first)"
-  mkdir -p "$state/tmp"
+  mkdir -p "$state" "$(ray_tmp "$name")"
   echo "$n" >"$state/nodes"
   echo "$cpus" >"$state/cpus"
   ip netns add "$name-sw"
@@ -101,7 +105,7 @@ down() {  # NAME
   for ((i = 0; i < n; i++)); do kill_node "$name" "$i"; done
   for ((i = 0; i < n; i++)); do ip netns delete "$name-$i" 2>/dev/null || true; done
   ip netns delete "$name-sw" 2>/dev/null || true
-  rm -rf "$state"
+  rm -rf "$state" "$(ray_tmp "$name")"
 }
 
 [ "$(id -u)" = 0 ] || die "needs root (network and PID namespaces)"
@@ -111,7 +115,7 @@ case $cmd in
   up) [ $# -ge 2 ] || die "usage: up NAME N [CPUS]"; up "$@" ;;
   exec) [ $# -ge 3 ] || die "usage: exec NAME I CMD..."
         name=$1 i=$2; shift 2
-        RAY_ADDRESS=$(addr 0):$PORT RAY_TMPDIR=$STATE_ROOT/$name/tmp exec ip netns exec "$name-$i" "$@" ;;
+        RAY_ADDRESS=$(addr 0):$PORT RAY_TMPDIR=$(ray_tmp "$name") exec ip netns exec "$name-$i" "$@" ;;
   kill) [ $# = 2 ] || die "usage: kill NAME I"; kill_node "$1" "$2" ;;
   start) [ $# = 2 ] || die "usage: start NAME I"; start_node "$1" "$2"; wait_started "$1" "$2" ;;
   link) [ $# = 3 ] || die "usage: link NAME I down|up"; ip -n "$1-sw" link set "port$2" "$3" ;;

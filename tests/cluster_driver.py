@@ -11,7 +11,9 @@ while requests stream. Exits non-zero (an AssertionError and its values) where a
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,7 @@ BS = 16  # deploy/config.yaml's block_size
 VOCAB = range(100, 49_000)  # tiny_random shares SmolLM2's vocabulary
 HEAD, OTHER = "10.88.0.1", "10.88.0.2"
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "netns-cluster.sh"
+DASHBOARD = "http://127.0.0.1:8265"  # the head's Ray dashboard, inside its namespace
 STREAM_TIMEOUT_S = 30.0  # each stream's deadline under load
 SHORT_TIMEOUT_S = 1.5  # the deadline of requests meant to pass theirs
 LATE_S = 2.0  # how far past its deadline a call may end (the deadline's own grace: gRPC's, the proxy's)
@@ -282,6 +285,56 @@ def fetches_a_prefix_from_the_other_node(rng: random.Random) -> None:
     assert sorted(_gained(before, "kv_transfer_hits").values()) == [0, 8 * BS]
 
 
+def dashboard(_: str) -> None:
+    """The Ray dashboard in headless Chromium, logged in with the cluster's token as its login form would: its
+    Serve page lists the application, running, and its deployments, healthy; the ModelServer deployment's page
+    lists each replica, running. Screenshots of both into SCREENSHOTS (a directory), where it is set."""
+    from tests.browser import page_text
+
+    token = subprocess.run([str(Path(sys.executable).parent / "ray"), "get-auth-token"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    cookie = ("ray-authentication-token", token)
+    shots = Path(os.environ["SCREENSHOTS"]) if os.environ.get("SCREENSHOTS") else None
+    expected = [rf"{APP}\s+RUNNING", r"ModelServer\s+HEALTHY\s+-\s+2\b", r"Ingress\s+HEALTHY\s+-\s+1\b"]
+    text = page_text(f"{DASHBOARD}/#/serve", cookie, expected, shots and shots / "ray-dashboard-serve.png")
+    assert all(re.search(e, text) for e in expected), text
+    replicas = [name.rsplit("#", 1)[1] for name in replica_nodes()]
+    expected = [rf"{replica}\s+RUNNING" for replica in replicas]
+    text = page_text(f"{DASHBOARD}/#/serve/applications/{APP}/ModelServer", cookie, expected,
+                     shots and shots / "ray-dashboard-replicas.png")
+    assert all(re.search(e, text) for e in expected), text
+    print("the dashboard lists", APP, "and its replicas", replicas, flush=True)
+
+
+def prometheus(_: str) -> None:
+    """A Prometheus on the head node with the configuration Ray's dashboard writes for the cluster (every node's
+    metrics endpoint, found through Ray's service-discovery file): it scrapes both nodes, and each replica's series
+    come from the node it runs on."""
+    from tests.serving.test_monitoring import api, prometheus_binary
+
+    config = Path(os.environ["RAY_TMPDIR"]) / "ray" / "session_latest" / "metrics" / "prometheus" / "prometheus.yml"
+    nodes = {name.rsplit("#", 1)[1]: ip for name, ip in replica_nodes().items()}
+    with tempfile.TemporaryDirectory() as data, subprocess.Popen(
+            [prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={data}",
+             "--web.listen-address=127.0.0.1:9090"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        try:
+            deadline = time.monotonic() + 90  # Ray's configuration scrapes every 10 s
+            while True:
+                try:
+                    series = api("http://127.0.0.1:9090", "series",
+                                 **{"match[]": f'ray_pagedserve_requests_running{{application="{APP}"}}'})
+                    found = {s["replica"]: s["instance"].split(":")[0] for s in series}
+                except OSError:  # not listening yet
+                    found = {}
+                if found == nodes or time.monotonic() > deadline:
+                    break
+                time.sleep(2)
+            assert found == nodes, (found, nodes)
+        finally:
+            proc.terminate()
+    print("Prometheus scraped", sorted(set(nodes.values())), flush=True)
+
+
 def controller_restarted(_: str) -> None:
     """Serve's controller killed and restarted by Ray mid-load: the data path does not need it, so every request
     is answered; it comes back with the application as it was."""
@@ -368,8 +421,8 @@ def shutdown(_: str) -> None:
     serve.shutdown()
 
 
-SCENARIOS = {f.__name__: f for f in (routes_and_moves_kv, controller_restarted, link_down, worker_killed,
-                                     forward_raises, node_killed, shutdown)}
+SCENARIOS = {f.__name__: f for f in (routes_and_moves_kv, dashboard, prometheus, controller_restarted, link_down,
+                                     worker_killed, forward_raises, node_killed, shutdown)}
 
 
 def main(cluster_name: str, model: str, scenario: str) -> None:

@@ -56,6 +56,7 @@ class ModelServer:
             self.engine.shutdown()
             raise
         self.engine.metrics = ServerMetrics(self.engine.model_info()["model"])
+        self.engine.metrics.on_state(self.engine.stats())  # the gauges exported from the start, not the first request
         self.inputs = self.engine.llm_engine.inputs  # tokenizing, chat templates: run by `AsyncEngine.prepare`
         self.publish_cached_blocks = publish_cached_blocks
 
