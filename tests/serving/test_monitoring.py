@@ -100,7 +100,8 @@ def test_every_dashboard_panel_finds_its_metrics_in_prometheus(app, prometheus):
     deadline = time.monotonic() + 180  # Ray exports on an interval; a rate needs two scrapes that saw it move
     while True:
         asyncio.run(crowd(app))
-        empty = [(title, expr) for title, expr in queries if not has_data(api(prometheus, "query", query=expr)["result"])]
+        empty = [(title, expr) for title, expr in queries
+                 if not has_data(api(prometheus, "query", query=expr)["result"])]
         if not empty or time.monotonic() > deadline:
             break
     assert not empty, f"panel queries without data: {empty}"
