@@ -569,21 +569,19 @@ class Scheduler:
         for seq in request.sequences:
             if seq.status == SequenceStatus.RUNNING:
                 self.running.remove(seq)
-                self._free_blocks(seq, tail_written=False)
-                seq.status = SequenceStatus.WAITING
-                if self.by_priority:
-                    bisect.insort(self.waiting, seq, key=_urgency)
-                else:
-                    self.waiting.appendleft(seq)
+                self._back_to_waiting(seq, tail_written=False)
 
     def _preempt(self, seq: Sequence, tail_written: bool = True) -> None:
+        self._back_to_waiting(seq, tail_written)
+        self.num_preemptions += 1
+
+    def _back_to_waiting(self, seq: Sequence, tail_written: bool) -> None:
         self._free_blocks(seq, tail_written)
         seq.status = SequenceStatus.WAITING
         if self.by_priority:
             bisect.insort(self.waiting, seq, key=_urgency)
         else:
             self.waiting.appendleft(seq)  # admitted before every sequence still waiting
-        self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence, tail_written: bool = True) -> None:
         """Free the sequence's blocks, and its row of the workers' block table with them (see
