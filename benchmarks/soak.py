@@ -78,6 +78,8 @@ class Soak:
     def note(self, kind: str, outcome: str, clean: bool, detail: str = "") -> None:
         self.outcomes[f"{kind}: {outcome}"] += 1
         self.answered += 1
+        if self.answered % 1000 == 0:
+            print(f"{self.answered} answered, {len(self.unclean)} not clean", flush=True)
         if not clean:
             self.unclean.append(f"{kind}: {outcome} {detail}"[:400])
 
@@ -243,11 +245,12 @@ async def sample_memory(soak: Soak, samples: dict[str, list[tuple[int, float]]],
 
 
 def trends(samples: dict[str, list[tuple[int, float]]], total: int) -> list[dict]:
-    """Per process: RSS at its first and last sample after the first fifth of the run, and the slope of a line fit
-    through those samples, MB per 1,000 requests."""
+    """Per process: RSS at its first and last sample once it has seen a fifth of the run's requests (its warm-up:
+    a replica started mid-way loads its model first), and the slope of a line fit through those samples, MB per
+    1,000 requests."""
     rows = []
     for name, points in sorted(samples.items()):
-        kept = [(n, mb) for n, mb in points if n >= total / 5]
+        kept = [(n, mb) for n, mb in points if n >= points[0][0] + total / 5]
         if len(kept) < 3 or kept[-1][0] == kept[0][0]:
             continue
         n, mb = np.array(kept, dtype=float).T
@@ -350,8 +353,8 @@ def main() -> None:
                "wall_s": result["wall_s"], "requests_per_s": args.requests / result["wall_s"],
                "killed_replica": result["killed"], "outcomes": dict(sorted(soak.outcomes.items())),
                "unclean": soak.unclean, "bad_input_kinds": len(HTTP_CASES) + len(GRPC_CASES),
-               "leaked": leaked, "memory": memory}
-    print(json.dumps({k: v for k, v in summary.items() if k != "memory"}, indent=1))
+               "leaked": leaked, "memory": memory, "rss_samples": result["samples"]}
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("memory", "rss_samples")}, indent=1))
     print("\n| process | samples | RSS first (MB) | RSS last (MB) | RSS max (MB) | trend (MB / 1,000 requests) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in memory:
