@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the bad-input corpus of the tests
 
 from tests.serving.test_bad_input import GRPC_CASES, HTTP_CASES  # noqa: E402
+from tests.tiny_models import tiny_smollm2_config  # noqa: E402
 
 CONFIG = REPO / "deploy" / "config.yaml"
 GRPC = "127.0.0.1:9000"
@@ -53,16 +53,7 @@ def tiny_model(directory: Path) -> str:
     """`random:<config.json>`: a 2-layer Llama with SmolLM2's vocabulary and tokenizer (the embedded model's)."""
     from pagedserve.workers.loader import resolve_model
 
-    embedded = resolve_model(None).weights_dir
-    config = json.loads((embedded / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
-    config.pop("head_dim", None)
-    (directory / "config.json").write_text(json.dumps(config))
-    for f in embedded.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, directory / f.name)
-    return f"random:{directory / 'config.json'}"
+    return f"random:{tiny_smollm2_config(directory, resolve_model(None).weights_dir)}"
 
 
 class Soak:

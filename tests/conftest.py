@@ -24,6 +24,8 @@ from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.tiny_models import tiny_smollm2_config  # noqa: E402
+
 
 @contextlib.contextmanager
 def launched_batches(engine) -> Iterator[list]:
@@ -53,17 +55,10 @@ def tiny_random(tmp_path_factory, embedded_dir) -> str:
     (`enable_thinking`), a variable requests may set, and a system turn listing `documents` first, as
     templates for retrieval-augmented generation do: with neither, it renders as SmolLM2's."""
     d = tmp_path_factory.mktemp("tiny_random")
-    config = json.loads((embedded_dir / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
-    config.pop("head_dim", None)
-    (d / "config.json").write_text(json.dumps(config))
-    for f in embedded_dir.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, d / f.name)
+    config = tiny_smollm2_config(d, embedded_dir)
     template = d / "chat_template.jinja"
     template.write_text(DOCUMENTS + template.read_text() + THINKING_OFF)
-    return f"random:{d / 'config.json'}"
+    return f"random:{config}"
 
 
 @pytest.fixture(scope="session")
