@@ -101,12 +101,14 @@ class Soak:
         self.note(kind, "ok", got == wanted, f"{got} of {wanted} tokens")
 
     async def grpc_unary(self, kind, prompt, rng, start) -> None:
-        from pagedserve.client import PagedServeError
+        from pagedserve.client import PagedServeError, Unavailable
 
         wanted = rng.randint(4, 32)
         try:
             out = await self.grpc.generate(prompt, max_tokens=wanted, ignore_eos=True, temperature=0.8,
                                            seed=rng.randrange(2**31))
+        except Unavailable as e:  # the server runs again elsewhere a request that had produced nothing
+            return self.note(kind, "UNAVAILABLE", self.started_on_the_killed_replica(start), str(e))
         except PagedServeError as e:
             return self.note(kind, type(e).__name__, False, str(e))
         self.note(kind, "ok", len(out.token_ids) == wanted)
