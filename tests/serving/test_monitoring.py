@@ -107,6 +107,8 @@ def test_every_dashboard_panel_finds_its_metrics_in_prometheus(app, prometheus):
     assert not empty, f"panel queries without data: {empty}"
     series = api(prometheus, "series", **{"match[]": '{__name__=~"ray_pagedserve_.+"}'})
     assert series
+    # every application's replicas export them (this package serves several): each series names its own
     unlabelled = sorted({s["__name__"] for s in series if not (s.get("model") and s.get("replica")
-                                                               and s.get("application") == app)})
-    assert not unlabelled, f"series without their model, replica and application: {unlabelled}"
+                                                               and s.get("deployment") and s.get("application"))})
+    assert not unlabelled, f"series without their model, replica, deployment and application: {unlabelled}"
+    assert app in {s["application"] for s in series}
