@@ -57,8 +57,8 @@ def tiny_model(directory: Path) -> str:
 
 
 class Soak:
-    def __init__(self, args, grpc_client, http) -> None:
-        self.args, self.grpc, self.http = args, grpc_client, http
+    def __init__(self, grpc_client, http) -> None:
+        self.grpc, self.http = grpc_client, http
         self.outcomes: Counter = Counter()
         self.unclean: list[str] = []
         self.answered = 0
@@ -262,7 +262,7 @@ async def run(args) -> dict:
     rng = random.Random(args.seed)
     async with AsyncClient(GRPC, application=APP, timeout=120, max_retries=0) as grpc_client, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        soak = Soak(args, grpc_client, http)
+        soak = Soak(grpc_client, http)
         async with http.get(f"{HTTP}/v1/models") as r:
             soak.model = (await r.json())["data"][0]["id"]
         samples: dict[str, list[tuple[int, float]]] = {}

@@ -93,8 +93,9 @@ def replicas_on_both_nodes(timeout: float) -> dict[str, str]:
         try:
             status = serve.status().applications.get(APP)
             if status is not None and status.status == "RUNNING":
-                by_node = {ip: name for name, ip in replica_nodes().items()}
-                if sorted(by_node) == [HEAD, OTHER] and len(replica_nodes()) == 2:
+                nodes = replica_nodes()
+                by_node = {ip: name for name, ip in nodes.items()}
+                if sorted(by_node) == [HEAD, OTHER] and len(nodes) == 2:
                     return by_node
         except Exception:  # a replica dying or the controller restarting: ask again
             pass
