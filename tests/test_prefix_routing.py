@@ -178,6 +178,13 @@ def test_a_request_sent_past_a_busy_holder_names_it_and_an_export_goes_to_the_re
     # a prefill replica's prefill goes where its prompt's blocks are cached, as a request does
     assert route("prefill_export", [prompt[:4 * BS], SamplingParams(), "rid", 1, None], {"a": 0, "b": 0})[0][0] == ["a"]
 
+    # a holder too busy computing to answer the probe in time is weighed by the requests sent to it, and named
+    router.transfer = True
+    sent = SimpleNamespace(metadata=SimpleNamespace(call_method=ROUTED_METHOD, internal_request_id="r1"), args=generate)
+    router.on_request_routed(sent, a.replica_id, None)
+    groups, kwargs = route(ROUTED_METHOD, generate, {"a": None, "b": 0})
+    assert groups[0] == ["b"] and kwargs == {"kv_source": KVSource("a", 4)}
+
 
 def test_prefill_split_settings_are_checked_by_name():
     from pagedserve.serving.prefill_split import PrefillSplit

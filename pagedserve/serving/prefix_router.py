@@ -183,12 +183,16 @@ class PrefixAwareRouter(RequestRouter):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         queue: dict[ReplicaID, int] = {}
         for replica, length in await self._probe_queue_lens(candidate_replicas, 0):
-            if length is not None and length < replica.max_ongoing_requests:
-                # a probe can miss the requests this handle sent a moment ago; our own count cannot
-                queue[replica.replica_id] = max(length, len(self._in_flight.get(replica.replica_id, ())))
+            # A probe can miss the requests this handle sent a moment ago, and a replica busy computing can miss
+            # the probe's deadline (0.1 s): the requests this handle has in flight there are a floor either way.
+            # Leaving a silent replica out would send a prompt past the holder of its prefix without naming it.
+            sent = len(self._in_flight.get(replica.replica_id, ()))
+            length = sent if length is None else max(length, sent)
+            if length < replica.max_ongoing_requests:
+                queue[replica.replica_id] = length
         replicas = [r for r in candidate_replicas if r.replica_id in queue]
         if not replicas:
-            return [candidate_replicas]  # none answered: Serve probes again with backoff
+            return [candidate_replicas]  # all full: Serve probes again with backoff
         least = min(queue.values())
         now = time.monotonic()
         balanced = [r for r in replicas if queue[r.replica_id] - least <= self.imbalance_threshold]
