@@ -178,7 +178,7 @@ def test_a_request_sent_past_a_busy_holder_names_it_and_an_export_goes_to_the_re
     # a prefill replica's prefill goes where its prompt's blocks are cached, as a request does
     assert route("prefill_export", [prompt[:4 * BS], SamplingParams(), "rid", 1, None], {"a": 0, "b": 0})[0][0] == ["a"]
 
-    # a holder too busy computing to answer the probe in time is weighed by the requests sent to it, and named
+    # a holder too busy to answer the probe in time is not sent the request, and is named as the holder
     router.transfer = True
     sent = SimpleNamespace(metadata=SimpleNamespace(call_method=ROUTED_METHOD, internal_request_id="r1"), args=generate)
     router.on_request_routed(sent, a.replica_id, None)

@@ -43,6 +43,9 @@ ROUTED_METHODS = (ROUTED_METHOD, "prefill_export")
 EXPORT_METHOD = "export_prefix"  # ModelServer's method that exports K/V, sent to the replica its first argument names
 TRANSFER_SETTINGS = (None, True, False, "always")  # `PrefixRouting.transfer`
 _MAX_REMEMBERED = 1 << 16  # blocks remembered per replica (a bound for very busy ingresses)
+# Serve's first probe deadline (RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, 0.1 s) doubled twice: a replica computing
+# steps on loaded cores answers late, and one left out of the choice makes the choice wrong (a busy holder chosen)
+_PROBE_BACKOFF_INDEX = 2
 
 
 def _low32(hashes: Iterable[int]) -> np.ndarray:
@@ -182,17 +185,13 @@ class PrefixAwareRouter(RequestRouter):
         if (not hashes and adapter is None) or len(candidate_replicas) == 1:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         queue: dict[ReplicaID, int] = {}
-        for replica, length in await self._probe_queue_lens(candidate_replicas, 0):
-            # A probe can miss the requests this handle sent a moment ago, and a replica busy computing can miss
-            # the probe's deadline (0.1 s): the requests this handle has in flight there are a floor either way.
-            # Leaving a silent replica out would send a prompt past the holder of its prefix without naming it.
-            sent = len(self._in_flight.get(replica.replica_id, ()))
-            length = sent if length is None else max(length, sent)
-            if length < replica.max_ongoing_requests:
-                queue[replica.replica_id] = length
+        for replica, length in await self._probe_queue_lens(candidate_replicas, _PROBE_BACKOFF_INDEX):
+            if length is not None and length < replica.max_ongoing_requests:
+                # a probe can miss the requests this handle sent a moment ago; our own count cannot
+                queue[replica.replica_id] = max(length, len(self._in_flight.get(replica.replica_id, ())))
         replicas = [r for r in candidate_replicas if r.replica_id in queue]
         if not replicas:
-            return [candidate_replicas]  # all full: Serve probes again with backoff
+            return [candidate_replicas]  # none answered: Serve probes again with backoff
         least = min(queue.values())
         now = time.monotonic()
         balanced = [r for r in replicas if queue[r.replica_id] - least <= self.imbalance_threshold]
@@ -200,8 +199,8 @@ class PrefixAwareRouter(RequestRouter):
                                                  not self.holds_adapter(r, adapter, now), queue[r.replica_id],
                                                  random.random()))
         rest = sorted((r for r in replicas if r not in balanced), key=lambda r: queue[r.replica_id])
-        if self.transfer:
-            self._name_holder(pending_request, ranked[0], replicas, hashes, now)
+        if self.transfer:  # among them all: a holder busy past the probe's deadline still holds its blocks
+            self._name_holder(pending_request, ranked[0], candidate_replicas, hashes, now)
         return [[ranked[0]], ranked[1:] + rest]
 
     def _name_holder(self, request: PendingRequest, chosen: RunningReplica, replicas: list[RunningReplica],
