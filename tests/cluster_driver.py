@@ -122,18 +122,24 @@ def nothing_held(replicas: list[str], timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def when_busy(replica: str, fault):
-    """`fault` made to strike while `replica` is computing requests that have streamed tokens: once it has been
-    running some for a moment (a request's first token is sent at once)."""
+def streaming(replica: str, min_tokens: int) -> int:
+    """Requests `replica` is running that have produced `min_tokens` tokens or more."""
+    return on_model_server(replica, lambda server: sum(
+        1 for seq in list(server.engine.llm_engine.scheduler.running) if seq.num_output_tokens >= min_tokens))
+
+
+def when_busy(replica: str, fault, min_tokens: int = 8, timeout: float = 60):
+    """`fault` made to strike while `replica` is computing requests whose first tokens have reached their clients:
+    running `min_tokens` tokens or more (their first ones produced steps ago, and sent as they came). Running
+    requests are not enough: under load they may all be in their prefill, and a failure runs those again instead of
+    failing them; nor is a first token, which may not have left the replica yet."""
     def strike() -> None:
-        since = None
-        while True:
-            running = replica_stats(APP, [replica])[replica]["num_running"]
-            now = time.monotonic()
-            since = (since or now) if running else None
-            if since is not None and now - since > 0.2:
-                return fault()
+        deadline = time.monotonic() + timeout
+        while not (busy := streaming(replica, min_tokens)):
+            assert time.monotonic() < deadline, f"{replica} streamed nothing for {timeout} s under load"
             time.sleep(0.05)
+        print(f"the fault strikes {replica} running {busy} requests with {min_tokens} tokens or more", flush=True)
+        return fault()
 
     return strike
 
