@@ -5,6 +5,7 @@ built and checked in one place."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -177,6 +178,48 @@ def test_async_engine_streams_fails_and_recovers(tiny_random, reference):
     assert after.outputs[0].token_ids == reference[(5, 6, 7, 8)]
     assert stats["num_worker_failures"] == 2 and stats["num_streams"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_failed_step_reaches_its_callers_before_the_workers_are_replaced(tiny_random, reference):
+    """Replacing workers loads the model again (seconds; minutes for a large one): the requests the failed step
+    ended hear of it at once, not after, or a short deadline would end them first with nothing said. The health
+    check passes meanwhile (a replica replaced mid-recovery would lose every request on it)."""
+    async def main():
+        core = AsyncEngine(EngineConfig(model=tiny_random, max_model_len=256))
+        executor = core.llm_engine.executor
+        replace, replacing, replaced = executor.restart, threading.Event(), threading.Event()
+
+        def slow_restart():
+            replacing.set()
+            assert replaced.wait(timeout=120), "the test never let the replacement end"
+            replace()
+
+        executor.restart = slow_restart
+        try:
+            outputs = core.generate([9, 8, 7], greedy(12))
+            first = await anext(outputs)
+            assert first.outputs[0].token_ids and not first.finished
+            fail_next_step(core.llm_engine, WorkerFailure("worker 0 died"))
+
+            async def rest() -> None:
+                async for _ in outputs:
+                    pass
+
+            with pytest.raises(RequestFailed, match="worker 0 died"):  # not a TimeoutError
+                await asyncio.wait_for(rest(), 30)
+            await asyncio.to_thread(replacing.wait, 30)
+            await asyncio.wait_for(core.check_health(), 5)  # not the workers being replaced: still healthy
+            assert core.llm_engine.restarting_since is not None
+            replaced.set()
+            after = core.generate([5, 6, 7, 8], greedy(12))
+            return [out async for out in after][-1], core.stats()
+        finally:
+            replaced.set()
+            core.shutdown()
+
+    last, stats = asyncio.run(main())
+    assert last.outputs[0].token_ids == reference[(5, 6, 7, 8)]
+    assert stats["num_worker_failures"] == 1 and stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 class TokenCounts:

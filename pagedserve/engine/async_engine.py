@@ -32,6 +32,9 @@ from pagedserve.scheduler.prefix_transfer import PrefixExport, PrefixImport
 from pagedserve.scheduler.request import Request
 
 T = TypeVar("T")
+# How long replacing failed workers may take before the engine reports itself unhealthy: new workers load the model
+# again (minutes for a large one from a slow disk); one that takes longer is stuck.
+RESTART_GRACE_S = 600.0
 # A made request's prefix K/V from elsewhere (another replica), staged here; None where there is none to use.
 FetchPrefix = Callable[[Request], Awaitable[PrefixImport | None]]
 
@@ -309,13 +312,20 @@ class AsyncEngine:
         return self.llm_engine.cached_block_hashes()
 
     async def check_health(self) -> None:
-        """RuntimeError naming what is gone: the step loop (it died of an error) or a worker."""
+        """RuntimeError naming what is gone: the step loop (it died of an error) or a worker. Workers being replaced
+        after a failure are not asked (they answer once loaded), for up to `RESTART_GRACE_S`."""
         task = self._loop_task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"the engine's step loop died: {task.exception()!r}")
-        if self.llm_engine.executor is None:
+        engine = self.llm_engine
+        if engine.executor is None:
             raise RuntimeError("the engine is shut down")
-        await self.llm_engine.executor.check_health()
+        since = engine.restarting_since
+        if since is not None:
+            if time.monotonic() - since > RESTART_GRACE_S:
+                raise RuntimeError(f"replacing the failed workers has taken over {RESTART_GRACE_S:.0f}s")
+            return
+        await engine.executor.check_health()
 
     async def worker_pids(self) -> list[int]:
         return await asyncio.to_thread(self.llm_engine.worker_pids)

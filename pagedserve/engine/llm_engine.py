@@ -64,6 +64,8 @@ class LLMEngine:
         speculative = self._speculative()
         self.executor: Executor | None = make_executor(config, self.source, self.model_config, self.max_model_len)
         self.num_failures = 0
+        self.workers_lost = False  # a step failed with its workers: the next `advance` replaces them first
+        self.restarting_since: float | None = None  # time.monotonic() at the start of the replacement under way
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
                                           [group.window for group in kv_groups(self.model_config.layer_windows)],
                                           offload_blocks=self.executor.num_offload_blocks)
@@ -145,9 +147,9 @@ class LLMEngine:
         return self.outputs.build(request) if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step is due: a request to run, or a K/V transfer for a step to carry."""
+        """Whether a step is due: a request to run, a K/V transfer for a step to carry, or workers to replace."""
         # A step still in flight for requests that all ended is processed by the next step, not waited for.
-        return self.scheduler.has_work()
+        return self.workers_lost or self.scheduler.has_work()
 
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting_requests()
@@ -320,6 +322,8 @@ class LLMEngine:
 
         With async scheduling the step after it is launched first, to run while this one's output is
         processed. Never raises for a failed step."""
+        if self.workers_lost:
+            self._restart_workers()
         try:
             start = time.perf_counter()
             launched = self._launch()
@@ -333,14 +337,14 @@ class LLMEngine:
             self._send_late_masks()
             return changed
         except Exception as e:
-            ended, restart = self._fail_step(e)
-        if restart:
-            self._restart_workers()
-            self.scheduler.reset_worker_state()  # the new workers hold nothing: no cached prefix, no adapter
-        return self._with_beam_searches(ended)
+            return self._with_beam_searches(self._fail_step(e))
 
     async def advance_async(self) -> list[Request | BeamSearch]:
-        """`advance` for an event loop: requests can be added and aborted while the workers compute."""
+        """`advance` for an event loop: requests can be added and aborted while the workers compute, or while
+        new ones replace them (off the event loop: requests that arrive meanwhile wait in the queue, holding no
+        blocks)."""
+        if self.workers_lost:
+            await asyncio.to_thread(self._restart_workers)
         try:
             start = time.perf_counter()
             launched = self._launch()
@@ -354,12 +358,7 @@ class LLMEngine:
             self._send_late_masks()
             return changed
         except Exception as e:
-            ended, restart = self._fail_step(e)
-        if restart:
-            # Off the event loop: requests that arrive meanwhile wait in the queue, holding no blocks.
-            await asyncio.to_thread(self._restart_workers)
-            self.scheduler.reset_worker_state()
-        return self._with_beam_searches(ended)
+            return self._with_beam_searches(self._fail_step(e))
 
     def _launch(self) -> tuple[StepBatch, Any] | None:
         """The step to process now (launched here if none is in flight), with the step after it launched
@@ -395,9 +394,9 @@ class LLMEngine:
             self.grammars.fill_masks(batch, self.scheduler.running)
         return batch
 
-    def _fail_step(self, error: Exception) -> tuple[list[Request], bool]:
-        """The one failure path of a step. Returns the requests it ended (`error` set), and whether the
-        workers must be replaced.
+    def _fail_step(self, error: Exception) -> list[Request]:
+        """The one failure path of a step. Returns the requests it ended (`error` set), which their callers hear of
+        at once; where the workers failed, the next step replaces them first (`workers_lost`).
 
         A worker failure loses the KV of every request that holds blocks: those that produced tokens end with the
         error, those that had not (in their prefill) go back to the queue once, and queued ones wait for new
@@ -432,18 +431,22 @@ class LLMEngine:
             for seq in request.sequences:
                 self.scheduler.finish(seq, "error")
             ended.append(request)
-        if not lost_workers:
-            # Every request has ended. The prefix cache may name K/V the failed step (or one scheduled ahead
-            # of it) never wrote: forget it all, as new workers' empty pools would (and the adapters its loads
-            # may have left half written).
-            self.scheduler.reset_worker_state()
-        return ended, lost_workers
+        # New workers hold nothing (no cached prefix, no adapter). Where the workers stay, every request has ended,
+        # and the prefix cache may name K/V the failed step (or one scheduled ahead of it) never wrote: forget it
+        # all, as new workers' empty pools would (and the adapters its loads may have left half written).
+        self.scheduler.reset_worker_state()
+        self.workers_lost = lost_workers
+        return ended
 
     def _restart_workers(self) -> None:
+        self.restarting_since = time.monotonic()
         try:
             self.executor.restart()
         except Exception:  # then the next step fails at once with WorkerFailure, and tries again
             log.exception("restarting the workers failed")
+        finally:
+            self.workers_lost = False
+            self.restarting_since = None
 
     def _process(self, batch: StepBatch, output: StepOutput) -> list[Request | BeamSearch]:
         return self._with_beam_searches(self.outputs.process(self.scheduler.update(batch, output)))
