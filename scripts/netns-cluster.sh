@@ -44,23 +44,35 @@ start_node() {  # NAME I: the node's ray in its PID namespace, in the background
   echo $! >"$state/node-$i.pid"
 }
 
-wait_started() {  # NAME I: until node I's `ray start` says its runtime runs (or 120 s)
-  local log=$STATE_ROOT/$1/node-$2.log deadline=$((SECONDS + 120))
+again_if_failed() {  # NAME I: node I started again if its `ray start` gave up, its log kept beside the new one
+  # A node's `ray start` waits 30 s (Ray's own bound) for its raylet to register with the head's GCS, which on loaded
+  # cores may take longer; it then exits, and the node never joins.
+  local name=$1 i=$2 state=$STATE_ROOT/$1
+  kill -0 "$(cat "$state/node-$i.pid")" 2>/dev/null && return 0
+  echo "netns-cluster: $name: node $i's ray start exited (its log: $state/node-$i.failed.log); starting it again" >&2
+  mv "$state/node-$i.log" "$state/node-$i.failed.log"
+  start_node "$name" "$i"
+}
+
+wait_started() {  # NAME I: until node I's `ray start` says its runtime runs (or 180 s)
+  local log=$STATE_ROOT/$1/node-$2.log deadline=$((SECONDS + 180))
   until grep -q "Ray runtime started" "$log" 2>/dev/null; do
-    [ $SECONDS -lt $deadline ] || die "$1: node $2 did not start in 120 s (its log: $log)"
+    [ $SECONDS -lt $deadline ] || die "$1: node $2 did not start in 180 s (its log: $log)"
+    [ "$2" = 0 ] || again_if_failed "$1" "$2"
     sleep 0.5
   done
 }
 
-wait_nodes() {  # NAME N: until N nodes are alive in the cluster (or 120 s)
-  local name=$1 n=$2 deadline=$((SECONDS + 120)) alive
+wait_nodes() {  # NAME N: until N nodes are alive in the cluster (or 180 s)
+  local name=$1 n=$2 deadline=$((SECONDS + 180)) alive i
   while :; do
     alive=$(RAY_TMPDIR=$(ray_tmp "$name") ip netns exec "$name-0" "$(dirname "$RAY")/python" -c "
 import ray
 ray.init(address='$(addr 0):$PORT', logging_level='ERROR')
 print(sum(node['Alive'] for node in ray.nodes()))" 2>/dev/null | tail -1) || true
     [ "${alive:-0}" = "$n" ] && return 0
-    [ $SECONDS -lt $deadline ] || die "$name: ${alive:-0} of $n nodes alive after 120 s (logs: $STATE_ROOT/$name)"
+    [ $SECONDS -lt $deadline ] || die "$name: ${alive:-0} of $n nodes alive after 180 s (logs: $STATE_ROOT/$name)"
+    for ((i = 1; i < n; i++)); do again_if_failed "$name" "$i"; done
     sleep 1
   done
 }

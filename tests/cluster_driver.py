@@ -145,7 +145,7 @@ def when_busy(replica: str, fault, min_tokens: int = 8, timeout: float = 60):
 
 
 def cluster(*args: str) -> None:
-    subprocess.run([str(SCRIPT), *args], check=True, timeout=180)
+    subprocess.run([str(SCRIPT), *args], check=True, timeout=240)
 
 
 # ---- requests under load --------------------------------------------------------------------------------------

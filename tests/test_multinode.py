@@ -47,7 +47,7 @@ def deployed(tiny_random):
     """The cluster up and the application deployed on it: (cluster name, model)."""
     name = f"pc{uuid.uuid4().hex[:6]}"
     try:
-        up = subprocess.run([SCRIPT, "up", name, "2", "2"], env=ENV, timeout=300, capture_output=True, text=True)
+        up = subprocess.run([SCRIPT, "up", name, "2", "2"], env=ENV, timeout=420, capture_output=True, text=True)
         logs = sorted(Path("/run/pagedserve-netns-cluster", name).glob("node-*.log"))
         assert up.returncode == 0, up.stderr[-2000:] + "".join(f"\n{f}:\n{f.read_text()[-3000:]}" for f in logs)
         _drive(name, tiny_random, "deploy")
