@@ -11,7 +11,8 @@ from pagedserve.chat.template import ChatOptions
 from pagedserve.chat.tool_calls import ToolCallStream
 from pagedserve.config import EngineConfig
 from pagedserve.engine.beam_search import BeamSearch
-from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
+from pagedserve.engine.errors import RequestFailed
+from pagedserve.engine.llm_engine import LLMEngine, Prompt
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

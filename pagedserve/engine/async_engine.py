@@ -23,7 +23,8 @@ from typing import Any, Protocol, TypeVar
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.beam_search import BeamSearch
-from pagedserve.engine.llm_engine import LLMEngine, Prompt, RequestFailed
+from pagedserve.engine.errors import QueueFull, RequestFailed
+from pagedserve.engine.llm_engine import LLMEngine, Prompt
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -39,10 +40,6 @@ RESTART_GRACE_S = 600.0
 FetchPrefix = Callable[[Request], Awaitable[PrefixImport | None]]
 
 __all__ = ["AsyncEngine", "QueueFull", "RequestFailed"]
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound; the client should retry later (RESOURCE_EXHAUSTED)."""
 
 
 class StepMetrics(Protocol):

@@ -41,10 +41,6 @@ from pagedserve.workers.models.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-class RequestFailed(RuntimeError):
-    """A failed step ended the request; the engine has recovered and serves new requests."""
-
-
 class LLMEngine:
     """Owns the scheduler and the executor. `add_request` (or `inputs.make` then `enqueue`), then `step()` until
     nothing is left."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import time
 import urllib.request
 
@@ -253,6 +254,19 @@ def test_reflection_lists_the_service(app):
                                             timeout=10)
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert "pagedserve.v1.PagedServe" in names
+
+
+def test_the_ingress_replica_loads_no_engine_nor_torch(app):
+    """The Ingress parses, routes and streams: its replicas (one per node, or more under load) start fast and stay
+    small without the model's stack (torch, the engine), which only the model replicas load. (It reads the chat
+    template parameters' names from transformers, which loads without torch.)"""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{app}#Ingress#")]
+    assert names, "no Ingress replica"
+    heavy = ("torch", "pagedserve.engine.async_engine", "pagedserve.workers")
+    loaded = ray.get(ray.get_actor(names[0], namespace="serve").__ray_call__.remote(
+        lambda _: sorted(m for m in heavy if m in sys.modules)))
+    assert loaded == []
 
 
 def test_engine_gone_is_unavailable(app):
