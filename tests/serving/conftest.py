@@ -36,14 +36,17 @@ def app(tiny_random, tmp_path_factory):
     # tokens equal to the offline engine's without either, streams, cancellation, preemption, metrics) holds
     # through verification steps and restored blocks too.
     tier = dict(kv_offload_disk=4 * POOL_BLOCKS * BLOCK_BYTES, kv_offload_dir=str(tmp_path_factory.mktemp("tier")))
-    serve.run(build_app(dict(args, speculative_config=SPECULATIVE, **tier)), name=spec["name"],
-              route_prefix=spec["route_prefix"])
-    serve.run(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
-              route_prefix="/bounded")
-    serve.run(build_app(dict(args, api_keys=API_KEYS)), name="keyed", route_prefix="/keyed")
-    # The embedded SmolLM2, for answers that must make sense (structured outputs)
-    serve.run(build_app(dict(spec["args"], max_model_len=2048, kv_cache_memory=256 << 20)), name="smol",
-              route_prefix="/smol")
+    # Deployed at once: their replicas start side by side, and one wait covers them all.
+    serve.run_many([
+        serve.RunTarget(build_app(dict(args, speculative_config=SPECULATIVE, **tier)), name=spec["name"],
+                        route_prefix=spec["route_prefix"]),
+        serve.RunTarget(build_app(dict(args, max_num_seqs=1, max_waiting_requests=1)), name="bounded",
+                        route_prefix="/bounded"),
+        serve.RunTarget(build_app(dict(args, api_keys=API_KEYS)), name="keyed", route_prefix="/keyed"),
+        # The embedded SmolLM2, for answers that must make sense (structured outputs)
+        serve.RunTarget(build_app(dict(spec["args"], max_model_len=2048, kv_cache_memory=256 << 20)), name="smol",
+                        route_prefix="/smol"),
+    ])
     yield spec["name"]
     serve.shutdown()
     ray.shutdown()
