@@ -507,7 +507,7 @@ def test_linears_keep_their_bytes(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
 
-    converted = list(gguf_mod._converted_tensors(path))
+    converted = list(gguf_mod._converted_tensors(gguf.GGUFReader(path), path.name))
     state = {name: values for name, values, _, _ in converted}
     blocks = {name: rows for name, _, rows, _ in converted if rows is not None}
     types = {name: qtype for name, _, rows, qtype in converted if rows is not None}

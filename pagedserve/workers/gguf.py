@@ -127,26 +127,25 @@ def _reverse_qk_permute(weights: Any, n_head: int) -> Any:
     return np.ascontiguousarray(w.swapaxes(2, 1).reshape(weights.shape))
 
 
-def _converted_tensors(gguf_path: Path) -> Iterator[tuple[str, Any, Any | None, str]]:
-    """Each tensor of the GGUF, one at a time: its transformers name, its values as a float32 torch tensor, and for
-    a 2-D tensor of a type the CPU's linear kernel reads, its raw rows of blocks (uint8), else None; and its GGUF
-    type. (Widening the set kept as blocks changes what the cache holds: bump CONVERTER_VERSION with it.)"""
+def _converted_tensors(reader: Any, name: str) -> Iterator[tuple[str, Any, Any | None, str]]:
+    """Each tensor of the GGUF `name` that `reader` (a `gguf.GGUFReader`, made once: one parses the whole vocabulary,
+    seconds for a large one) has open, one at a time: its transformers name, its values as a float32 torch tensor,
+    and for a 2-D tensor of a type the CPU's linear kernel reads, its raw rows of blocks (uint8), else None; and its
+    GGUF type. (Widening the set kept as blocks changes what the cache holds: bump CONVERTER_VERSION with it.)"""
     import numpy as np
     import torch
-    from gguf import GGUFReader
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
     from pagedserve.kernels.cpu.quant_linear import BLOCKS
 
-    reader = GGUFReader(gguf_path)
     meta = _metadata(reader)
     arch = ARCHS[meta.arch]
     n_head = int(meta.need("attention.head_count"))
     # llama.cpp treats a missing KV head count as plain multi-head attention.
     n_kv_head = int(meta.get("attention.head_count_kv", n_head))
 
-    for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
+    for tensor in tqdm(reader.tensors, desc=f"Converting {name}", unit="tensor"):
         if tensor.name == _ROPE_FREQS:
             continue  # Llama 3's rope scaling: the config's rope settings say it (`hf_config`)
         hf_name = _hf_tensor_name(tensor.name, arch)
@@ -263,7 +262,8 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    meta = _metadata(GGUFReader(gguf_path))
+    reader = GGUFReader(gguf_path)
+    meta = _metadata(reader)
     settings = hf_config(meta)
     config = AutoConfig.for_model(**settings)
     config.dtype = torch.float32
@@ -274,7 +274,7 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     block_types: dict[str, str] = {}
 
     def fp32_tensors() -> Iterator[tuple[str, Any]]:
-        for tensor, values, rows, qtype in _converted_tensors(gguf_path):
+        for tensor, values, rows, qtype in _converted_tensors(reader, gguf_path.name):
             if tensor == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             if rows is not None:
