@@ -14,6 +14,7 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny_random: layers x (K, V) x block x 
 MAX_MODEL_LEN = 512
 POOL_BLOCKS = 24  # 384 tokens: a request of 410 never fits; 50 concurrent streams must preempt
 API_KEYS = ["key-one", "key-two"]  # of the "keyed" application
+ROUTED = "routed"  # the application of two replicas behind the prefix-aware router (conftest.py's `routed_app`)
 GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
 # The open application's speculative decoding: tiny_random's greedy output repeats itself, so proposals are kept
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

@@ -1,11 +1,13 @@
 """One Serve deployment of deploy/config.yaml (tiny random model by override) for every test of this
 package, through real Ray Serve, real gRPC and real HTTP. Four applications: "pagedserve" (open, decoding
 speculatively, with a KV offload tier), "bounded" (a queue of one, for RESOURCE_EXHAUSTED), "keyed" (API keys
-required) and "smol" (the embedded SmolLM2 instead of the tiny random model); modules add their own for their tests
-alone. Run inside `make test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
+required) and "smol" (the embedded SmolLM2 instead of the tiny random model); "routed" (two replicas behind the
+prefix-aware router) for the modules that need two; modules add their own for their tests alone. Run inside
+`make test`'s loopback-only network namespace: Serve's gRPC proxy binds every interface."""
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import grpc  # noqa: F401
@@ -19,7 +21,18 @@ with warnings.catch_warnings():  # Ray Serve's own pydantic deprecation warnings
 
 
 from pagedserve import LLM
-from tests.serving.app import API_KEYS, BLOCK_BYTES, CONFIG, GRPC, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, SPECULATIVE
+from pagedserve.serving.model_server import replica_stats
+from tests.serving.app import (
+    API_KEYS,
+    BLOCK_BYTES,
+    CONFIG,
+    GRPC,
+    MAX_MODEL_LEN,
+    METRICS_PORT,
+    POOL_BLOCKS,
+    ROUTED,
+    SPECULATIVE,
+)
 
 
 @pytest.fixture(scope="package")
@@ -50,6 +63,37 @@ def app(tiny_random, tmp_path_factory):
     yield spec["name"]
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def routed_app(app, tiny_random):
+    """Two replicas of the tiny model behind the prefix-aware router: the application of the tests of routing
+    (test_prefix_routing.py) and of replicas' placement (test_scale_out.py)."""
+    from pagedserve.serving.serve_app import build_app
+
+    serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN, "num_replicas": 2, "max_num_seqs": 4,
+                         "kv_cache_memory": 160 * BLOCK_BYTES,
+                         # every fetch a router names a holder for, whatever the cost model (the tiny model's
+                         # prefill is cheaper than any transfer): the transfer is what is tested
+                         "prefix_routing": {"imbalance_threshold": 2, "transfer": "always"}}),
+              name=ROUTED, route_prefix=f"/{ROUTED}")
+    yield ROUTED
+    serve.delete(ROUTED)
+
+
+@pytest.fixture
+def routed(routed_app):
+    """`routed_app` once both its replicas run (a test may have killed one, which Serve replaces)."""
+    deadline = time.monotonic() + 120
+    while True:
+        status = serve.status().applications[routed_app]
+        try:
+            if status.status == "RUNNING" and len(replica_stats(routed_app)) == 2:
+                return routed_app
+        except ray.exceptions.RayError:  # a replica going away while asked
+            pass
+        assert time.monotonic() < deadline, f"{routed_app} is not running two replicas: {status}"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="package")

@@ -13,7 +13,6 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import ray
 from ray import serve
 
@@ -21,26 +20,11 @@ from pagedserve.client import AsyncClient, Client
 from pagedserve.client.errors import Unavailable
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.model_server import replica_stats
-from tests.serving.app import BLOCK_BYTES, GRPC, MAX_MODEL_LEN, answers_past_a_busy_holder
+from tests.serving.app import GRPC, ROUTED, answers_past_a_busy_holder
 
-ROUTED = "routed"
 BS = 16  # deploy/config.yaml's block_size
 PROMPT = 4 * BS + 3  # four full blocks and a partial one
 VOCAB = range(100, 49_000)  # tiny_random shares SmolLM2's vocabulary
-
-
-@pytest.fixture(scope="module")
-def routed(app, tiny_random):
-    from pagedserve.serving.serve_app import build_app
-
-    serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN, "num_replicas": 2, "max_num_seqs": 4,
-                         "kv_cache_memory": 160 * BLOCK_BYTES,
-                         # every fetch a router names a holder for, whatever the cost model (the tiny model's
-                         # prefill is cheaper than any transfer): the transfer is what is tested
-                         "prefix_routing": {"imbalance_threshold": 2, "transfer": "always"}}),
-              name=ROUTED, route_prefix=f"/{ROUTED}")
-    yield ROUTED
-    serve.delete(ROUTED)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

@@ -15,18 +15,6 @@ from ray import serve
 
 from tests.serving.app import BLOCK_BYTES, MAX_MODEL_LEN, POOL_BLOCKS
 
-TWO = "two_replicas"
-
-
-@pytest.fixture(scope="module")
-def two_replicas(app, tiny_random):
-    from pagedserve.serving.serve_app import build_app
-
-    serve.run(build_app({"model": tiny_random, "max_model_len": MAX_MODEL_LEN, "num_replicas": 2,
-                         "kv_cache_memory": POOL_BLOCKS * BLOCK_BYTES}), name=TWO, route_prefix=f"/{TWO}")
-    yield serve.get_deployment_handle("ModelServer", TWO)
-    serve.delete(TWO)
-
 
 def test_settings_that_cannot_work_are_refused_at_deploy_time(app):
     from pagedserve.serving.serve_app import build_app
@@ -44,7 +32,7 @@ def test_settings_that_cannot_work_are_refused_at_deploy_time(app):
     build_app({"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8}})
 
 
-def test_each_replica_is_one_packed_placement_group_holding_its_workers(two_replicas):
+def test_each_replica_is_one_packed_placement_group_holding_its_workers(routed):
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     # One group per ModelServer replica, created by Serve: the engine's bundle, then the worker's. The
     # replicas make none of their own (they used to: one single-bundle group each).
@@ -62,11 +50,11 @@ def test_each_replica_is_one_packed_placement_group_holding_its_workers(two_repl
 
 
 
-def test_model_info_counts_the_replicas_running(two_replicas):
+def test_model_info_counts_the_replicas_running(routed):
     from pagedserve.client import Client
     from tests.serving.app import GRPC
 
-    with Client(GRPC, application=TWO, timeout=60) as client:
+    with Client(GRPC, application=routed, timeout=60) as client:
         assert client.model_info()["num_replicas"] == 2
 
 
