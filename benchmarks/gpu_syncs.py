@@ -32,7 +32,7 @@ from environment import announce  # noqa: E402
 from throughput import make_random_checkpoint, make_workload  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.engine.errors import RequestFailed  # noqa: E402
+from pagedserve.engine.request_errors import RequestFailed  # noqa: E402
 
 MIXES = {
     "greedy": dict(temperature=0),

@@ -11,8 +11,8 @@ from pagedserve.chat.template import ChatOptions
 from pagedserve.chat.tool_calls import ToolCallStream
 from pagedserve.config import EngineConfig
 from pagedserve.engine.beam_search import BeamSearch
-from pagedserve.engine.errors import RequestFailed
 from pagedserve.engine.llm_engine import LLMEngine, Prompt
+from pagedserve.engine.request_errors import RequestFailed
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

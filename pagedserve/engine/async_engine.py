@@ -23,8 +23,8 @@ from typing import Any, Protocol, TypeVar
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.beam_search import BeamSearch
-from pagedserve.engine.errors import QueueFull, RequestFailed
 from pagedserve.engine.llm_engine import LLMEngine, Prompt
+from pagedserve.engine.request_errors import QueueFull, RequestFailed
 from pagedserve.lora.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ import re
 
 import grpc
 
-from pagedserve.engine.errors import QueueFull, RequestFailed
+from pagedserve.engine.request_errors import QueueFull, RequestFailed
 
 log = logging.getLogger(__name__)
 
