@@ -258,6 +258,7 @@ async def run(args) -> dict:
     import ray
 
     from pagedserve.client import AsyncClient
+    from pagedserve.serving.model_server import replica_actor_names
 
     rng = random.Random(args.seed)
     async with AsyncClient(GRPC, application=APP, timeout=120, max_retries=0) as grpc_client, \
@@ -275,8 +276,7 @@ async def run(args) -> dict:
         async def client() -> None:  # one of `concurrency`: a request at a time, until all are sent
             for i in sent:
                 if i == args.requests // 2:
-                    name = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                              if a["name"].startswith(f"SERVE_REPLICA::{APP}#ModelServer#"))[0]
+                    name = sorted(replica_actor_names(APP))[0]
                     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
                     soak.killed_at, killed["replica"] = time.monotonic(), name
                 await soak.one(random.Random(seeds[i]))

@@ -27,7 +27,7 @@ import yaml
 from ray import serve
 
 from pagedserve.client import AsyncClient, Client, DeadlineExceeded, PagedServeError, Unavailable
-from pagedserve.serving.model_server import replica_stats
+from pagedserve.serving.model_server import replica_actor_names, replica_stats
 from tests.serving.app import BLOCK_BYTES, CONFIG, answers_past_a_busy_holder
 
 APP = "spread"
@@ -75,10 +75,8 @@ def deploy(model: str) -> None:
 def replica_nodes() -> dict[str, str]:
     """Each running replica actor's node's address."""
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"SERVE_REPLICA::{APP}#ModelServer#")]
     nodes = {}
-    for name in names:
+    for name in replica_actor_names(APP):
         actor = ray.get_actor(name, namespace="serve")
         node = ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()), timeout=10)
         nodes[name] = addresses.get(node, node)

@@ -165,6 +165,15 @@ class ModelServer:
             engine.shutdown()  # the worker actors and their placement group go with the replica
 
 
+def replica_actor_names(app_name: str, deployment: str = "ModelServer") -> list[str]:
+    """The names of the replica actors of `deployment` in the Serve application `app_name` (in Serve's namespace,
+    "serve"), for operators, benchmarks and tests that reach each replica rather than one through a handle."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
 def replica_stats(app_name: str, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Each ModelServer replica's stats in the Serve application `app_name` (or those of the replica actors
     `names`), by replica actor name: what each publishes to the router, asked of every replica directly.
@@ -172,8 +181,7 @@ def replica_stats(app_name: str, names: list[str] | None = None) -> dict[str, di
     import ray
 
     if names is None:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith(f"SERVE_REPLICA::{app_name}#ModelServer#")]
+        names = replica_actor_names(app_name)
     refs = [ray.get_actor(name, namespace="serve").record_routing_stats.remote() for name in names]
     return dict(zip(names, ray.get(refs, timeout=30), strict=True))
 

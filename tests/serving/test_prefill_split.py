@@ -19,6 +19,7 @@ from ray import serve
 
 from pagedserve.client import AsyncClient, Client
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.model_server import replica_actor_names
 from pagedserve.serving.serve_app import PREFILL_DEPLOYMENT
 from tests.serving.app import BLOCK_BYTES, GREEDY, GRPC, MAX_MODEL_LEN
 
@@ -177,5 +178,4 @@ def test_a_prefill_replica_that_dies_mid_prefill_costs_the_request_nothing_but_t
 
 def _prefill_replicas() -> list[str]:
     """The names of the prefill deployment's replica actors."""
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(f"SERVE_REPLICA::{SPLIT}#{PREFILL_DEPLOYMENT}#")]
+    return replica_actor_names(SPLIT, PREFILL_DEPLOYMENT)

@@ -260,8 +260,9 @@ def test_the_ingress_replica_loads_no_engine_nor_torch(app):
     """The Ingress parses, routes and streams: its replicas (one per node, or more under load) start fast and stay
     small without the model's stack (torch, the engine), which only the model replicas load. (It reads the chat
     template parameters' names from transformers, which loads without torch.)"""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"SERVE_REPLICA::{app}#Ingress#")]
+    from pagedserve.serving.model_server import replica_actor_names
+
+    names = replica_actor_names(app, "Ingress")
     assert names, "no Ingress replica"
     heavy = ("torch", "pagedserve.engine.async_engine", "pagedserve.workers")
     loaded = ray.get(ray.get_actor(names[0], namespace="serve").__ray_call__.remote(
