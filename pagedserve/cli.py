@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 1GiB (CPU default 1GiB)")
+    gen.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 1GiB (CPU default: at most 1GiB)")
     gen.add_argument("--kv-offload-disk", default=None, metavar="SIZE",
                      help="a second tier for the prefix cache: blocks evicted from the pool kept in a file on local "
                           "disk of this size (e.g. 8GiB), copied back on a hit")

@@ -23,7 +23,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's half type (or bf16) on CUDA
     device: str = "auto"
     block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes for the KV pool; default 1 GiB on CPU
+    kv_cache_memory: int | str | None = None  # bytes for the KV pool; on CPU at most 1 GiB by default
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     # "fcfs": requests run in the order they came; "priority": by their SamplingParams.priority (lower first),

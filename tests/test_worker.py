@@ -4,6 +4,7 @@ its batch (the worst step the scheduler can send) is checked here on CPU."""
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 
 import pytest
@@ -96,3 +97,25 @@ def test_a_shut_down_engine_is_collected_even_in_a_cycle(tiny_random):
     del engine
     gc.collect()
     assert worker() is None
+
+
+def test_a_cpu_pool_holds_what_running_sequences_can_fill_up_to_a_gib(tiny_random, tmp_path):
+    """By default a CPU's pool (host memory, zeroed at start) is as large as max_num_seqs sequences of max_model_len
+    tokens fill in every KV-cache group, and 1 GiB where they would fill more."""
+    def pool_blocks(model: str, **config) -> int:
+        engine = LLMEngine(EngineConfig(model=model, **config))
+        try:
+            return engine.block_manager.num_total_blocks
+        finally:
+            engine.shutdown()
+
+    per_sequence = -(-100 // 16)  # blocks of 16 tokens
+    assert pool_blocks(tiny_random, max_num_seqs=8, max_model_len=100) == 8 * per_sequence
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block x KV heads x head dim x fp32
+    assert pool_blocks(tiny_random, max_num_seqs=5000) == (1 << 30) // block_bytes  # 5000 x 32 blocks: more
+    (tmp_path / "config.json").write_text(json.dumps(dict(  # tiny_random's shape; a full layer, a sliding one
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, use_sliding_window=True, sliding_window=10, max_window_layers=1)))
+    windowed = f"random:{tmp_path / 'config.json'}"  # two KV-cache groups (and a placeholder block, not counted)
+    assert pool_blocks(windowed, max_num_seqs=8, max_model_len=100) == 8 * per_sequence * 2

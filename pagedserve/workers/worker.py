@@ -188,8 +188,8 @@ class Worker:
             budget = parse_memory(self.config.kv_cache_memory)
         elif self.device.type == "cuda":
             budget = self._cuda_budget()
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        else:  # host memory, zeroed at once: no more than running sequences can fill
+            budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, self._most_blocks_held() * per_block)
         num_blocks = max(0, budget) // per_block
         if num_blocks - sliding < 1:  # with sliding groups the pool reserves a placeholder block
             source = (f"kv_cache_memory={self.config.kv_cache_memory!r}" if self.config.kv_cache_memory is not None
@@ -198,6 +198,14 @@ class Worker:
             raise ValueError(f"{source} leaves {budget} bytes for the KV cache, less than one block of "
                              f"{self.config.block_size} tokens ({per_block} bytes)")
         return num_blocks
+
+    def _most_blocks_held(self) -> int:
+        """The most blocks running sequences can hold at once: max_num_seqs sequences of max_model_len tokens in
+        every KV-cache group, and the placeholder block of sliding groups. A larger pool only keeps more finished
+        prompts for the prefix cache."""
+        groups = model_kv_groups(self.model_config)
+        per_sequence = -(-self.max_model_len // self.config.block_size)
+        return self.config.max_num_seqs * per_sequence * len(groups) + any(g.window is not None for g in groups)
 
     def _cuda_budget(self) -> int:
         """This worker's share of the device's memory (`gpus_per_worker`) x utilization, minus what is allocated
