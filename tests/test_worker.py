@@ -12,6 +12,7 @@ import pytest
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.workers.worker import kv_budget, profile_batch
+from tests.serving.app import BLOCK_BYTES
 
 
 @pytest.mark.parametrize("num_tokens,max_num_seqs,block_size", [(100, 8, 16), (5, 256, 16), (2048, 256, 32)])
@@ -111,8 +112,7 @@ def test_a_cpu_pool_holds_what_running_sequences_can_fill_up_to_a_gib(tiny_rando
 
     per_sequence = -(-100 // 16)  # blocks of 16 tokens
     assert pool_blocks(tiny_random, max_num_seqs=8, max_model_len=100) == 8 * per_sequence
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block x KV heads x head dim x fp32
-    assert pool_blocks(tiny_random, max_num_seqs=5000) == (1 << 30) // block_bytes  # 5000 x 32 blocks: more
+    assert pool_blocks(tiny_random, max_num_seqs=5000) == (1 << 30) // BLOCK_BYTES  # 5000 x 32 blocks: more
     (tmp_path / "config.json").write_text(json.dumps(dict(  # tiny_random's shape; a full layer, a sliding one
         model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

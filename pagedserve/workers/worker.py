@@ -17,6 +17,7 @@ from pagedserve.kernels.cpu import quant_linear
 from pagedserve.kernels.cpu.native_forward import attach_native_experts
 from pagedserve.kernels.cpu.packed_linear import can_pack, pack_linears
 from pagedserve.scheduler.batch import SampleSpec, StepBatch, StepOutput
+from pagedserve.scheduler.kv_groups import KVGroup, blocks_held_at_most
 from pagedserve.workers.adapter_loader import AdapterLoader
 from pagedserve.workers.draft import DraftRunner
 from pagedserve.workers.gguf import GGUF_BLOCKS_NAME
@@ -182,14 +183,15 @@ class Worker:
 
     def _count_blocks(self) -> int:
         """How many blocks of the shared pool the KV budget holds."""
-        sliding = any(group.window is not None for group in model_kv_groups(self.model_config))
+        groups = model_kv_groups(self.model_config)
+        sliding = any(group.window is not None for group in groups)
         per_block = self._block_bytes()
         if self.config.kv_cache_memory is not None:
             budget = parse_memory(self.config.kv_cache_memory)
         elif self.device.type == "cuda":
             budget = self._cuda_budget()
-        else:  # host memory, zeroed at once: no more than running sequences can fill
-            budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, self._most_blocks_held() * per_block)
+        else:  # host memory, zeroed at once: no more than running sequences can hold (and the placeholder)
+            budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, (self._most_blocks_held(groups) + sliding) * per_block)
         num_blocks = max(0, budget) // per_block
         if num_blocks - sliding < 1:  # with sliding groups the pool reserves a placeholder block
             source = (f"kv_cache_memory={self.config.kv_cache_memory!r}" if self.config.kv_cache_memory is not None
@@ -199,13 +201,14 @@ class Worker:
                              f"{self.config.block_size} tokens ({per_block} bytes)")
         return num_blocks
 
-    def _most_blocks_held(self) -> int:
-        """The most blocks running sequences can hold at once: max_num_seqs sequences of max_model_len tokens in
-        every KV-cache group, and the placeholder block of sliding groups. A larger pool only keeps more finished
+    def _most_blocks_held(self, groups: list[KVGroup]) -> int:
+        """The most blocks running sequences can hold at once: max_num_seqs sequences of max_model_len tokens, each
+        holding in every KV-cache group what the scheduler counts for it. A larger pool only keeps more finished
         prompts for the prefix cache."""
-        groups = model_kv_groups(self.model_config)
-        per_sequence = -(-self.max_model_len // self.config.block_size)
-        return self.config.max_num_seqs * per_sequence * len(groups) + any(g.window is not None for g in groups)
+        chunk = self.config.batched_tokens(self.device.type)
+        per_sequence = sum(blocks_held_at_most(group.window, self.config.block_size, self.max_model_len, chunk)
+                           for group in groups)
+        return self.config.max_num_seqs * per_sequence
 
     def _cuda_budget(self) -> int:
         """This worker's share of the device's memory (`gpus_per_worker`) x utilization, minus what is allocated

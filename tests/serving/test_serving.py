@@ -14,6 +14,7 @@ import ray
 
 from pagedserve import SamplingParams
 from pagedserve.chat.template import ChatOptions
+from pagedserve.serving.model_server import replica_actor_names
 from tests.serving.app import GREEDY, GRPC, HTTP, MAX_MODEL_LEN, METRICS_PORT, POOL_BLOCKS, wait_idle
 
 
@@ -260,8 +261,6 @@ def test_the_ingress_replica_loads_no_engine_nor_torch(app):
     """The Ingress parses, routes and streams: its replicas (one per node, or more under load) start fast and stay
     small without the model's stack (torch, the engine), which only the model replicas load. (It reads the chat
     template parameters' names from transformers, which loads without torch.)"""
-    from pagedserve.serving.model_server import replica_actor_names
-
     names = replica_actor_names(app, "Ingress")
     assert names, "no Ingress replica"
     heavy = ("torch", "pagedserve.engine.async_engine", "pagedserve.workers")
