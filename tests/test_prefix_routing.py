@@ -184,6 +184,47 @@ def test_a_request_sent_past_a_busy_holder_names_it_and_an_export_goes_to_the_re
     assert groups[0] == ["b"] and kwargs == {"kv_source": KVSource("a", 3)}
 
 
+def test_a_request_that_ends_before_the_router_hears_it_was_routed_is_not_counted_in_flight_for_good():
+    """Serve may tell the router that a short request ended before it tells it where the request went (both wait
+    their turn on the router's event loop): the replica's queue is then what its probe says, not one more for good,
+    so a busy holder's queue still counts as too long beside it."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from pagedserve.serving.prefix_router import ROUTED_METHOD, PrefixAwareRouter
+
+    class FinishedResult:  # a replica's result already done: Ray runs a done-callback at once, on a thread of its own
+        def add_done_callback(self, callback) -> None:
+            thread = threading.Thread(target=callback, args=(self,))
+            thread.start()
+            thread.join()
+
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.initialize_state(BS, imbalance_threshold=2, memory_s=30.0)
+    prompt, short = list(range(4 * BS + 1)), list(range(100, 100 + 2 * BS))
+    holder, other = (SimpleNamespace(replica_id=n, max_ongoing_requests=100, routing_stats={}) for n in "ab")
+    holder.routing_stats["cached_blocks"] = summarize(prefix_hashes(prompt, BS))
+
+    def request(tokens: list[int], request_id: str) -> SimpleNamespace:
+        return SimpleNamespace(metadata=SimpleNamespace(call_method=ROUTED_METHOD, internal_request_id=request_id),
+                               args=[tokens, SamplingParams(), request_id, True, None], kwargs={},
+                               routing_context=SimpleNamespace(should_backoff=False))
+
+    async def probe(candidates, _):
+        return [(r, {"a": 3, "b": 0}[r.replica_id]) for r in candidates]
+
+    async def route_after_a_short_request_on_b() -> str:
+        router.on_request_completed("b", "short")
+        router.on_request_routed(request(short, "short"), "b", FinishedResult())
+        await asyncio.sleep(0)  # the result's callback takes its turn on the loop
+        router._probe_queue_lens = probe
+        return (await router.choose_replicas([holder, other], request(prompt, "next")))[0][0].replica_id
+
+    assert asyncio.run(route_after_a_short_request_on_b()) == "b"
+    assert router._in_flight == {"b": set()}
+
+
 def test_prefill_split_settings_are_checked_by_name():
     from pagedserve.serving.prefill_split import PrefillSplit
     from pagedserve.serving.serve_app import build_app

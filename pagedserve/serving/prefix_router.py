@@ -24,6 +24,7 @@ rule."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import OrderedDict
@@ -220,7 +221,14 @@ class PrefixAwareRouter(RequestRouter):
         hashes = self.prompt_hashes(pending_request)
         if not hashes:
             return
-        self._in_flight.setdefault(replica_id, set()).add(pending_request.metadata.internal_request_id)
+        request_id = pending_request.metadata.internal_request_id
+        self._in_flight.setdefault(replica_id, set()).add(request_id)
+        # Serve's notice that a request ended (`on_request_completed`) can come before this call: a short request may
+        # end while the router waits its turn on a busy event loop. The result's own callback cannot come before (it
+        # runs at once for a result already done), so no request stays counted as in flight for good.
+        loop = asyncio.get_running_loop()
+        result.add_done_callback(lambda _: loop.call_soon_threadsafe(self.on_request_completed, replica_id,
+                                                                     request_id))
         remembered = self._remembered.setdefault(replica_id, OrderedDict())
         now = time.monotonic()
         for h in hashes:
