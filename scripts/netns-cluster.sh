@@ -45,8 +45,9 @@ start_node() {  # NAME I: the node's ray in its PID namespace, in the background
 }
 
 again_if_failed() {  # NAME I: node I started again if its `ray start` gave up, its log kept beside the new one
-  # A node's `ray start` waits 30 s (Ray's own bound) for its raylet to register with the head's GCS, which on loaded
-  # cores may take longer; it then exits, and the node never joins.
+  # A node's `ray start` waits 30-45 s (Ray's own bounds) for its raylet to register with the head's GCS (the head's
+  # with its own), which on loaded cores may take longer; it then exits, and the node never joins. A head started
+  # again starts a new cluster: the others join it when they start, which they do only after it has.
   local name=$1 i=$2 state=$STATE_ROOT/$1
   kill -0 "$(cat "$state/node-$i.pid")" 2>/dev/null && return 0
   echo "netns-cluster: $name: node $i's ray start exited (its log: $state/node-$i.failed.log); starting it again" >&2
@@ -58,7 +59,7 @@ wait_started() {  # NAME I: until node I's `ray start` says its runtime runs (or
   local log=$STATE_ROOT/$1/node-$2.log deadline=$((SECONDS + 180))
   until grep -q "Ray runtime started" "$log" 2>/dev/null; do
     [ $SECONDS -lt $deadline ] || die "$1: node $2 did not start in 180 s (its log: $log)"
-    [ "$2" = 0 ] || again_if_failed "$1" "$2"
+    again_if_failed "$1" "$2"
     sleep 0.5
   done
 }
