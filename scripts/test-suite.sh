@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The whole suite as two pytest runs side by side: the tests marked `standalone` beside the rest. Each of those
-# starts a server or cluster of its own in other processes (a pip install, `serve run`, `ray start`, a local Ray
-# cluster whose worker actors compute) and mostly waits on it, so the two runs share the cores (the rest computes:
-# run beside each other, two runs of it would each take about twice as long). The split keeps the two runs about as
-# long: the suite takes as long as the longer. Each run has a loopback-only network namespace of its own
+# starts a server or cluster of its own in other processes (a pip install, `serve run`, `ray start`) and mostly
+# waits on it, so the two runs share the cores (the rest computes: run beside each other, two runs of it would
+# each take about twice as long). Each run has a loopback-only network namespace of its own
 # (scripts/loopback-netns.sh: `serve run`'s ports 8000 and 9000 are free in each) and a Ray temp dir of its own
 # (`ray start` records its cluster there, where a `ray.init()` of the other run would find it). Where there are no
 # network namespaces (not root, no iproute2), one run does it all.

@@ -25,9 +25,6 @@ from .test_parity import hf_greedy, hf_logprobs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
-# A cluster of its own, whose worker actors do most of the computing: beside the rest of the suite
-pytestmark = pytest.mark.standalone
-
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
