@@ -148,9 +148,11 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     blocks) and returns the checkpoint tensors they hold, which are then never read."""
     tp = tp or TPLayout.make(config)
     with torch.device("meta"):
-        model = CausalLM(config, max_positions, tp)
+        model = CausalLM(config, max_positions, tp, ropes=False)
     held = held_by(model) if held_by is not None else set()
-    model = model.to_empty(device=device).to(dtype)
+    # Storage for every parameter and buffer, as `to_empty` makes it but without its meta-tensor path (torch's Python
+    # refs, whose import of sympy was most of a worker process's model build)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).to(dtype)
     # RoPE tables are computed, not loaded: build them for real (meta tensors hold no values).
     model.model.build_ropes(config, max_positions, device)
     if source.is_random:

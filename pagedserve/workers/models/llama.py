@@ -278,9 +278,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout, ropes: bool = True) -> None:
         super().__init__()
-        self.build_ropes(config, max_positions)
+        self.rope: RotaryEmbedding | None = None
+        self.local_rope: RotaryEmbedding | None = None
+        if ropes:
+            self.build_ropes(config, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config, tp)
         groups = layer_group_slots(kv_groups(config.layer_windows))
         self.layers = nn.ModuleList([
@@ -300,11 +303,14 @@ class CausalLM(nn.Module):
     """Decoder + LM head. Parameter names follow Hugging Face, except the fused
     `qkv_proj` / `gate_up_proj` (the loader fills them from q/k/v and gate/up)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout | None = None,
+                 ropes: bool = True) -> None:
+        """`ropes`: compute the rotary tables now; False leaves them to `model.build_ropes` (a model made on the meta
+        device: `to_empty` would drop them, and computing them there costs a process torch's compiler import)."""
         super().__init__()
         self.config = config
         self.tp = tp = tp or TPLayout.make(config)
-        self.model = DecoderModel(config, max_positions, tp)
+        self.model = DecoderModel(config, max_positions, tp, ropes)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, tp.vocab_shard, bias=False)
 
