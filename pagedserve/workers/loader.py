@@ -153,7 +153,7 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     # Storage for every parameter and buffer, as `to_empty` makes it but without its meta-tensor path (torch's Python
     # refs, whose import of sympy was most of a worker process's model build)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).to(dtype)
-    # RoPE tables are computed, not loaded: build them for real (meta tensors hold no values).
+    # RoPE tables are computed, not loaded: built now, on the device (the meta model was made without them).
     model.model.build_ropes(config, max_positions, device)
     if source.is_random:
         _load(model, _random_tensors(config, seed), "random weights", held)

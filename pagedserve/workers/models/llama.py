@@ -306,7 +306,8 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, tp: TPLayout | None = None,
                  ropes: bool = True) -> None:
         """`ropes`: compute the rotary tables now; False leaves them to `model.build_ropes` (a model made on the meta
-        device: `to_empty` would drop them, and computing them there costs a process torch's compiler import)."""
+        device, whose storage is made afterwards: tables on meta hold no values, and computing them there costs a
+        process the import of torch's compiler)."""
         super().__init__()
         self.config = config
         self.tp = tp = tp or TPLayout.make(config)
