@@ -120,23 +120,27 @@ def nothing_held(replicas: list[str], timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def streaming(replica: str, min_tokens: int) -> int:
-    """Requests `replica` is running that have produced `min_tokens` tokens or more."""
-    return on_model_server(replica, lambda server: sum(
-        1 for seq in list(server.engine.llm_engine.scheduler.running) if seq.num_output_tokens >= min_tokens))
+def streaming(replica: str, min_tokens: int, min_left: int) -> int:
+    """Requests `replica` is running that have produced `min_tokens` tokens or more and have `min_left` more to go."""
+    def count(server) -> int:
+        return sum(1 for seq in list(server.engine.llm_engine.scheduler.running) if seq.num_output_tokens >= min_tokens
+                   and seq.request.max_tokens - seq.num_output_tokens >= min_left)
+    return on_model_server(replica, count)
 
 
-def when_busy(replica: str, fault, min_tokens: int = 8, timeout: float = 60):
+def when_busy(replica: str, fault, min_tokens: int = 8, min_left: int = 24, timeout: float = 60):
     """`fault` made to strike while `replica` is computing requests whose first tokens have reached their clients:
-    running `min_tokens` tokens or more (their first ones produced steps ago, and sent as they came). Running
-    requests are not enough: under load they may all be in their prefill, and a failure runs those again instead of
-    failing them; nor is a first token, which may not have left the replica yet."""
+    running `min_tokens` tokens or more (their first ones produced steps ago, and sent as they came), with `min_left`
+    to go (so that they are still running when the fault lands, however slowly the steps come). Running requests are
+    not enough: under load they may all be in their prefill, and a failure runs those again instead of failing them;
+    nor is a first token, which may not have left the replica yet."""
     def strike() -> None:
         deadline = time.monotonic() + timeout
-        while not (busy := streaming(replica, min_tokens)):
+        while not (busy := streaming(replica, min_tokens, min_left)):
             assert time.monotonic() < deadline, f"{replica} streamed nothing for {timeout} s under load"
             time.sleep(0.05)
-        print(f"the fault strikes {replica} running {busy} requests with {min_tokens} tokens or more", flush=True)
+        print(f"the fault strikes {replica} running {busy} requests with {min_tokens} tokens or more and {min_left} "
+              "to go", flush=True)
         return fault()
 
     return strike
