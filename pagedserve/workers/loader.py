@@ -150,9 +150,11 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     with torch.device("meta"):
         model = CausalLM(config, max_positions, tp, ropes=False)
     held = held_by(model) if held_by is not None else set()
-    # Storage for every parameter and buffer, as `to_empty` makes it but without its meta-tensor path (torch's Python
-    # refs, whose import of sympy was most of a worker process's model build)
-    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).to(dtype)
+    # Storage for every parameter and buffer, floating ones in `dtype` at once (not made in fp32, then converted: a
+    # second copy of the weights); as `to_empty` makes it but without its meta-tensor path (torch's Python refs, whose
+    # import of sympy was most of a worker process's model build)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                               device=device))
     # RoPE tables are computed, not loaded: built now, on the device (the meta model was made without them).
     model.model.build_ropes(config, max_positions, device)
     if source.is_random:
